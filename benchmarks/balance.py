@@ -1,0 +1,93 @@
+"""Causal attention balance of head-tail sharding against contiguous splitting.
+
+For each CP size and document mix: max/mean over ranks of the causal (q, k) pairs a rank attends
+(1.00 is perfect balance), and the padding the layout adds. Pure arithmetic on the plans; no
+timing. Run: python benchmarks/balance.py
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from _common import print_table, write_json
+
+from cpvlm import ShardPlan
+
+
+def causal_pairs(plan: ShardPlan, positions_per_rank: list[torch.Tensor]) -> list[int]:
+    """Causal (q, k) pairs each rank attends: keys of its query's document at or before it."""
+    real = ~plan.is_padding
+    # For a real query at p in document d: (p - start_of_d + 1) keys.
+    doc_start = torch.zeros(plan.padded_len, dtype=torch.long)
+    start = 0
+    for p in plan.padded_doc_lens:
+        doc_start[start : start + p] = start
+        start += p
+    keys = torch.where(real, torch.arange(plan.padded_len) - doc_start + 1, 0)
+    return [int(keys[idx].sum()) for idx in positions_per_rank]
+
+
+def contiguous_split(plan: ShardPlan) -> list[torch.Tensor]:
+    """Rank r holds the r-th contiguous block of the padded sequence (no load balancing)."""
+    return list(torch.arange(plan.padded_len).chunk(plan.cp_size))
+
+
+def mixes(seq_len: int) -> dict[str, list[int]]:
+    rng = random.Random(0)
+    short = [rng.randint(64, 512) for _ in range(200)]
+    skewed = [seq_len // 2, *(rng.randint(32, 1024) for _ in range(40))]
+    return {
+        "one long sequence": [seq_len],
+        "many short documents": trim(short, seq_len),
+        "skewed mix": trim(skewed, seq_len),
+    }
+
+
+def trim(lens: list[int], total: int) -> list[int]:
+    out, acc = [], 0
+    for n in lens:
+        if acc + n >= total:
+            break
+        out.append(n)
+        acc += n
+    out.append(total - acc)
+    return out
+
+
+def main() -> None:
+    seq_len = 32768
+    rows = []
+    for name, doc_lens in mixes(seq_len).items():
+        for cp in (2, 4, 8):
+            plan = ShardPlan(seq_len, cp, doc_lens=doc_lens)
+            ht = causal_pairs(plan, [plan.indices(r) for r in range(cp)])
+            contig = causal_pairs(plan, contiguous_split(plan))
+            rows.append(
+                {
+                    "mix": name,
+                    "docs": len(doc_lens),
+                    "cp": cp,
+                    "head_tail_max_over_mean": max(ht) / (sum(ht) / cp),
+                    "contiguous_max_over_mean": max(contig) / (sum(contig) / cp),
+                    "padding_tokens": plan.padded_len - seq_len,
+                    "padding_pct": 100 * (plan.padded_len - seq_len) / seq_len,
+                }
+            )
+    columns = [
+        "mix",
+        "docs",
+        "cp",
+        "head_tail_max_over_mean",
+        "contiguous_max_over_mean",
+        "padding_tokens",
+        "padding_pct",
+    ]
+    print_table(
+        rows, columns, f"Causal attention balance, seq_len={seq_len} (max/mean pairs per rank)"
+    )
+    write_json("balance", {"seq_len": seq_len, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

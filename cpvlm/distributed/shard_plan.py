@@ -1,0 +1,305 @@
+"""ShardPlan: the head-tail (zigzag) layout of a sequence over the ranks of a CP group.
+
+Legend: S = seq_len (real tokens), P = padded_len, S_loc = P // cp, W = cp_size.
+
+Each document (the whole sequence if there is one) is padded at its end to a multiple of 2*W and
+cut into 2*W equal chunks; rank r holds chunks r and 2*W-1-r of every document, document by
+document. Under a causal mask every rank then attends the same number of (q, k) pairs within each
+document. The plan is a pure function of the lengths, so every rank builds the same one without
+communicating. Every method is out of place and differentiable: sharding a tensor that requires
+grad (an embedding output) keeps its graph, which in-place `resize_`/`copy_` sharding cannot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from functools import cached_property
+
+import torch
+import torch.distributed as dist
+
+from cpvlm.distributed.collectives import differentiable_all_gather_dim0
+
+PAD_DOC = -1
+"""Document id of a padding position."""
+
+
+def _check_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"ShardPlan: {name} must be a positive int, got {value!r}")
+    return value
+
+
+class ShardPlan:
+    """Head-tail layout of a (possibly packed) sequence of ``seq_len`` tokens over ``cp_size`` ranks.
+
+    Args:
+        seq_len: number of real tokens.
+        cp_size: ranks in the CP group.
+        doc_lens: lengths of the packed documents, summing to ``seq_len``; ``None`` means one.
+    """
+
+    def __init__(self, seq_len: int, cp_size: int, *, doc_lens: Sequence[int] | None = None):
+        self.seq_len = _check_positive_int("seq_len", seq_len)
+        self.cp_size = _check_positive_int("cp_size", cp_size)
+        if doc_lens is None:
+            doc_lens = (seq_len,)
+        if isinstance(doc_lens, torch.Tensor):
+            doc_lens = doc_lens.tolist()
+        doc_lens = tuple(doc_lens)
+        if not doc_lens:
+            raise ValueError("ShardPlan: doc_lens is empty; pass None for a single document")
+        for i, n in enumerate(doc_lens):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(
+                    f"ShardPlan: doc_lens[{i}] = {n!r}; every document needs >= 1 token"
+                )
+        if sum(doc_lens) != seq_len:
+            raise ValueError(f"ShardPlan: doc_lens sum to {sum(doc_lens)} but seq_len is {seq_len}")
+        self.doc_lens = doc_lens
+        unit = 2 * cp_size
+        self.padded_doc_lens = tuple(-(-n // unit) * unit for n in doc_lens)
+        self.padded_len = sum(self.padded_doc_lens)
+        self.local_len = self.padded_len // cp_size
+
+    def __repr__(self) -> str:
+        docs = "" if len(self.doc_lens) == 1 else f", doc_lens={list(self.doc_lens)}"
+        return f"ShardPlan(seq_len={self.seq_len}, cp_size={self.cp_size}{docs})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ShardPlan) and (self.cp_size, self.doc_lens) == (
+            other.cp_size,
+            other.doc_lens,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.cp_size, self.doc_lens))
+
+    # ---- layout -------------------------------------------------------------------------------
+
+    @cached_property
+    def _doc_starts(self) -> tuple[tuple[int, int], ...]:
+        """(start in the padded sequence, start in the unpadded sequence) of every document."""
+        starts, padded, real = [], 0, 0
+        for n, p in zip(self.doc_lens, self.padded_doc_lens):
+            starts.append((padded, real))
+            padded, real = padded + p, real + n
+        return tuple(starts)
+
+    @cached_property
+    def _rank_indices(self) -> tuple[torch.Tensor, ...]:
+        w = self.cp_size
+        per_rank: list[list[torch.Tensor]] = [[] for _ in range(w)]
+        for (start, _), p in zip(self._doc_starts, self.padded_doc_lens):
+            c = p // (2 * w)
+            for r in range(w):
+                per_rank[r].append(torch.arange(start + r * c, start + (r + 1) * c))
+                per_rank[r].append(
+                    torch.arange(start + (2 * w - 1 - r) * c, start + (2 * w - r) * c)
+                )
+        return tuple(torch.cat(parts) for parts in per_rank)
+
+    def indices(self, cp_rank: int) -> torch.Tensor:
+        """Global positions (in the padded sequence) held by ``cp_rank``, in local order."""
+        self._check_rank(cp_rank)
+        return self._rank_indices[cp_rank]
+
+    @cached_property
+    def owners(self) -> torch.Tensor:
+        """``[P]`` CP rank that holds each padded position."""
+        owners = torch.empty(self.padded_len, dtype=torch.long)
+        for r, idx in enumerate(self._rank_indices):
+            owners[idx] = r
+        return owners
+
+    @cached_property
+    def doc_ids(self) -> torch.Tensor:
+        """``[P]`` document index of each padded position; ``PAD_DOC`` (-1) for padding."""
+        ids = torch.full((self.padded_len,), PAD_DOC, dtype=torch.long)
+        for d, ((start, _), n) in enumerate(zip(self._doc_starts, self.doc_lens)):
+            ids[start : start + n] = d
+        return ids
+
+    @cached_property
+    def is_padding(self) -> torch.Tensor:
+        """``[P]`` True at padding positions."""
+        return self.doc_ids == PAD_DOC
+
+    @cached_property
+    def source_index(self) -> torch.Tensor:
+        """``[P]`` position in the unpadded sequence of each padded position; -1 for padding."""
+        src = torch.full((self.padded_len,), -1, dtype=torch.long)
+        for (start, real), n in zip(self._doc_starts, self.doc_lens):
+            src[start : start + n] = torch.arange(real, real + n)
+        return src
+
+    @cached_property
+    def padded_index(self) -> torch.Tensor:
+        """``[S]`` position in the padded sequence of each real token (inverse of source_index)."""
+        return torch.nonzero(~self.is_padding).squeeze(1)
+
+    @cached_property
+    def _gather_order_inverse(self) -> torch.Tensor:
+        """Permutation taking the rank-order concatenation of all shards to padded order."""
+        return torch.argsort(torch.cat(self._rank_indices))
+
+    # ---- tensors ------------------------------------------------------------------------------
+
+    def pad(self, x: torch.Tensor, seq_dim: int = 1, value: float | bool = 0) -> torch.Tensor:
+        """Insert ``value`` after each document so that ``x`` has the padded length along seq_dim."""
+        dim = self._check_len(x, seq_dim, self.seq_len, "pad", "seq_len")
+        if self.padded_len == self.seq_len:
+            return x
+        shape = list(x.shape)
+        shape[dim] = 1
+        fill = torch.full(shape, value, dtype=x.dtype, device=x.device)
+        # One gather from [x, fill]: its backward is a single index_add, whatever the doc count.
+        src = self.source_index.to(x.device)
+        src = torch.where(src < 0, self.seq_len, src)
+        return torch.cat([x, fill], dim=dim).index_select(dim, src)
+
+    def unpad(self, x: torch.Tensor, seq_dim: int = 1) -> torch.Tensor:
+        """Drop the padding positions of a padded tensor."""
+        dim = self._check_len(x, seq_dim, self.padded_len, "unpad", "padded_len")
+        if self.padded_len == self.seq_len:
+            return x
+        return x.index_select(dim, self.padded_index.to(x.device))
+
+    def shard(self, x: torch.Tensor, cp_rank: int, seq_dim: int = 1) -> torch.Tensor:
+        """This rank's positions of a padded tensor, out of place.
+
+        Differentiable: the backward puts the gradient at exactly this rank's global positions
+        and zeros elsewhere, so summing over ranks gives the full gradient.
+        """
+        dim = self._check_len(x, seq_dim, self.padded_len, "shard", "padded_len")
+        return x.index_select(dim, self.indices(cp_rank).to(x.device))
+
+    def unshard(
+        self, x_loc: torch.Tensor, group: dist.ProcessGroup | None, seq_dim: int = 1
+    ) -> torch.Tensor:
+        """The full padded tensor on every rank, from every rank's shard.
+
+        An all-gather in rank order followed by a permutation to padded order. Its backward is
+        the matching reduce-scatter: each rank's shard receives the sum over ranks of the
+        gradient at its positions, because every rank used the whole gathered tensor.
+        """
+        group_size = dist.get_world_size(group)
+        if group_size != self.cp_size:
+            raise ValueError(
+                f"unshard: the group has {group_size} ranks but the plan has {self.cp_size}"
+            )
+        dim = self._check_len(x_loc, seq_dim, self.local_len, "unshard", "local_len")
+        gathered = differentiable_all_gather_dim0(x_loc.movedim(dim, 0), group)
+        full = gathered.index_select(0, self._gather_order_inverse.to(gathered.device))
+        return full.movedim(0, dim)
+
+    # ---- checks -------------------------------------------------------------------------------
+
+    def _check_rank(self, cp_rank: int) -> None:
+        if (
+            isinstance(cp_rank, bool)
+            or not isinstance(cp_rank, int)
+            or not 0 <= cp_rank < self.cp_size
+        ):
+            raise ValueError(f"cp_rank {cp_rank!r} is outside the CP group of {self.cp_size} ranks")
+
+    def _check_len(self, x: torch.Tensor, seq_dim: int, expected: int, op: str, what: str) -> int:
+        if not -x.dim() <= seq_dim < x.dim():
+            raise ValueError(f"{op}: seq_dim {seq_dim} is out of range for a {x.dim()}-d tensor")
+        dim = seq_dim % x.dim()
+        if x.shape[dim] != expected:
+            raise ValueError(
+                f"{op}: tensor of shape {tuple(x.shape)} has length {x.shape[dim]} along "
+                f"seq_dim {seq_dim}, expected the plan's {what} {expected} ({self!r})"
+            )
+        return dim
+
+
+# ---- batches ----------------------------------------------------------------------------------
+
+PAD_VALUES: Mapping[str, float | bool] = {
+    "labels": -100,
+    "padding_mask": True,
+    "attention_mask": False,
+}
+"""Pad value per batch key; every other sequence key pads with 0."""
+
+SEQ_KEYS: frozenset[str] = frozenset(
+    {
+        "input_ids",
+        "labels",
+        "attention_mask",
+        "padding_mask",
+        "position_ids",
+        "inputs_embeds",
+        "token_type_ids",
+        "mm_token_type_ids",
+        "loss_mask",
+    }
+)
+"""Batch keys that are sequence tensors ``[B, S, ...]`` (``position_ids`` may be ``[3|4, B, S]``)."""
+
+PASS_KEYS: frozenset[str] = frozenset(
+    {
+        "pixel_values",
+        "pixel_values_videos",
+        "image_grid_thw",
+        "video_grid_thw",
+        "second_per_grid_ts",
+        "doc_lens",
+        "num_valid",
+        "rope_deltas",
+    }
+)
+"""Batch keys that are never sequence tensors (vision inputs, grids, counts): passed through."""
+
+
+def _default_seq_dim(key: str, x: torch.Tensor) -> int:
+    if key == "position_ids" and x.dim() == 3:
+        return -1  # M-RoPE [3|4, B, S]
+    if x.dim() < 2:
+        raise ValueError(f"pad_and_shard: {key!r} has shape {tuple(x.shape)}; expected [B, S, ...]")
+    return 1
+
+
+def pad_and_shard(
+    batch: Mapping[str, object],
+    plan: ShardPlan,
+    cp_rank: int,
+    *,
+    seq_dims: Mapping[str, int | None] | None = None,
+) -> dict[str, object]:
+    """Pad and shard every sequence tensor of ``batch`` for ``cp_rank``; pass the rest through.
+
+    Known sequence keys (``SEQ_KEYS``) get their pad value from ``PAD_VALUES`` (0 otherwise) and
+    their sequence dim by layout (``position_ids`` with 3 dims: -1; else 1). ``seq_dims`` names
+    the sequence dim of other keys, or ``None`` to pass a key through untouched. An unknown
+    tensor with a dim of length ``seq_len`` is an error, since silently passing a sequence tensor
+    through unsharded is a wrong-result bug.
+    """
+    seq_dims = dict(seq_dims or {})
+    plan._check_rank(cp_rank)
+    out: dict[str, object] = {}
+    for key, value in batch.items():
+        if key in seq_dims:
+            dim = seq_dims[key]
+        elif key in SEQ_KEYS and isinstance(value, torch.Tensor):
+            dim = _default_seq_dim(key, value)
+        elif key in PASS_KEYS:
+            dim = None
+        else:
+            if isinstance(value, torch.Tensor) and plan.seq_len in value.shape:
+                raise ValueError(
+                    f"pad_and_shard: unknown key {key!r} of shape {tuple(value.shape)} has a dim "
+                    f"of length seq_len={plan.seq_len}; pass seq_dims={{{key!r}: dim}} to shard "
+                    f"it or seq_dims={{{key!r}: None}} to pass it through"
+                )
+            dim = None
+        if dim is None:
+            out[key] = value
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"pad_and_shard: {key!r} is a {type(value).__name__}, not a tensor")
+        padded = plan.pad(value, seq_dim=dim, value=PAD_VALUES.get(key, 0))
+        out[key] = plan.shard(padded, cp_rank, seq_dim=dim)
+    return out
