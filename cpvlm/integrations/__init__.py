@@ -1,0 +1,1 @@
+"""Integrations with model libraries; each subpackage needs its library (e.g. ``cpvlm[hf]``)."""

@@ -1,0 +1,29 @@
+"""Hugging Face transformers Qwen2.5-VL / Qwen3-VL: tiny models, synthetic batches, reference."""
+
+from cpvlm.integrations.hf.models import (
+    IGNORE_INDEX,
+    TINY_MODELS,
+    SampleSpec,
+    build_model,
+    causal_lm_loss,
+    model_family,
+    mrope_position_ids,
+    reference_loss_and_grads,
+    synthetic_batch,
+    tiny_qwen2_5_vl_config,
+    tiny_qwen3_vl_config,
+)
+
+__all__ = [
+    "IGNORE_INDEX",
+    "TINY_MODELS",
+    "SampleSpec",
+    "build_model",
+    "causal_lm_loss",
+    "model_family",
+    "mrope_position_ids",
+    "reference_loss_and_grads",
+    "synthetic_batch",
+    "tiny_qwen2_5_vl_config",
+    "tiny_qwen3_vl_config",
+]

@@ -1,0 +1,408 @@
+"""Tiny Qwen2.5-VL / Qwen3-VL models: builds, synthetic batches, the float64 reference step, and
+the transformers 5.x behaviours the CP integration relies on (docs/hf_internals.md).
+
+Tolerances: float64 runs that take a different but equivalent path (a boolean mask instead of
+is_causal, another row order) agree to round-off, checked at 1e-12 relative; transformers' own
+loss upcasts float64 logits to float32, so it is compared with the float64 reference at 1e-5.
+"""
+
+import contextlib
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from transformers import AttentionInterface, AttentionMaskInterface  # noqa: E402
+from transformers.masking_utils import sdpa_mask  # noqa: E402
+
+from cpvlm.integrations.hf import (  # noqa: E402
+    IGNORE_INDEX,
+    TINY_MODELS,
+    SampleSpec,
+    build_model,
+    causal_lm_loss,
+    model_family,
+    mrope_position_ids,
+    reference_loss_and_grads,
+    synthetic_batch,
+    tiny_qwen2_5_vl_config,
+    tiny_qwen3_vl_config,
+)
+
+NAMES = list(TINY_MODELS)
+# Two images of different sizes, one video (2 temporal patch-frames), one text-only sample.
+SAMPLES = [
+    SampleSpec(images=((4, 6),), text_len=10),
+    SampleSpec(images=((8, 4),), videos=((2, 4, 4),), text_len=7),
+    SampleSpec(text_len=12),
+]
+ONE_SAMPLE = [SampleSpec(images=((4, 6),), videos=((2, 4, 4),), text_len=10)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny matmuls: threads only add contention (10x slower on a busy 2-core runner).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@contextlib.contextmanager
+def registered(name, attention, mask=None):
+    AttentionInterface.register(name, attention)
+    if mask is not None:
+        AttentionMaskInterface.register(name, mask)
+    try:
+        yield name
+    finally:
+        AttentionInterface._global_mapping.pop(name, None)
+        AttentionMaskInterface._global_mapping.pop(name, None)
+
+
+def causal_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    # q [B,Hq,S,D], k/v [B,Hkv,S,D] (GQA unexpanded); returns [B,S,Hq,D] and no weights.
+    out = F.scaled_dot_product_attention(
+        query, key, value, is_causal=True, scale=scaling, enable_gqa=True
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def position_masked_sdpa(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    # Row 0 of [4,B,S] position ids reaches the attention as `position_ids` [B,S]: a causal mask
+    # over those global positions makes the attention independent of the local token order.
+    pos = kwargs["position_ids"]
+    allowed = pos[:, None, :, None] >= pos[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=allowed, scale=scaling, enable_gqa=True
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def model_inputs(batch):
+    return {k: v for k, v in batch.items() if k != "labels"}
+
+
+def embed_multimodal(model, batch):
+    """inputs_embeds, visual_pos_masks, deepstack_visual_embeds as Qwen*Model.forward builds them."""
+    base, ids = model.model, batch["input_ids"]
+    embeds = base.get_input_embeddings()(ids)
+    masks = {
+        "image": ids == model.config.image_token_id,
+        "video": ids == model.config.video_token_id,
+    }
+    keys = {
+        "image": ("pixel_values", "image_grid_thw"),
+        "video": ("pixel_values_videos", "video_grid_thw"),
+    }
+    feats = {}
+    for kind, (pix, grid) in keys.items():
+        if pix in batch:
+            feats[kind] = base.get_image_features(batch[pix], batch[grid])
+            rows = torch.cat(feats[kind].pooler_output).to(embeds.dtype)
+            embeds = embeds.masked_scatter(masks[kind][..., None], rows)
+    if model_family(model) == "qwen2_5_vl":
+        return embeds, None, None
+    visual = masks["image"] | masks["video"]
+    deepstack = []
+    for level in range(len(model.config.vision_config.deepstack_visual_indexes)):
+        joint = embeds.new_zeros(embeds.shape)
+        for kind, f in feats.items():
+            joint[masks[kind]] = torch.cat(f.deepstack_features[level]).to(embeds.dtype)
+        deepstack.append(joint[visual])
+    return embeds, visual, deepstack
+
+
+def language_model_hidden(model, embeds, position_ids, visual, deepstack):
+    extra = {}
+    if deepstack is not None:
+        extra = {"visual_pos_masks": visual, "deepstack_visual_embeds": deepstack}
+    out = model.model.language_model(
+        inputs_embeds=embeds,
+        position_ids=position_ids,
+        attention_mask=None,
+        use_cache=False,
+        **extra,
+    )
+    return out.last_hidden_state
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tiny_model_builds(name):
+    model = build_model(name, dtype=torch.float64)
+    config = model.config
+    assert model.training and model.dtype == torch.float64
+    assert (
+        model_family(model) == {"qwen3-vl-tiny": "qwen3_vl", "qwen2.5-vl-tiny": "qwen2_5_vl"}[name]
+    )
+    assert sum(p.numel() for p in model.parameters()) < 400_000
+    assert config.text_config._attn_implementation == "sdpa"
+    assert config.vision_config._attn_implementation == "sdpa"
+    vocab = config.text_config.vocab_size
+    for key in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+        assert getattr(config, key) < vocab
+    assert config.text_config.num_attention_heads == 2 * config.text_config.num_key_value_heads
+    # Same seed, same weights in every dtype.
+    model32 = build_model(name)
+    for (n, p64), (_, p32) in zip(model.named_parameters(), model32.named_parameters()):
+        assert torch.equal(p64, p32.double()), n
+
+
+def test_tiny_config_overrides():
+    config = tiny_qwen3_vl_config(vision_config={"depth": 4})
+    assert config.vision_config.depth == 4
+    assert config.vision_config.deepstack_visual_indexes == [0, 3]
+    with pytest.raises(ValueError, match="deepstack_visual_indexes"):
+        tiny_qwen3_vl_config(vision_config={"depth": 2, "deepstack_visual_indexes": [2]})
+    config = tiny_qwen2_5_vl_config(
+        vision_config={"depth": 3}, text_config={"num_hidden_layers": 1}
+    )
+    assert config.vision_config.fullatt_block_indexes == [2]
+    assert config.text_config.num_hidden_layers == 1
+    with pytest.raises(ValueError, match="model_type"):
+        model_family(config.text_config)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_synthetic_batch_layout(name):
+    config = TINY_MODELS[name]()
+    batch = synthetic_batch(config, SAMPLES, seed=1, pad_to_multiple_of=4)
+    vision, merge = config.vision_config, config.vision_config.spatial_merge_size
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    assert ids.shape[0] == 3 and ids.shape[1] % 4 == 0
+    assert batch["image_grid_thw"].tolist() == [[1, 4, 6], [1, 8, 4]]
+    assert batch["video_grid_thw"].tolist() == [[2, 4, 4]]
+    row = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    assert batch["pixel_values"].shape == (24 + 32, row)
+    assert batch["pixel_values_videos"].shape == (32, row)
+    assert (ids == config.image_token_id).sum() == (24 + 32) // merge**2
+    assert (ids == config.video_token_id).sum() == 32 // merge**2
+    expected_types = (ids == config.image_token_id).long() + 2 * (ids == config.video_token_id)
+    assert torch.equal(batch["mm_token_type_ids"], expected_types)
+    frames = 2 if model_family(config) == "qwen3_vl" else 1  # one start/end pair per frame
+    assert (ids == config.vision_start_token_id).sum() == 2 + frames
+    assert (ids == config.vision_end_token_id).sum() == 2 + frames
+    labels = batch["labels"]
+    ignored = (batch["mm_token_type_ids"] != 0) | (mask == 0)
+    assert torch.equal(labels == IGNORE_INDEX, ignored)
+    assert torch.equal(labels[~ignored], ids[~ignored])
+    assert mask[2].sum() == 12 and not mask[2, 12:].any()  # the text-only sample, right-padded
+    assert torch.equal(
+        synthetic_batch(config, SAMPLES, seed=1)["pixel_values"], batch["pixel_values"]
+    )
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_reference_loss_and_grads(name):
+    model = build_model(name, dtype=torch.float64)
+    batch = synthetic_batch(model.config, SAMPLES, seed=1)
+    loss, grads = reference_loss_and_grads(model, batch)
+    assert loss.dtype == torch.float64
+    assert all(p.grad is None for p in model.parameters())
+    assert set(grads) == {n for n, p in model.named_parameters()}
+    # Every part gets a gradient: vision blocks, mergers (deepstack too), embeddings, decoder, head.
+    for n, g in grads.items():
+        assert torch.isfinite(g).all() and g.abs().sum() > 0, n
+
+    # transformers' own loss (float32 cross-entropy) on the same model, and on the float32 model.
+    hf = model(**batch, use_cache=False)
+    assert abs(hf.loss.item() - loss.item()) < 1e-5
+    hf.loss.backward()
+    for n, p in model.named_parameters():
+        assert rel(p.grad, grads[n]) < 1e-4, n
+    model32 = build_model(name)
+    hf32 = model32(**synthetic_batch(model32.config, SAMPLES, seed=1), use_cache=False)
+    assert abs(hf32.loss.item() - loss.item()) < 1e-5
+
+
+def test_causal_lm_loss_without_valid_labels():
+    logits = torch.randn(2, 5, 7, dtype=torch.float64, requires_grad=True)
+    loss = causal_lm_loss(logits, torch.full((2, 5), IGNORE_INDEX))
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(logits.grad, torch.zeros_like(logits))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_mm_token_type_ids_is_required(name):
+    model = build_model(name, dtype=torch.float64)
+    batch = model_inputs(synthetic_batch(model.config, ONE_SAMPLE, seed=1))
+    without = {k: v for k, v in batch.items() if k != "mm_token_type_ids"}
+    with torch.no_grad():
+        if model_family(model) == "qwen3_vl":
+            with pytest.raises(ValueError, match="mm_token_type_ids"):
+                model(**without, use_cache=False)
+        else:  # Qwen2.5-VL silently falls back to 1-D positions.
+            wrong = model(**without, use_cache=False).logits
+            right = model(**batch, use_cache=False).logits
+            assert not torch.allclose(wrong, right)
+        explicit = model(**without, position_ids=mrope_position_ids(model, batch), use_cache=False)
+        assert torch.equal(explicit.logits, model(**batch, use_cache=False).logits)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_custom_text_attention_matches_sdpa(name):
+    model = build_model(name, dtype=torch.float64)
+    batch = model_inputs(synthetic_batch(model.config, ONE_SAMPLE, seed=1))
+    with torch.no_grad():
+        expected = model(**batch, use_cache=False).logits
+    calls = []
+
+    def recording(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+        calls.append((module, query.shape, key.shape, value.shape, attention_mask, scaling, kw))
+        return causal_sdpa(module, query, key, value, attention_mask, scaling, dropout, **kw)
+
+    with registered("cpvlm_test", recording):
+        model.set_attn_implementation({"text_config": "cpvlm_test"})
+        assert model.config.text_config._attn_implementation == "cpvlm_test"
+        assert model.config.vision_config._attn_implementation == "sdpa"
+        with torch.no_grad():
+            logits = model(**batch, use_cache=False).logits
+        model.set_attn_implementation({"text_config": "sdpa"})
+    assert torch.equal(logits, expected)
+
+    text = model.config.text_config
+    seq, head_dim = batch["input_ids"].shape[1], 16
+    assert len(calls) == text.num_hidden_layers  # the vision tower never calls it
+    for module, q, k, v, attention_mask, scaling, kw in calls:
+        assert q == (1, text.num_attention_heads, seq, head_dim)
+        assert k == v == (1, text.num_key_value_heads, seq, head_dim)
+        assert module.num_key_value_groups == 2 and module.is_causal
+        assert attention_mask is None and scaling == head_dim**-0.5
+        assert kw["position_ids"] is None  # only [4,B,S] position ids pass a text row
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_mask_registry_decides_the_mask_a_custom_attention_gets(name):
+    model = build_model(name, dtype=torch.float64)
+    batch = model_inputs(synthetic_batch(model.config, ONE_SAMPLE + [SampleSpec()], seed=1))
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        expected = model(**batch, use_cache=False).logits
+    masks = []
+
+    def recording(module, query, key, value, attention_mask, scaling=None, **kw):
+        masks.append(attention_mask)
+        return causal_sdpa(module, query, key, value, None, scaling)
+
+    for mask_fn, expected_mask in [(None, None), (sdpa_mask, "bool"), (lambda **kw: None, None)]:
+        masks.clear()
+        with registered("cpvlm_test_mask", recording, mask_fn):
+            model.set_attn_implementation({"text_config": "cpvlm_test_mask"})
+            with torch.no_grad():
+                logits = model(**batch, use_cache=False).logits
+            model.set_attn_implementation({"text_config": "sdpa"})
+        if expected_mask is None:  # padding mask dropped: fine for right padding under causality
+            assert all(m is None for m in masks)
+        else:
+            seq = real.shape[1]
+            assert masks[0].dtype == torch.bool and masks[0].shape == (2, 1, seq, seq)
+        assert rel(logits[real], expected[real]) < 1e-12
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_language_model_runs_on_reordered_local_tokens(name):
+    """The decoder stack, given inputs_embeds, [4,B,S] positions, visual_pos_masks and deepstack
+    rows in local order, is the model's; a head-tail reordering changes nothing but round-off."""
+    model = build_model(name, dtype=torch.float64)
+    batch = model_inputs(synthetic_batch(model.config, ONE_SAMPLE, seed=1))
+    with torch.no_grad():
+        full = model.model(**batch, use_cache=False).last_hidden_state
+        logits = model(**batch, use_cache=False).logits
+        embeds, visual, deepstack = embed_multimodal(model, batch)
+        mrope = mrope_position_ids(model, batch)
+        assert torch.equal(language_model_hidden(model, embeds, mrope, visual, deepstack), full)
+        assert torch.equal(model.lm_head(full), logits)
+        keep = batch["attention_mask"].bool()
+        kept = model(**batch, use_cache=False, logits_to_keep=keep).logits
+        assert torch.equal(kept, logits[keep])
+
+        seq = embeds.shape[1]
+        chunks = torch.tensor_split(torch.arange(seq), 4)
+        perm = torch.cat([chunks[0], chunks[3], chunks[1], chunks[2]])  # cp=2, ranks 0 then 1
+        pos4 = torch.cat([perm.view(1, 1, -1), mrope[:, :, perm]])
+        if deepstack is not None:
+            order = (visual.long().cumsum(-1) - 1)[:, perm][visual[:, perm]]
+            deepstack = [d[order] for d in deepstack]
+            visual = visual[:, perm]
+        with registered("cpvlm_test_pos", position_masked_sdpa):
+            model.set_attn_implementation({"text_config": "cpvlm_test_pos"})
+            local = language_model_hidden(model, embeds[:, perm], pos4, visual, deepstack)
+            model.set_attn_implementation({"text_config": "sdpa"})
+        assert rel(local, full[:, perm]) < 1e-12
+        # With sdpa, a text row that jumps is read as packed documents: a block mask, wrong here.
+        wrong = language_model_hidden(model, embeds[:, perm], pos4, visual, deepstack)
+        assert rel(wrong, full[:, perm]) > 1e-3
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_packed_documents_with_per_document_positions(name):
+    model = build_model(name, dtype=torch.float64)
+    docs = [
+        model_inputs(synthetic_batch(model.config, images=[(4, 6)], text_len=9, seed=2)),
+        model_inputs(synthetic_batch(model.config, videos=[(2, 4, 4)], text_len=6, seed=3)),
+    ]
+    with torch.no_grad():
+        alone = [model(**d, use_cache=False).logits for d in docs]
+        lens = [d["input_ids"].shape[1] for d in docs]
+        mrope = torch.cat([mrope_position_ids(model, d) for d in docs], dim=-1)
+        text_row = torch.cat([torch.arange(n) for n in lens]).view(1, 1, -1)
+        # One packed row: doc 0 holds the image, doc 1 the video.
+        vision = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+        packed = {k: v for d in docs for k, v in d.items() if k in vision}
+        packed["input_ids"] = torch.cat([d["input_ids"] for d in docs], dim=-1)
+        pos4 = torch.cat([text_row, mrope])
+        logits = model(**packed, position_ids=pos4, use_cache=False).logits
+        assert rel(logits[:, : lens[0]], alone[0]) < 1e-12
+        assert rel(logits[:, lens[0] :], alone[1]) < 1e-12
+        # Documents leak into each other without the text row, with the default use_cache=True
+        # (a cache turns packed detection off), or with any 2-D attention_mask.
+        ones = torch.ones_like(packed["input_ids"])
+        for leaky in (
+            model(**packed, position_ids=mrope, use_cache=False).logits,
+            model(**packed, position_ids=pos4).logits,
+            model(**packed, position_ids=pos4, attention_mask=ones, use_cache=False).logits,
+        ):
+            assert rel(leaky[:, lens[0] :], alone[1]) > 1e-3
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_vision_tower_encodes_images_and_frames_independently(name):
+    model = build_model(name, dtype=torch.float64)
+    batch = synthetic_batch(model.config, SAMPLES, seed=1, dtype=torch.float64)
+    pixels = torch.cat([batch["pixel_values"], batch["pixel_values_videos"]])
+    grids = torch.cat([batch["image_grid_thw"], batch["video_grid_thw"]])
+    units = torch.tensor([[1, 4, 6], [1, 8, 4], [1, 4, 4], [1, 4, 4]])  # video split per frame
+    assert units.prod(-1).sum() == pixels.shape[0]
+    with torch.no_grad():
+        together = model.model.visual(pixels, grid_thw=grids)
+        parts = [
+            model.model.visual(rows, grid_thw=g[None])
+            for rows, g in zip(torch.split(pixels, units.prod(-1).tolist()), units)
+        ]
+    assert rel(torch.cat([p.pooler_output for p in parts]), together.pooler_output) < 1e-12
+    if model_family(model) == "qwen3_vl":
+        for level, feat in enumerate(together.deepstack_features):
+            assert rel(torch.cat([p.deepstack_features[level] for p in parts]), feat) < 1e-12
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_local_checkpoint_round_trip(name, tmp_path):
+    model = build_model(name)
+    model.save_pretrained(tmp_path)
+    loaded = build_model(tmp_path)
+    assert type(loaded) is type(model) and loaded.training
+    assert loaded.config.text_config._attn_implementation == "sdpa"
+    expected, got = model.state_dict(), loaded.state_dict()
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+    loaded64 = build_model(str(tmp_path), dtype=torch.float64)
+    model64 = build_model(name, dtype=torch.float64)
+    assert all(torch.equal(a, b) for a, b in zip(loaded64.parameters(), model64.parameters()))
+    with pytest.raises(FileNotFoundError, match="local checkpoint"):
+        build_model(tmp_path / "missing")
