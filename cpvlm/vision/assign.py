@@ -1,0 +1,115 @@
+"""Which CP rank encodes which vision unit: balanced by patches, identical on every rank.
+
+Vision compute grows with a unit's patch count (attention within a frame grows faster still), so
+balancing by the number of images, as contiguous splitting does, leaves one rank with the big
+images while the others wait. The assignment is a pure function of the patch counts, so every
+rank computes the same one without communicating.
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_left
+from collections.abc import Sequence
+
+import torch
+
+_MAX_REFINE_STEPS_PER_UNIT = 4
+
+
+def _check_counts(patch_counts: Sequence[int] | torch.Tensor) -> list[int]:
+    if isinstance(patch_counts, torch.Tensor):
+        if patch_counts.dim() != 1 or patch_counts.is_floating_point():
+            raise ValueError(
+                f"patch_counts must be a 1-d integer tensor, got {patch_counts.dtype} of shape "
+                f"{tuple(patch_counts.shape)}"
+            )
+        patch_counts = patch_counts.tolist()
+    counts = list(patch_counts)
+    for u, n in enumerate(counts):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"patch_counts[{u}] = {n!r}; patch counts must be ints >= 0")
+    return counts
+
+
+def _lpt(counts: list[int], cp_size: int) -> list[list[int]]:
+    """Longest processing time first: biggest unit to the least loaded rank (ties: lower rank)."""
+    heap = [(0, r) for r in range(cp_size)]
+    per_rank: list[list[int]] = [[] for _ in range(cp_size)]
+    for u in sorted(range(len(counts)), key=lambda u: (-counts[u], u)):
+        load, r = heapq.heappop(heap)
+        per_rank[r].append(u)
+        heapq.heappush(heap, (load + counts[u], r))
+    return per_rank
+
+
+def _best_exchange(
+    heavy: list[int], light: list[int], counts: list[int], gap: int
+) -> tuple[int, int | None] | None:
+    """The move (u, None) or swap (u, v) from heavy to light that best halves ``gap``.
+
+    Moving d patches with 0 < d < gap lowers the heavier of the two ranks and strictly lowers the
+    sum of squared loads, so refinement always terminates.
+    """
+    best, best_key = None, None
+    light_sorted = sorted(light, key=lambda v: (counts[v], v))
+    light_counts = [counts[v] for v in light_sorted]
+    for u in sorted(heavy):
+        candidates = [(u, None, counts[u])]
+        # Swap partner: light unit v with counts[u] - counts[v] closest to gap / 2.
+        target = counts[u] - gap / 2
+        i = bisect_left(light_counts, target)
+        for j in (i - 1, i):
+            if 0 <= j < len(light_sorted):
+                v = light_sorted[j]
+                candidates.append((u, v, counts[u] - counts[v]))
+        for cu, cv, d in candidates:
+            if 0 < d < gap:
+                key = (abs(gap - 2 * d), cu, -1 if cv is None else cv)
+                if best_key is None or key < best_key:
+                    best, best_key = (cu, cv), key
+    return best
+
+
+def assign_vision_units(
+    patch_counts: Sequence[int] | torch.Tensor, cp_size: int
+) -> list[list[int]]:
+    """One list of unit indices per rank, balanced by patch count, each list ascending.
+
+    Greedy longest-first, then pairwise moves and swaps between the most and least loaded ranks
+    while they reduce the imbalance. Deterministic; every rank gets the same answer. A rank may
+    get no units (more ranks than units); it must still join the collectives.
+    """
+    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
+        raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
+    counts = _check_counts(patch_counts)
+    per_rank = _lpt(counts, cp_size)
+    loads = [sum(counts[u] for u in units) for units in per_rank]
+    for _ in range(_MAX_REFINE_STEPS_PER_UNIT * len(counts)):
+        hi = max(range(cp_size), key=lambda r: (loads[r], -r))
+        lo = min(range(cp_size), key=lambda r: (loads[r], r))
+        exchange = _best_exchange(per_rank[hi], per_rank[lo], counts, loads[hi] - loads[lo])
+        if exchange is None:
+            break
+        u, v = exchange
+        per_rank[hi].remove(u)
+        per_rank[lo].append(u)
+        moved = counts[u]
+        if v is not None:
+            per_rank[lo].remove(v)
+            per_rank[hi].append(v)
+            moved -= counts[v]
+        loads[hi] -= moved
+        loads[lo] += moved
+    return [sorted(units) for units in per_rank]
+
+
+def contiguous_assignment(num_units: int, cp_size: int) -> list[list[int]]:
+    """Equal unit counts in contiguous blocks (what balancing by count does); for comparison."""
+    base, extra = divmod(num_units, cp_size)
+    out, start = [], 0
+    for r in range(cp_size):
+        n = base + (r < extra)
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
