@@ -1,0 +1,21 @@
+"""Vision data parallelism over CP ranks: each unit encoded once, rows moved where needed.
+
+Read in this order: units.py (images and frames), assign.py (who encodes what), gather.py
+(all-gather, backward reduce-scatter), route.py (rows to position owners, backward transposed).
+"""
+
+from cpvlm.vision.assign import assign_vision_units, contiguous_assignment
+from cpvlm.vision.gather import gather_vision_embeddings
+from cpvlm.vision.route import RoutePlan, route_plan, route_to_owners
+from cpvlm.vision.units import VisionUnits, vision_units
+
+__all__ = [
+    "RoutePlan",
+    "VisionUnits",
+    "assign_vision_units",
+    "contiguous_assignment",
+    "gather_vision_embeddings",
+    "route_plan",
+    "route_to_owners",
+    "vision_units",
+]
