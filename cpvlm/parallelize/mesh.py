@@ -1,0 +1,173 @@
+"""The (dp_replicate, dp_shard, cp) device mesh, and the process groups a training step needs.
+
+Legend: R = dp_replicate, S = dp_shard, C = cp; the world has R * S * C ranks, cp innermost, so that
+a CP group is C consecutive ranks (one node, where the attention traffic is heaviest).
+
+Every CP rank of a data-parallel replica holds a copy of the parameters and computes part of the
+same batch, so the gradient sync runs over the flattened R x S x C group, and FSDP2 shards over the
+flattened S x C group (HSDP: replicate over R, shard over S x C). Only the batch and its valid-label
+count are split over data parallelism alone (R x S). The flattened groups are built with the public
+``DeviceMesh`` constructor from the ranks of the mesh: no private mesh-flattening API.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "cp")
+"""Names of the mesh dims, outermost first."""
+
+
+@dataclass(frozen=True)
+class MeshSizes:
+    """Sizes of the three mesh dims (1 for a dim the mesh does not have)."""
+
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas of the batch: dp_replicate * dp_shard."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.cp
+
+
+def _check_size(name: str, value: object, *, allow_infer: bool = False) -> int:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    if not ok and not (allow_infer and value == -1):
+        infer = " (or -1 to use the ranks the other dims leave)" if allow_infer else ""
+        raise ValueError(f"build_mesh: {name} must be a positive int{infer}, got {value!r}")
+    return value
+
+
+def build_mesh(
+    *, dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, device_type: str = "cpu"
+) -> DeviceMesh:
+    """A 3-d ``DeviceMesh`` named ``("dp_replicate", "dp_shard", "cp")`` over the whole world.
+
+    ``dp_shard=-1`` takes the ranks left by the other two dims. Call it on every rank after
+    ``torch.distributed.init_process_group`` ("cpu" with gloo, "cuda" with NCCL).
+    """
+    if not dist.is_initialized():
+        raise ValueError(
+            "build_mesh: torch.distributed is not initialised; call "
+            "torch.distributed.init_process_group first (torchrun sets up its environment)"
+        )
+    world = dist.get_world_size()
+    dp_replicate = _check_size("dp_replicate", dp_replicate)
+    cp = _check_size("cp", cp)
+    dp_shard = _check_size("dp_shard", dp_shard, allow_infer=True)
+    if dp_shard == -1:
+        if world % (dp_replicate * cp):
+            raise ValueError(
+                f"build_mesh: dp_replicate={dp_replicate} x cp={cp} = {dp_replicate * cp} does not "
+                f"divide the world size {world}; choose sizes whose product divides {world}"
+            )
+        dp_shard = world // (dp_replicate * cp)
+    if dp_replicate * dp_shard * cp != world:
+        raise ValueError(
+            f"build_mesh: dp_replicate={dp_replicate} x dp_shard={dp_shard} x cp={cp} = "
+            f"{dp_replicate * dp_shard * cp} ranks, but the world has {world}; choose sizes whose "
+            f"product is {world}, or pass dp_shard=-1 to fill the rest"
+        )
+    return init_device_mesh(
+        device_type, (dp_replicate, dp_shard, cp), mesh_dim_names=MESH_DIM_NAMES
+    )
+
+
+def mesh_sizes(mesh: DeviceMesh) -> MeshSizes:
+    """Validate ``mesh`` and return its sizes.
+
+    Accepted: a mesh over the whole world whose dims are named with a subset of
+    ``MESH_DIM_NAMES``, in that order (a missing dim has size 1).
+    """
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(
+            f"expected a DeviceMesh, got {type(mesh).__name__}; build one with "
+            "cpvlm.parallelize.build_mesh(dp_replicate=..., dp_shard=..., cp=...)"
+        )
+    names = mesh.mesh_dim_names
+    hint = (
+        "build it with cpvlm.parallelize.build_mesh(dp_replicate=..., dp_shard=..., cp=...) or "
+        f"init_device_mesh(..., mesh_dim_names={MESH_DIM_NAMES})"
+    )
+    if names is None:
+        raise ValueError(f"the mesh has no dim names; {hint}")
+    unknown = [n for n in names if n not in MESH_DIM_NAMES]
+    if unknown:
+        raise ValueError(
+            f"mesh dims {list(names)}: {unknown} not understood; cpvlm knows {list(MESH_DIM_NAMES)} "
+            f"(a tensor- or pipeline-parallel dim is not supported here); {hint}"
+        )
+    if list(names) != sorted(names, key=MESH_DIM_NAMES.index) or len(set(names)) != len(names):
+        raise ValueError(
+            f"mesh dims {list(names)} must appear once each, in the order {list(MESH_DIM_NAMES)} "
+            f"(cp innermost, so that a CP group is consecutive ranks); {hint}"
+        )
+    shape = dict(zip(names, mesh.mesh.shape))
+    sizes = MeshSizes(*(int(shape.get(n, 1)) for n in MESH_DIM_NAMES))
+    world = dist.get_world_size()
+    if sizes.world != world:
+        raise ValueError(
+            f"the mesh {dict(shape)} has {sizes.world} ranks but the world has {world}; cpvlm "
+            f"needs a mesh over every rank, with sizes whose product is {world}"
+        )
+    return sizes
+
+
+@dataclass(frozen=True)
+class MeshGroups:
+    """The groups of one (dp_replicate, dp_shard, cp) mesh, as this rank sees them.
+
+    ``cp_group``: the ranks that split one sequence (``cp_attention``, ``ShardPlan``, vision).
+    ``dp_group``: the replicas of the batch (R x S): count valid labels over it; ``dp_rank``
+    says which part of the global batch this rank loads. ``dp_cp_mesh``: 1-d, every rank (R x S x C),
+    the gradient sync group of DDP and of FSDP with R = 1. ``hsdp_mesh``: 2-d
+    ``(dp_replicate, dp_shard_cp)``, the mesh of HSDP.
+    """
+
+    mesh: DeviceMesh
+    sizes: MeshSizes
+    cp_group: dist.ProcessGroup
+    cp_rank: int
+    dp_group: dist.ProcessGroup
+    dp_rank: int
+    dp_cp_mesh: DeviceMesh
+    hsdp_mesh: DeviceMesh
+
+    @property
+    def grad_sync_group(self) -> dist.ProcessGroup:
+        return self.dp_cp_mesh.get_group()
+
+
+def mesh_groups(mesh: DeviceMesh) -> MeshGroups:
+    """Build the groups of ``mesh``. Collective: call it on every rank, in the same order.
+
+    Each call creates process groups; build them once per mesh and pass them around.
+    """
+    sizes = mesh_sizes(mesh)
+    r, s, c = sizes.dp_replicate, sizes.dp_shard, sizes.cp
+    ranks_RSC = mesh.mesh.reshape(r, s, c)
+    device = mesh.device_type
+    dp_x_cp = DeviceMesh(device, ranks_RSC.reshape(r * s, c), mesh_dim_names=("dp", "cp"))
+    dp_cp = DeviceMesh(device, ranks_RSC.reshape(-1), mesh_dim_names=("dp_cp",))
+    hsdp = DeviceMesh(
+        device, ranks_RSC.reshape(r, s * c), mesh_dim_names=("dp_replicate", "dp_shard_cp")
+    )
+    return MeshGroups(
+        mesh=mesh,
+        sizes=sizes,
+        cp_group=dp_x_cp.get_group("cp"),
+        cp_rank=dp_x_cp.get_local_rank("cp"),
+        dp_group=dp_x_cp.get_group("dp"),
+        dp_rank=dp_x_cp.get_local_rank("dp"),
+        dp_cp_mesh=dp_cp,
+        hsdp_mesh=hsdp,
+    )
