@@ -1,0 +1,212 @@
+"""VisionDataParallel: each vision unit encoded once, on one CP rank, results moved where needed.
+
+Legend: U units, R rows of all units (t*h*w/m**2 each), m merge size, W ranks, D feature width.
+
+Every rank holds the same pixel_values and grid_thw (replicated inputs). Each rank splits them
+into units (images, video frames), takes its share from ``assign_vision_units`` (balanced by
+patches), encodes only those, and then either
+- ``mode="allgather"``: all-gathers every unit's rows; every rank gets all R rows in the
+  unwrapped tower's order (backward: reduce-scatter), or
+- ``mode="route"``: sends each row only to the rank owning its sequence position; every rank
+  gets the rows of its own visual positions (backward: the transposed all-to-all).
+
+A rank with no units still joins both collectives with ``[0, D]`` placeholders. By default it
+learns their dtype and widths by running the tower on one m x m dummy frame, in the caller's
+autocast and grad mode, so they match what the other ranks send (never a hard-coded dtype), and
+the slice ``[:0]`` of that output gives the tower's parameters zero gradients rather than none:
+every rank ends the step with the same set of gradients, as DDP and FSDP expect.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cpvlm.distributed.shard_plan import ShardPlan
+from cpvlm.vision.assign import assign_vision_units
+from cpvlm.vision.gather import gather_vision_embeddings
+from cpvlm.vision.route import route_plan, route_to_owners
+from cpvlm.vision.units import VisionUnits, check_merge_size, vision_units
+
+MODES = ("route", "allgather")
+
+
+def _split_output(out: object) -> tuple[list[torch.Tensor], bool]:
+    """``(tensors, has_deepstack)`` from a tower output: a tensor or (tensor, [deepstack...])."""
+    if isinstance(out, torch.Tensor):
+        return [out], False
+    if (
+        isinstance(out, (tuple, list))
+        and len(out) == 2
+        and isinstance(out[0], torch.Tensor)
+        and isinstance(out[1], (tuple, list))
+        and all(isinstance(t, torch.Tensor) for t in out[1])
+    ):
+        return [out[0], *out[1]], True
+    raise ValueError(
+        "VisionDataParallel: the encoder must return a tensor or (tensor, [deepstack tensors]); "
+        f"got {type(out).__name__} (wrap HF towers to return pooler_output / deepstack_features)"
+    )
+
+
+def _join_output(tensors: list[torch.Tensor], has_deepstack: bool):
+    return (tensors[0], list(tensors[1:])) if has_deepstack else tensors[0]
+
+
+class VisionDataParallel(nn.Module):
+    """Wrap a vision tower ``encoder(pixel_values, grid_thw)`` for data parallelism over CP ranks.
+
+    Args:
+        encoder: returns ``[R, D]`` or ``([R, D], [[R, D_i], ...])`` with t*h*w/m**2 rows per
+            grid row, in the Qwen-VL pixel layout (a unit's pixel rows contiguous, frame-major).
+        group: the CP group (every rank passes the same inputs).
+        mode: ``"route"`` (scalable) or ``"allgather"`` (every rank gets every row).
+        merge_size: m, the tower's spatial merge size.
+        split_frames: encode each temporal frame of a video as its own unit. Exact only for
+            towers that treat frames independently (the Qwen2.5-VL and Qwen3-VL towers do).
+        out_dims: the output widths ``D`` (int, plain output) or ``(D, D_1, ...)`` (with
+            deepstack), with ``dtype``: skips the dummy frame on empty ranks. Then the tower's
+            parameters get no gradient (None) on a rank without units.
+        dtype: the tower's output dtype; required with ``out_dims``.
+    """
+
+    def __init__(
+        self,
+        encoder: nn.Module,
+        group: dist.ProcessGroup | None,
+        *,
+        mode: str = "route",
+        merge_size: int = 2,
+        split_frames: bool = True,
+        out_dims: int | Sequence[int] | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"VisionDataParallel: mode must be one of {MODES}, got {mode!r}")
+        if (out_dims is None) != (dtype is None):
+            raise ValueError("VisionDataParallel: pass out_dims and dtype together, or neither")
+        self.encoder = encoder
+        self.group = group
+        self.mode = mode
+        self.merge_size = check_merge_size(merge_size)
+        self.split_frames = split_frames
+        self.out_dims = out_dims
+        self.dtype = dtype
+
+    def units(self, grid_thw: torch.Tensor) -> VisionUnits:
+        return vision_units(grid_thw, self.merge_size, split_frames=self.split_frames)
+
+    def assignment(self, units: VisionUnits) -> list[list[int]]:
+        return assign_vision_units(units.pixel_counts, dist.get_world_size(self.group))
+
+    def forward(
+        self,
+        pixel_values: torch.Tensor,
+        grid_thw: torch.Tensor,
+        *,
+        plan: ShardPlan | None = None,
+        row_positions: torch.Tensor | None = None,
+    ):
+        """Encode this rank's units and return what the unwrapped tower would.
+
+        allgather mode: all R rows in the tower's order (``plan``/``row_positions`` unused).
+        route mode: ``plan`` is the batch's ShardPlan and ``row_positions[g]`` the position of
+        output row g in the padded batch, ``b * plan.padded_len + p`` (see ``cpvlm.vision.route``);
+        the result holds this rank's visual rows sorted by local index in its ``[B, S_loc]`` shard.
+        """
+        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        units = self.units(grid_thw)
+        self._check_pixels(pixel_values, units)
+        assignment = self.assignment(units)
+        rp = None
+        if self.mode == "route":
+            rp = self._route_plan(units, assignment, plan, row_positions, world, rank)
+        elif plan is not None or row_positions is not None:
+            raise ValueError("VisionDataParallel: plan/row_positions are for mode='route' only")
+
+        mine = assignment[rank]
+        if mine:
+            pix = pixel_values.index_select(0, units.pixel_index(mine).to(pixel_values.device))
+            out = self.encoder(pix, units.grid_thw(mine).to(grid_thw.device))
+            tensors, has_deepstack = _split_output(out)
+            self._check_output(tensors, has_deepstack, sum(units.row_counts[u] for u in mine))
+        else:
+            tensors, has_deepstack = self._placeholders(pixel_values, grid_thw.device)
+
+        if self.mode == "route":
+            moved = route_to_owners(tensors, rp, self.group)
+        else:
+            counts = [sum(units.row_counts[u] for u in units_r) for units_r in assignment]
+            gathered = gather_vision_embeddings(tensors, counts, self.group)
+            # Rank order -> unit order (= the tower's order): rank-order row g is unit row
+            # gathered_rows[g], so its inverse permutation puts every row back.
+            gathered_rows = torch.cat([units.row_index(a) for a in assignment])
+            back = torch.argsort(gathered_rows).to(gathered[0].device)
+            moved = [t.index_select(0, back) for t in gathered]
+        return _join_output(moved, has_deepstack)
+
+    # ---- pieces -------------------------------------------------------------------------------
+
+    def _check_pixels(self, pixel_values: torch.Tensor, units: VisionUnits) -> None:
+        if not isinstance(pixel_values, torch.Tensor) or pixel_values.dim() != 2:
+            raise ValueError("VisionDataParallel: pixel_values must be a 2-d tensor [patches, C]")
+        expected = units.pixel_offsets[-1]
+        if pixel_values.shape[0] != expected:
+            raise ValueError(
+                f"VisionDataParallel: pixel_values has {pixel_values.shape[0]} rows but the grids "
+                f"have {expected} patches (sum of t*h*w over grid_thw)"
+            )
+
+    def _route_plan(self, units, assignment, plan, row_positions, world, rank):
+        if not isinstance(plan, ShardPlan) or row_positions is None:
+            raise ValueError("VisionDataParallel: mode='route' needs plan= and row_positions=")
+        if plan.cp_size != world:
+            raise ValueError(
+                f"VisionDataParallel: the plan has cp_size {plan.cp_size}, the group {world} ranks"
+            )
+        owner_of_unit = torch.empty(units.num_units, dtype=torch.long)
+        for r, units_r in enumerate(assignment):
+            owner_of_unit[units_r] = r
+        row_ranks = torch.repeat_interleave(
+            owner_of_unit, torch.tensor(units.row_counts, dtype=torch.long)
+        )
+        return route_plan(row_ranks, row_positions, plan, rank)
+
+    def _check_output(self, tensors, has_deepstack, rows) -> None:
+        for i, t in enumerate(tensors):
+            if t.dim() != 2 or t.shape[0] != rows:
+                raise ValueError(
+                    f"VisionDataParallel: encoder output {i} has shape {tuple(t.shape)}, expected "
+                    f"{rows} rows (t*h*w/{self.merge_size}**2 per unit); is merge_size right?"
+                )
+        if self.out_dims is not None:
+            declared = self._declared()
+            actual = [(t.shape[1], t.dtype) for t in tensors]
+            if actual != declared:
+                raise ValueError(
+                    f"VisionDataParallel: the encoder returned (width, dtype) {actual} but "
+                    f"out_dims/dtype declare {declared}; empty ranks would send the declared ones"
+                )
+
+    def _declared(self) -> list[tuple[int, torch.dtype]]:
+        dims = [self.out_dims] if isinstance(self.out_dims, int) else list(self.out_dims)
+        return [(d, self.dtype) for d in dims]
+
+    def _placeholders(self, pixel_values: torch.Tensor, device: torch.device):
+        if self.out_dims is not None:
+            tensors = [
+                torch.zeros(0, d, dtype=dt, device=pixel_values.device)
+                for d, dt in self._declared()
+            ]
+            return tensors, not isinstance(self.out_dims, int)
+        m = self.merge_size
+        dummy_pix = pixel_values.new_zeros(m * m, pixel_values.shape[1])
+        dummy_grid = torch.tensor([[1, m, m]], dtype=torch.long, device=device)
+        tensors, has_deepstack = _split_output(self.encoder(dummy_pix, dummy_grid))
+        # One m x m frame is one merged row: this catches a wrong merge_size on empty ranks too.
+        self._check_output(tensors, has_deepstack, 1)
+        return [t[:0] for t in tensors], has_deepstack
