@@ -2,21 +2,30 @@
 
 Why a sum. ``cpvlm.loss.token_mean_loss`` gives each rank its share of the step loss,
 share_k = (sum of CE over the labels rank k holds) / N, with N the valid labels of the whole step.
-The step loss is L = sum_k share_k over all R*S*C ranks (and microbatches), so
+The step loss is L = sum over ranks k (and microbatches m) of share_{k,m}, so
 
-    dL/dtheta = sum_k dshare_k/dtheta.
+    dL/dtheta = sum_{k,m} g_{k,m},    g_{k,m} = dshare_{k,m}/dtheta.
 
 Every CP rank holds a full copy of the parameters (CP splits the sequence, not the weights), so the
-gradient sync runs over the flattened dp x cp group, and it must be a plain sum. FSDP2 and DDP
-average by default (divide by the group size), which would give dL/dtheta / (R*S*C). So the
-divide factor is set to 1 and only SUM reductions are issued (FSDP2:
-``set_gradient_divide_factor(1.0)`` + ``set_force_sum_reduction_for_comms(True)``, which also
-avoids the PreMulSum op that gloo lacks; DDP: a comm hook that all-reduces without dividing).
-The loss is not rescaled, so it keeps its meaning for logging and the proof has no hidden factor.
+gradient sync runs over the flattened dp x cp group of W = R*S*C ranks, and must add, not average:
+FSDP2 and DDP divide by W by default, which would give dL/dtheta / W. The loss itself is never
+rescaled, so it keeps its meaning for logging.
 
-Gradient accumulation: the sum is linear, so syncing every microbatch (the default) and syncing
-only the last one (FSDP2 ``model.set_requires_gradient_sync(is_last)``, DDP ``model.no_sync()``)
-give the same gradient; both are tested.
+FSDP2 / HSDP: the divide factor is set to 1 and every reduction is a plain SUM
+(``set_gradient_divide_factor(1.0)`` + ``set_force_sum_reduction_for_comms(True)``; the latter also
+avoids PreMulSum, which gloo lacks). FSDP2 reduces only the gradient of the backward that just ran
+and adds the result to the sharded gradient, so syncing every microbatch, or only the last one
+(``model.set_requires_gradient_sync(is_last)``), both give sum_{k,m} g_{k,m}.
+
+DDP: a comm hook that sums would be wrong with gradient accumulation. DDP all-reduces the
+*accumulated* ``.grad``: with a synced G already there, rank k holds G + g_k, and a sum gives
+W*G + sum_k g_k. So cpvlm keeps DDP's mean and pre-multiplies each local gradient by W (a hook on
+each parameter, before it is accumulated into ``.grad``). Proof, by induction over the syncs of a
+step: if every rank holds the same G before a backward, rank k then holds G + W*g_k (or, under
+``no_sync``, G + W*(g_k + g'_k + ...)), and DDP's mean gives (1/W) sum_k (G + W*g_k) = G + sum_k g_k.
+Starting from G = 0, the step ends with sum_{k,m} g_{k,m} = dL/dtheta, whether every microbatch
+syncs or only the last. (Multiplying and dividing by W is exact for W a power of two, else within
+one rounding.)
 """
 
 from __future__ import annotations
@@ -40,14 +49,11 @@ _FSDP_SUM_METHODS = ("set_gradient_divide_factor", "set_force_sum_reduction_for_
 FsdpUnits = Iterable[nn.Module] | nn.Module | Callable[[nn.Module], Iterable[nn.Module]]
 
 
-def _allreduce_sum_hook(group, bucket):
-    """DDP comm hook: sum the bucket over the group (DDP's own hook divides by the group size).
+def _scale_grad_hook(factor: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def scale(grad: torch.Tensor) -> torch.Tensor:
+        return grad * factor
 
-    (group: ProcessGroup, bucket: dist.GradBucket) -> Future[Tensor]. Not annotated: DDP checks
-    the annotations by identity, and postponed annotations are strings.
-    """
-    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+    return scale
 
 
 def _resolve_units(model: nn.Module, fsdp_units: FsdpUnits | None) -> list[nn.Module]:
@@ -135,9 +141,11 @@ def parallelize(
         data_parallel:
             "fsdp": FSDP2 ``fully_shard`` over the flattened dp_shard x cp ranks (dp_replicate=1).
             "hsdp": FSDP2 on the 2-d mesh (dp_replicate, dp_shard x cp): replicate x shard.
-            "ddp": ``DistributedDataParallel`` over every rank, with a summing comm hook.
-            "none": the model is returned as is; call ``sync_gradients(model, groups)`` after the
-            last backward of a step (nothing to do on a single rank).
+            "ddp": ``DistributedDataParallel`` over every rank; local gradients are pre-scaled by
+            the number of ranks so that DDP's mean is the sum (the hooks stay on the parameters:
+            train through the returned wrapper).
+            "none": the model is returned as is; call ``sync_gradients(model, groups)`` once per
+            step, after the last backward (nothing to do on a single rank).
         fsdp_units: submodules to shard as their own FSDP2 units before the root (e.g. the decoder
             layers): an ``nn.ModuleList``, an iterable of modules, a module, or a callable
             ``model -> modules``; children before parents. Ignored without FSDP2.
@@ -173,16 +181,22 @@ def parallelize(
                 module.set_force_sum_reduction_for_comms(True)
         return model
     if data_parallel == "ddp":
-        group = groups.grad_sync_group
-        ddp = DistributedDataParallel(model, process_group=group, **(ddp_kwargs or {}))
-        ddp.register_comm_hook(group, _allreduce_sum_hook)
-        return ddp
+        world = groups.sizes.world
+        if world > 1:  # DDP divides by W; see the module docstring for why not a summing hook
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.register_hook(_scale_grad_hook(world))
+        return DistributedDataParallel(
+            model, process_group=groups.grad_sync_group, **(ddp_kwargs or {})
+        )
     return model
 
 
 def sync_gradients(model: nn.Module, groups: MeshGroups | dist.ProcessGroup) -> None:
     """Sum every parameter gradient over the dp x cp ranks (for ``data_parallel="none"``).
 
+    Call it once per step, after the last backward: the gradients must hold only this rank's
+    local sum (a second call would add the synced part W times).
     Every rank sends every trainable parameter, in ``model.parameters()`` order, one flat buffer
     per dtype and device; a missing gradient counts as zeros (and becomes a zero tensor), so that
     ranks whose graph did not reach a parameter still join.
