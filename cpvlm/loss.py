@@ -184,7 +184,8 @@ def token_mean_loss(
         )
     dtype = torch.promote_types(logits_loc.dtype, torch.float32)
     vocab = logits_loc.shape[-1]
-    logits_f = logits_loc.to(dtype).masked_fill(~valid.unsqueeze(-1), 0)
+    # Zero the ignored rows before the upcast: one copy in the input dtype, one in the compute dtype.
+    logits_f = logits_loc.masked_fill(~valid.unsqueeze(-1), 0).to(dtype)
     ce_sum = F.cross_entropy(
         logits_f.reshape(-1, vocab),
         labels_loc.reshape(-1).long(),
