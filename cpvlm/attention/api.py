@@ -1,0 +1,117 @@
+"""``cp_attention``: context-parallel attention over a ShardPlan, checked, then ring or all-gather.
+
+Legend: q [B,Hq,S_loc,D], k/v [B,Hkv,S_loc,D] (Hq a multiple of Hkv), S_loc = plan.local_len.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from cpvlm.attention.allgather import allgather_attention
+from cpvlm.attention.masks import attention_schedule
+from cpvlm.attention.ring import ring_attention
+from cpvlm.distributed.collectives import ensure_requires_grad_for_cp_collective
+from cpvlm.distributed.shard_plan import ShardPlan
+
+IMPLS = {"ring": ring_attention, "allgather": allgather_attention}
+
+
+def cp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    plan: ShardPlan,
+    cp_rank: int,
+    group: dist.ProcessGroup | None,
+    impl: str = "ring",
+    causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Exact attention of this rank's shard of queries over the whole (sharded) sequence.
+
+    Token i sees token j iff both lie in the same document of ``plan`` and (not ``causal``, or
+    j <= i), on global padded positions. Padding positions are never seen by real tokens; their
+    own outputs are 0 and send no gradient anywhere. K/V keep their Hkv heads on the wire.
+
+    Args:
+        q: ``[B, Hq, S_loc, D]``; k, v: ``[B, Hkv, S_loc, D]``, this rank's shard from ``plan``.
+        plan: the layout every rank of ``group`` shares.
+        cp_rank: this rank's index in ``group``.
+        group: the CP process group (``None``: the default group).
+        impl: ``"ring"`` (K/V passed around, overlapped with compute) or ``"allgather"``.
+        causal: causal mask within each document, else bidirectional within each document.
+        scale: score scale, default ``D ** -0.5``.
+
+    Every rank of the group must call this with the same plan, impl, causal, shapes and dtype,
+    forward and backward: the collectives are matched rank to rank.
+    """
+    _check(q, k, v, plan, cp_rank, group, impl, causal, scale)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    # A rank whose inputs happen not to require grad would skip the backward ring and hang the
+    # others; grad mode is the same everywhere, so it decides.
+    q, k, v = (ensure_requires_grad_for_cp_collective(t) for t in (q, k, v))
+    schedule = attention_schedule(plan, bool(causal))
+    return IMPLS[impl](q, k, v, schedule=schedule, cp_rank=cp_rank, group=group, scale=scale)
+
+
+def _check(q, k, v, plan, cp_rank, group, impl, causal, scale) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"cp_attention: impl must be one of {sorted(IMPLS)}, got {impl!r}")
+    if not isinstance(plan, ShardPlan):
+        raise ValueError(f"cp_attention: plan must be a ShardPlan, got {type(plan).__name__}")
+    if not isinstance(causal, bool):
+        raise ValueError(f"cp_attention: causal must be a bool, got {causal!r}")
+    if scale is not None and (
+        isinstance(scale, bool)
+        or not isinstance(scale, (int, float))
+        or not math.isfinite(scale)
+        or scale <= 0
+    ):
+        raise ValueError(f"cp_attention: scale must be a positive finite number, got {scale!r}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"cp_attention: {name} must be a 4-d [B, H, S_loc, D] tensor, got {shape}"
+            )
+    if not q.is_floating_point() or q.dtype != k.dtype or q.dtype != v.dtype:
+        raise ValueError(
+            f"cp_attention: q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if q.device != k.device or q.device != v.device:
+        raise ValueError(
+            f"cp_attention: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(
+            f"cp_attention: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    (b, hq, s, d), (bk, hkv, sk, dk) = q.shape, k.shape
+    if b != bk or d != dk:
+        raise ValueError(
+            f"cp_attention: q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch and head dim"
+        )
+    if hkv == 0 or hq % hkv:
+        raise ValueError(
+            f"cp_attention: query heads ({hq}) must be a multiple of key/value heads ({hkv})"
+        )
+    if s != plan.local_len or sk != plan.local_len:
+        raise ValueError(
+            f"cp_attention: q has {s} and k {sk} positions but {plan!r} gives each rank "
+            f"local_len={plan.local_len} (pad and shard with the plan first)"
+        )
+    group_size = dist.get_world_size(group)
+    if group_size != plan.cp_size:
+        raise ValueError(
+            f"cp_attention: the group has {group_size} ranks but the plan has cp_size={plan.cp_size}"
+        )
+    group_rank = dist.get_rank(group)
+    if cp_rank != group_rank:
+        raise ValueError(
+            f"cp_attention: cp_rank={cp_rank!r} but this process is rank {group_rank} of the group"
+        )

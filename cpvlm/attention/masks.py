@@ -1,0 +1,207 @@
+"""Block schedule of CP attention: which rectangles of each (query rank, key rank) block to compute.
+
+Legend: W = cp_size, r = query rank, s = key/value rank, c = chunk length of a document (its padded
+length / 2W), local coordinates = positions in a rank's shard (0..S_loc), "real" = not padding.
+
+Under the head-tail layout rank r holds chunks r and t = 2W-1-r of every document, so the block
+(r, s) of the global mask splits, document by document, into at most one rectangle of work:
+  - not causal:      all real rows of the document x all real columns;
+  - causal, s == r:  its real rows x the same columns, top-left causal (chunk r causal, chunk t
+                     sees chunk r fully, chunk t causal: one causal square);
+  - causal, s < r:   all real rows x chunk s of s (chunk s precedes both r and t; 2W-1-s follows);
+  - causal, s > r:   the real rows of chunk t x all real columns (s and 2W-1-s precede t, none
+                     precede r).
+Padding is a suffix of each document, so the real positions of a document on a rank are a prefix
+of its local region: trimming rectangles to real rows and columns keeps them rectangles, keeps
+padding out of every real row's softmax, and lets padding rows receive nothing. Everything else in
+the block (other documents, the hidden halves) is never computed.
+
+Many tiny documents would mean many tiny kernel calls; consecutive small rectangles are grouped
+into one masked rectangle with an explicit mask when that is cheaper (see _group).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+
+import torch
+
+from cpvlm.distributed.shard_plan import ShardPlan
+
+FULL = "full"
+CAUSAL = "causal"
+MASKED = "masked"
+
+# Cost model for grouping, in units of one (query, key) pair of fused-kernel work. A fused CPU
+# kernel call costs about as much as a 32x32 block in fixed overhead (measured: ~20 us per call,
+# ~25 ns per pair at Hq=8, D=64); a masked call also reads its mask.
+_CALL_COST = 1024
+_MASKED_PAIR_COST = 1.25
+_MAX_MASK_ELEMENTS = 1 << 18
+
+
+@dataclass(frozen=True, eq=False)
+class Segment:
+    """One kernel call: rows [q_start, q_stop) of the local queries against columns
+    [k_start, k_stop) of one rank's keys, with a kind: FULL, CAUSAL (top-left) or MASKED."""
+
+    q_start: int
+    q_stop: int
+    k_start: int
+    k_stop: int
+    kind: str
+    pairs: int
+    """Visible (query, key) pairs: the work this call must do."""
+    overwrite: bool = False
+    """No earlier call in this rank's order wrote these rows: store instead of merging."""
+    visible: torch.Tensor | None = field(default=None, repr=False)
+    """[q_stop - q_start, k_stop - k_start] bool, MASKED only."""
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.q_start, self.q_stop)
+
+    @property
+    def cols(self) -> slice:
+        return slice(self.k_start, self.k_stop)
+
+    def additive_mask(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """0 where visible, -inf elsewhere; built once per dtype and device."""
+        key = ("mask", dtype, device)
+        if key not in self._cache:
+            mask = torch.zeros(self.visible.shape, dtype=dtype, device=device)
+            self._cache[key] = mask.masked_fill_(~self.visible.to(device), float("-inf"))
+        return self._cache[key]
+
+    def empty_rows(self, device: torch.device) -> torch.Tensor:
+        """[q_stop - q_start] bool: rows that see no key in this call (their lse is -inf)."""
+        key = ("empty", device)
+        if key not in self._cache:
+            self._cache[key] = ~self.visible.any(dim=1).to(device)
+        return self._cache[key]
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionSchedule:
+    """Per query rank, per ring step i, the segments of block (r, (r - i) mod W)."""
+
+    plan: ShardPlan
+    causal: bool
+    steps: tuple[tuple[tuple[Segment, ...], ...], ...]
+
+    def segments(self, cp_rank: int, step: int) -> tuple[Segment, ...]:
+        return self.steps[cp_rank][step]
+
+    def kernel_calls(self, cp_rank: int) -> int:
+        return sum(len(block) for block in self.steps[cp_rank])
+
+    def computed_pairs(self, cp_rank: int) -> int:
+        """(query, key) pairs rank ``cp_rank`` computes, counting a MASKED call in full."""
+        return sum(_area(seg) if seg.kind == MASKED else seg.pairs for seg in self._all(cp_rank))
+
+    def _all(self, cp_rank: int):
+        return (seg for block in self.steps[cp_rank] for seg in block)
+
+
+@lru_cache(maxsize=64)
+def attention_schedule(plan: ShardPlan, causal: bool) -> AttentionSchedule:
+    """The schedule of ``plan`` under a causal or bidirectional per-document mask (cached: every
+    layer of a step, and every step with the same document lengths, reuses it)."""
+    w = plan.cp_size
+    steps = []
+    for r in range(w):
+        blocks = [_group(_rects(plan, causal, r, (r - i) % w)) for i in range(w)]
+        steps.append(_mark_overwrites(blocks, plan.local_len))
+    return AttentionSchedule(plan, causal, tuple(steps))
+
+
+def _real_on_rank(n: int, c: int, r: int, w: int) -> int:
+    """Real (non-padding) positions of a document of n tokens and chunk c held by rank r."""
+    head = min(max(n - r * c, 0), c)
+    tail = min(max(n - (2 * w - 1 - r) * c, 0), c)
+    return head + tail
+
+
+def _rects(plan: ShardPlan, causal: bool, r: int, s: int) -> list[Segment]:
+    w = plan.cp_size
+    rects, offset = [], 0
+    for n, p in zip(plan.doc_lens, plan.padded_doc_lens):
+        c = p // (2 * w)
+        q_real, k_real = _real_on_rank(n, c, r, w), _real_on_rank(n, c, s, w)
+        o = offset
+        offset += 2 * c
+        if not causal:
+            rect = (o, o + q_real, o, o + k_real, FULL)
+        elif s == r:
+            rect = (o, o + q_real, o, o + q_real, CAUSAL)
+        elif s < r:
+            rect = (o, o + q_real, o, o + min(c, k_real), FULL)
+        else:
+            rect = (o + c, o + max(q_real, c), o, o + k_real, FULL)
+        q0, q1, k0, k1, kind = rect
+        if q1 > q0 and k1 > k0:
+            pairs = (q1 - q0) * (q1 - q0 + 1) // 2 if kind == CAUSAL else (q1 - q0) * (k1 - k0)
+            rects.append(Segment(q0, q1, k0, k1, kind, pairs))
+    return rects
+
+
+def _area(seg: Segment) -> int:
+    return (seg.q_stop - seg.q_start) * (seg.k_stop - seg.k_start)
+
+
+def _cost(group: list[Segment]) -> float:
+    if len(group) == 1:
+        seg = group[0]
+        return _CALL_COST + (seg.pairs if seg.kind == CAUSAL else _area(seg))
+    return _CALL_COST + _MASKED_PAIR_COST * _bbox_area(group)
+
+
+def _bbox_area(group: list[Segment]) -> int:
+    rows = max(s.q_stop for s in group) - min(s.q_start for s in group)
+    cols = max(s.k_stop for s in group) - min(s.k_start for s in group)
+    return rows * cols
+
+
+def _group(rects: list[Segment]) -> tuple[Segment, ...]:
+    """Greedily merge consecutive rectangles into masked calls when that is cheaper."""
+    groups: list[list[Segment]] = []
+    for rect in rects:
+        if groups:
+            merged = [*groups[-1], rect]
+            area = _bbox_area(merged)
+            cheaper = _CALL_COST + _MASKED_PAIR_COST * area <= _cost(groups[-1]) + _cost([rect])
+            if area <= _MAX_MASK_ELEMENTS and cheaper:
+                groups[-1] = merged
+                continue
+        groups.append([rect])
+    return tuple(g[0] if len(g) == 1 else _masked(g) for g in groups)
+
+
+def _masked(group: list[Segment]) -> Segment:
+    q0, q1 = min(s.q_start for s in group), max(s.q_stop for s in group)
+    k0, k1 = min(s.k_start for s in group), max(s.k_stop for s in group)
+    visible = torch.zeros(q1 - q0, k1 - k0, dtype=torch.bool)
+    for s in group:
+        block = visible[s.q_start - q0 : s.q_stop - q0, s.k_start - k0 : s.k_stop - k0]
+        if s.kind == CAUSAL:
+            block |= torch.ones_like(block).tril()
+        else:
+            block.fill_(True)
+    return Segment(q0, q1, k0, k1, MASKED, sum(s.pairs for s in group), visible=visible)
+
+
+def _mark_overwrites(
+    blocks: list[tuple[Segment, ...]], local_len: int
+) -> tuple[tuple[Segment, ...], ...]:
+    written = torch.zeros(local_len, dtype=torch.bool)
+    marked = []
+    for block in blocks:
+        out = []
+        for seg in block:
+            first = not bool(written[seg.rows].any())
+            written[seg.rows] = True
+            out.append(replace(seg, overwrite=first))
+        marked.append(tuple(out))
+    return tuple(marked)

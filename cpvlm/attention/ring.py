@@ -1,0 +1,137 @@
+"""Ring CP attention: K/V blocks travel around the CP group, one neighbour step at a time.
+
+Legend: W = cp_size, r = this rank, step i holds the K/V block of rank (r - i) mod W;
+q/out/dout [B,Hq,S,D], k/v [B,Hkv,S,D] (never expanded to Hq, so a message carries Hkv heads),
+kv [2,B,Hkv,S,D] (K and V in one message), lse [B,Hq,S] in the acc dtype.
+
+Forward: while block i is computed, block i+1 is already on its way (batch_isend_irecv to the
+next rank, from the previous one), so communication hides behind compute. Each block's output
+merges into float32 (float64 for float64) accumulators through the log-sum-exp.
+Backward: the same ring again; each block's dK/dV accumulator (float32 or float64) travels with
+it, each rank adding its share, and arrives back at the block's owner after W hops.
+Every rank sends and receives at every step, whatever its share of the mask, so no rank waits
+for a message that is never sent.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from cpvlm.attention.block import acc_dtype, add_key_grads, attend_block, attend_block_backward
+from cpvlm.attention.masks import AttentionSchedule
+
+_KV_TAG, _DKV_TAG = 0, 1
+
+
+def _shift(
+    send: torch.Tensor, recv: torch.Tensor, rank: int, world: int, group, tag: int
+) -> list[dist.Work]:
+    """Start sending ``send`` to the next rank and receiving ``recv`` from the previous one."""
+    ops = [
+        dist.P2POp(dist.isend, send, group=group, group_peer=(rank + 1) % world, tag=tag),
+        dist.P2POp(dist.irecv, recv, group=group, group_peer=(rank - 1) % world, tag=tag),
+    ]
+    return dist.batch_isend_irecv(ops)
+
+
+def _wait(works: list[dist.Work]) -> None:
+    for work in works:
+        work.wait()
+
+
+def _ring_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    schedule: AttentionSchedule,
+    rank: int,
+    group: dist.ProcessGroup | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    world = schedule.plan.cp_size
+    acc = acc_dtype(q.dtype)
+    out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse_acc = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+    kv = torch.stack([k, v])
+    spare = torch.empty_like(kv)
+    for i in range(world):
+        works = _shift(kv, spare, rank, world, group, _KV_TAG) if i + 1 < world else []
+        attend_block(q, kv[0], kv[1], schedule.segments(rank, i), out_acc, lse_acc, scale)
+        _wait(works)
+        kv, spare = spare, kv
+    return out_acc.to(q.dtype), lse_acc
+
+
+def _ring_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    schedule: AttentionSchedule,
+    rank: int,
+    group: dist.ProcessGroup | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    world = schedule.plan.cp_size
+    acc = acc_dtype(q.dtype)
+    # Padding rows saw nothing (lse -inf); every key is masked for them, so any finite lse
+    # gives them probability 0 and keeps exp(-inf - -inf) = nan out of the kernels.
+    lse = lse.masked_fill(lse == float("-inf"), 0)
+    dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+    kv = torch.stack([k, v])
+    spare = torch.empty_like(kv)
+    dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
+    dkv_spare = torch.empty_like(dkv)
+    dkv_works: list[dist.Work] = []
+    for i in range(world):
+        kv_works = _shift(kv, spare, rank, world, group, _KV_TAG) if i + 1 < world else []
+        parts = attend_block_backward(
+            dout, q, kv[0], kv[1], out, lse, schedule.segments(rank, i), dq_acc, scale
+        )
+        # The running dK/dV of this block's owner, from the previous rank (which held it last).
+        _wait(dkv_works)
+        if i > 0:
+            dkv, dkv_spare = dkv_spare, dkv
+        add_key_grads(dkv, parts)
+        if world > 1:
+            dkv_works = _shift(dkv, dkv_spare, rank, world, group, _DKV_TAG)
+        _wait(kv_works)
+        kv, spare = spare, kv
+    if world > 1:
+        # After W hops the accumulator that arrives is this rank's own block's, complete.
+        _wait(dkv_works)
+        dkv = dkv_spare
+    return dq_acc.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, schedule, rank, group, scale):
+        out, lse = _ring_forward(q, k, v, schedule, rank, group, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (schedule, rank, group, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None
+
+
+def ring_attention(
+    q_BHSD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    *,
+    schedule: AttentionSchedule,
+    cp_rank: int,
+    group: dist.ProcessGroup | None,
+    scale: float,
+) -> torch.Tensor:
+    """Ring attention of this rank's queries over every rank's keys (inputs checked by
+    ``cp_attention``)."""
+    return _RingAttention.apply(q_BHSD, k_BHSD, v_BHSD, schedule, cp_rank, group, scale)

@@ -1,0 +1,157 @@
+"""The one place where cpvlm touches private or version-dependent torch APIs.
+
+Legend: B batch, Hq/Hkv query/key heads, Sq/Sk query/key length, D head dim.
+
+Everything here is a thin wrapper with a plain signature, so that a torch upgrade that renames or
+changes one of these ops is fixed in this file alone.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_aten = torch.ops.aten
+
+# The fused CPU flash kernel (tiled, multithreaded, O(S) memory) accepts these dtypes, returns the
+# log-sum-exp (float32 for half types, float64 for float64) and takes GQA key/value heads as they
+# are, in the forward and in the backward (which returns dK/dV with Hkv heads).
+_CPU_FLASH_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def cpu_flash_supported(q_BHSD: torch.Tensor) -> bool:
+    """True when the fused CPU flash attention kernel handles tensors like ``q_BHSD``."""
+    return q_BHSD.device.type == "cpu" and q_BHSD.dtype in _CPU_FLASH_DTYPES
+
+
+def cpu_flash_forward(
+    q_BHSD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused CPU attention -> (out [B,Hq,Sq,D], lse [B,Hq,Sq]).
+
+    ``causal`` is top-left aligned (query i sees keys 0..i). ``mask`` is additive, of the query
+    dtype, broadcastable to [B,Hq,Sq,Sk]. A row whose keys are all masked comes back with out 0
+    and lse 0 (not -inf): callers that can produce such rows must fix the lse themselves.
+    """
+    out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
+        q_BHSD, k_BHSD, v_BHSD, 0.0, causal, attn_mask=mask, scale=scale
+    )
+    return out, lse
+
+
+def cpu_flash_backward(
+    dout_BHSD: torch.Tensor,
+    q_BHSD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    out_BHSD: torch.Tensor,
+    lse_BHS: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of ``cpu_flash_forward`` from a saved (possibly global) out and lse -> dq, dk, dv.
+
+    Passing the final merged ``out`` and ``lse`` of a row instead of this block's own gives this
+    block's exact share of the gradient (the ring-attention identity), which is how CP uses it.
+    """
+    dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout_BHSD,
+        q_BHSD,
+        k_BHSD,
+        v_BHSD,
+        out_BHSD,
+        lse_BHS,
+        0.0,
+        causal,
+        attn_mask=mask,
+        scale=scale,
+    )
+    return dq, dk, dv
+
+
+# ---- PyTorch's own context-parallel ring attention (benchmarks compare against it) ------------
+
+
+def torch_ring_attention_forward(
+    q_BHSD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    rotate: str = "alltoall",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch's templated ring attention on head-tail shards, with the fused CPU kernel.
+
+    ``torch.distributed.tensor.experimental._context_parallel`` only reaches its ring through
+    DTensor dispatch of the CUDA SDPA ops. Its ``_templated_ring_attention`` takes the attention
+    op as an argument, so handing it the CPU flash op runs the very same ring on gloo, without
+    DTensor and without patching anything. Head-tail load balancing is its default
+    (``_cp_options.enable_load_balance``), which is the layout of ``ShardPlan``. ``rotate`` picks
+    how K/V move: "alltoall" (a ring step per step) or "allgather" (torch's default).
+    """
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+
+    _set_torch_rotate(cp, rotate)
+    out, lse = cp._templated_ring_attention(
+        group,
+        2,
+        _aten._scaled_dot_product_flash_attention_for_cpu,
+        query=q_BHSD,
+        key=k_BHSD,
+        value=v_BHSD,
+        is_causal=causal,
+        dropout_p=0.0,
+        scale=scale,
+    )
+    return out, lse
+
+
+def torch_ring_attention_backward(
+    dout_BHSD: torch.Tensor,
+    q_BHSD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    out_BHSD: torch.Tensor,
+    lse_BHS: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    rotate: str = "alltoall",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of ``torch_ring_attention_forward`` -> dq, dk, dv."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+
+    _set_torch_rotate(cp, rotate)
+    dq, dk, dv = cp._templated_ring_attention_backward(
+        group,
+        2,
+        _aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+        grad_out=dout_BHSD,
+        grad_out_name="grad_out",
+        query=q_BHSD,
+        key=k_BHSD,
+        value=v_BHSD,
+        out=out_BHSD,
+        logsumexp=lse_BHS,
+        is_causal=causal,
+        dropout_p=0.0,
+        scale=scale,
+    )
+    return dq, dk, dv
+
+
+def _set_torch_rotate(cp, rotate: str) -> None:
+    if rotate not in ("alltoall", "allgather"):
+        raise ValueError(f"rotate must be 'alltoall' or 'allgather', got {rotate!r}")
+    cp.set_rotate_method(rotate)

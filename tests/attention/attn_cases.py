@@ -1,0 +1,115 @@
+"""Shared by the attention tests: cases, the worker that runs them on gloo ranks, the reference.
+
+Legend: B batch, H heads, P padded length, D head dim; "full" tensors are [B,H,P,D] in padded
+global order, shards are [B,H,S_loc,D] in a rank's local order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from cpvlm import ShardPlan
+from cpvlm.attention import cp_attention
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def case(doc_lens, impl, causal, hq=8, hkv=2, d=32, dtype="float64", b=2, seed=0, scale=None):
+    return dict(
+        doc_lens=list(doc_lens),
+        impl=impl,
+        causal=causal,
+        hq=hq,
+        hkv=hkv,
+        d=d,
+        dtype=dtype,
+        b=b,
+        seed=seed,
+        scale=scale,
+    )
+
+
+def inputs(c, cp):
+    """Full padded q, k, v and the upstream gradient g, rounded to the case dtype.
+
+    Padding positions hold random values too: the kernel must ignore them, not rely on zeros.
+    """
+    plan = ShardPlan(sum(c["doc_lens"]), cp, doc_lens=c["doc_lens"])
+    gen = torch.Generator().manual_seed(c["seed"])
+    b, p, d = c["b"], plan.padded_len, c["d"]
+    shapes = [(b, c["hq"], p, d), (b, c["hkv"], p, d), (b, c["hkv"], p, d), (b, c["hq"], p, d)]
+    dtype = DTYPES[c["dtype"]]
+    return plan, [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
+
+
+def run_cases(rank, world_size, cases):
+    """On each rank: shard, cp_attention forward and backward, return out and grads (shards)."""
+    results = []
+    for c in cases:
+        plan, (q, k, v, g) = inputs(c, world_size)
+        q_loc, k_loc, v_loc = (
+            plan.shard(t, rank, seq_dim=2).detach().requires_grad_() for t in (q, k, v)
+        )
+        out = cp_attention(
+            q_loc,
+            k_loc,
+            v_loc,
+            plan=plan,
+            cp_rank=rank,
+            group=dist.group.WORLD,
+            impl=c["impl"],
+            causal=c["causal"],
+            scale=c["scale"],
+        )
+        (out * plan.shard(g, rank, seq_dim=2)).sum().backward()
+        results.append([t.detach() for t in (out, q_loc.grad, k_loc.grad, v_loc.grad)])
+    return results
+
+
+def unshard(plan, shards):
+    """Full padded tensor from every rank's shard (rank order)."""
+    full = torch.zeros(
+        *shards[0].shape[:2], plan.padded_len, shards[0].shape[3], dtype=shards[0].dtype
+    )
+    for r, shard in enumerate(shards):
+        full[:, :, plan.indices(r)] = shard
+    return full
+
+
+def dense_mask(plan, causal):
+    """[P, P] bool: i sees j iff same document, neither is padding, and (not causal or j <= i)."""
+    doc = plan.doc_ids
+    pos = torch.arange(plan.padded_len)
+    mask = (doc[:, None] == doc[None, :]) & (doc[:, None] >= 0)
+    if causal:
+        mask &= pos[None, :] <= pos[:, None]
+    return mask
+
+
+def reference(c, cp):
+    """out, dq, dk, dv on one process: SDPA on the real tokens with the dense mask, in float64.
+
+    Returned as full padded tensors with zeros at padding: the outputs there must be zero (finite)
+    and no gradient may reach a padding position or come from one.
+    """
+    plan, tensors = inputs(c, cp)
+    q, k, v, g = (t.double() for t in tensors)
+    real = plan.padded_index
+    q_r, k_r, v_r = (t[:, :, real].clone().requires_grad_() for t in (q, k, v))
+    rep = c["hq"] // c["hkv"]
+    out = F.scaled_dot_product_attention(
+        q_r,
+        k_r.repeat_interleave(rep, 1),
+        v_r.repeat_interleave(rep, 1),
+        attn_mask=dense_mask(plan, c["causal"])[real][:, real],
+        scale=c["scale"],
+    )
+    (out * g[:, :, real]).sum().backward()
+    full = []
+    for t, like in ((out, q), (q_r.grad, q), (k_r.grad, k), (v_r.grad, v)):
+        f = torch.zeros_like(like)
+        f[:, :, real] = t.detach()
+        full.append(f)
+    return plan, full
