@@ -14,7 +14,8 @@ A rank with no units still joins both collectives with ``[0, D]`` placeholders. 
 learns their dtype and widths by running the tower on one m x m dummy frame, in the caller's
 autocast and grad mode, so they match what the other ranks send (never a hard-coded dtype), and
 the slice ``[:0]`` of that output gives the tower's parameters zero gradients rather than none:
-every rank ends the step with the same set of gradients, as DDP and FSDP expect.
+every rank calls the tower once per step (an FSDP-sharded tower's parameter all-gathers match) and
+ends the step with the same set of gradients, as DDP and FSDP expect.
 """
 
 from __future__ import annotations
@@ -69,7 +70,10 @@ class VisionDataParallel(nn.Module):
             towers that treat frames independently (the Qwen2.5-VL and Qwen3-VL towers do).
         out_dims: the output widths ``D`` (int, plain output) or ``(D, D_1, ...)`` (with
             deepstack), with ``dtype``: skips the dummy frame on empty ranks. Then the tower's
-            parameters get no gradient (None) on a rank without units.
+            parameters get no gradient (None) on a rank without units, and the tower runs on
+            some ranks only: do not use it when the tower is FSDP-sharded over a mesh that
+            includes the CP ranks (its parameter all-gathers would not match). With the dummy
+            frame every rank calls the tower exactly once per step.
         dtype: the tower's output dtype; required with ``out_dims``.
     """
 
@@ -186,7 +190,7 @@ class VisionDataParallel(nn.Module):
         if self.out_dims is not None:
             declared = self._declared()
             actual = [(t.shape[1], t.dtype) for t in tensors]
-            if actual != declared:
+            if actual != declared or has_deepstack == isinstance(self.out_dims, int):
                 raise ValueError(
                     f"VisionDataParallel: the encoder returned (width, dtype) {actual} but "
                     f"out_dims/dtype declare {declared}; empty ranks would send the declared ones"
