@@ -61,6 +61,7 @@ def test_indices_partition_and_causal_work_is_balanced_per_document(mix):
     assert all(len(plan.indices(r)) == plan.local_len for r in range(cp))
     for r in range(cp):
         assert (plan.owners[plan.indices(r)] == r).all()
+        assert torch.equal(plan.local_index[plan.indices(r)], torch.arange(plan.local_len))
     assert int((~plan.is_padding).sum()) == plan.seq_len
     for d, (n, p) in enumerate(zip(plan.doc_lens, plan.padded_doc_lens)):
         assert p % (2 * cp) == 0 and n <= p < n + 2 * cp

@@ -113,6 +113,14 @@ class ShardPlan:
         return owners
 
     @cached_property
+    def local_index(self) -> torch.Tensor:
+        """``[P]`` index of each padded position within its owner's shard."""
+        local = torch.empty(self.padded_len, dtype=torch.long)
+        for idx in self._rank_indices:
+            local[idx] = torch.arange(len(idx))
+        return local
+
+    @cached_property
     def doc_ids(self) -> torch.Tensor:
         """``[P]`` document index of each padded position; ``PAD_DOC`` (-1) for padding."""
         ids = torch.full((self.padded_len,), PAD_DOC, dtype=torch.long)

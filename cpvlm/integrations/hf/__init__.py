@@ -1,5 +1,8 @@
 """Hugging Face transformers Qwen2.5-VL / Qwen3-VL: tiny models, synthetic batches, reference."""
 
+from cpvlm.integrations.hf.attention import CP_ATTENTION, CPAttentionContext
+from cpvlm.integrations.hf.context_parallel import ContextParallelOutput, ContextParallelVLM
+from cpvlm.integrations.hf.inputs import PreparedBatch, prepare_batch
 from cpvlm.integrations.hf.models import (
     IGNORE_INDEX,
     TINY_MODELS,
@@ -15,6 +18,12 @@ from cpvlm.integrations.hf.models import (
 )
 
 __all__ = [
+    "CP_ATTENTION",
+    "CPAttentionContext",
+    "ContextParallelOutput",
+    "ContextParallelVLM",
+    "PreparedBatch",
+    "prepare_batch",
     "IGNORE_INDEX",
     "TINY_MODELS",
     "SampleSpec",

@@ -1,0 +1,227 @@
+"""ContextParallelVLM: a transformers Qwen2.5-VL / Qwen3-VL model trained under context parallelism.
+
+Legend: B batch, S full length, L = S_loc local length, D hidden size, V vocabulary, R visual rows.
+
+Every CP rank passes the same full batch. The scalable flow (DESIGN section 3) never builds a
+full-length float tensor: positions and labels are computed on the full integer sequence, then
+each rank embeds its own tokens, gets the vision rows of its own visual positions (each image or
+frame encoded once, on one rank, rows routed to their owners), runs the decoder on its shard with
+CP attention, and returns its share of the global token-mean loss. The compatibility flow builds
+the full ``inputs_embeds`` as the model itself would and cuts it with ``ShardPlan.shard``; it is
+the reference the scalable flow is tested against. Nothing in transformers or torch is patched:
+the attention is selected through transformers' AttentionInterface for the text model only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cpvlm.distributed.shard_plan import pad_and_shard
+from cpvlm.loss import token_mean_loss
+from cpvlm.vision import VisionDataParallel
+
+from .attention import CP_ATTENTION, CPAttentionContext
+from .inputs import PreparedBatch, prepare_batch
+from .models import model_family
+
+ATTN_IMPLS = ("ring", "allgather")
+VISION_MODES = ("route", "allgather", "replicate")
+FLOWS = ("scalable", "compat")
+
+
+@dataclass
+class ContextParallelOutput:
+    """This rank's share of a step: summed over CP ranks, ``loss`` is the model's mean loss."""
+
+    loss: torch.Tensor
+    num_valid: int  # the global count the loss is divided by
+    local_labels: int  # valid labels on this rank
+    local_visual_tokens: int  # visual positions in this rank's shard
+    encoded_units: int  # vision units (images, frames) this rank encoded
+
+
+class _Tower(nn.Module):
+    """``visual(pixel_values, grid_thw)`` as VisionDataParallel expects: rows, or (rows, deepstack)."""
+
+    def __init__(self, visual: nn.Module, deepstack: bool):
+        super().__init__()
+        self.visual = visual
+        self.deepstack = deepstack
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
+        out = self.visual(pixel_values, grid_thw=grid_thw, return_dict=True)
+        if self.deepstack:
+            return out.pooler_output, list(out.deepstack_features)
+        return out.pooler_output
+
+
+def _local_row_order(prep: PreparedBatch, cp_rank: int) -> torch.Tensor:
+    """Indices of the visual rows this rank owns, sorted by their place in its [B, L] shard."""
+    plan, pos = prep.plan, prep.row_positions.cpu()
+    p = pos % plan.padded_len
+    local = (pos // plan.padded_len) * plan.local_len + plan.local_index[p]
+    mine = torch.nonzero(plan.owners[p] == cp_rank).squeeze(1)
+    return mine[torch.argsort(local[mine])]
+
+
+class ContextParallelVLM(nn.Module):
+    """Wrap a Qwen-VL ``*ForConditionalGeneration`` model for training on a CP group.
+
+    Args:
+        model: ``Qwen2_5_VLForConditionalGeneration`` or ``Qwen3VLForConditionalGeneration``.
+        cp_group: the CP process group (``None``: the default group).
+        attn: ``"ring"`` or ``"allgather"`` CP attention.
+        vision: ``"route"`` (each unit encoded once, rows sent to their owners), ``"allgather"``
+            (each unit encoded once, every rank gets every row) or ``"replicate"`` (every rank
+            encodes every unit: the simple baseline).
+        flow: ``"scalable"`` or ``"compat"`` (full ``inputs_embeds`` built, then sharded).
+
+    ``forward(**batch)`` takes the same full batch on every CP rank and returns a
+    ``ContextParallelOutput`` whose ``loss`` is this rank's share.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cp_group: dist.ProcessGroup | None = None,
+        *,
+        attn: str = "ring",
+        vision: str = "route",
+        flow: str = "scalable",
+    ):
+        super().__init__()
+        self.family = model_family(model)
+        for name, value, allowed in (
+            ("attn", attn, ATTN_IMPLS),
+            ("vision", vision, VISION_MODES),
+            ("flow", flow, FLOWS),
+        ):
+            if value not in allowed:
+                raise ValueError(
+                    f"ContextParallelVLM: {name} must be one of {allowed}, got {value!r}"
+                )
+        if flow == "compat" and vision == "route":
+            raise ValueError(
+                "ContextParallelVLM: flow='compat' builds the full inputs_embeds, which needs every "
+                "visual row on every rank: use vision='allgather' or 'replicate'"
+            )
+        self.model = model
+        self.cp_group = cp_group
+        self.attn, self.vision, self.flow = attn, vision, flow
+        self.cp_size = dist.get_world_size(cp_group)
+        self.cp_rank = dist.get_rank(cp_group)
+        model.model.language_model.set_attn_implementation(CP_ATTENTION)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        num_valid: int | None = None,
+        doc_lens=None,
+        **batch,
+    ) -> ContextParallelOutput:
+        unknown = set(batch) - {
+            "attention_mask",
+            "mm_token_type_ids",
+            "pixel_values",
+            "image_grid_thw",
+            "pixel_values_videos",
+            "video_grid_thw",
+            "second_per_grid_ts",
+        }
+        if unknown:
+            raise ValueError(f"ContextParallelVLM: unexpected batch keys {sorted(unknown)}")
+        prep = prepare_batch(
+            self.model,
+            {"input_ids": input_ids, "labels": labels, **batch},
+            self.cp_size,
+            doc_lens=doc_lens,
+            num_valid=num_valid,
+        )
+        local = pad_and_shard(
+            {"input_ids": prep.input_ids, "labels": prep.labels, "position_ids": prep.position_ids},
+            prep.plan,
+            self.cp_rank,
+        )
+        visual_mask_loc = prep.plan.shard(
+            prep.plan.pad(prep.visual_mask, value=False), self.cp_rank
+        )
+        rows, encoded = self._vision_rows(prep)
+        embed = self.model.get_input_embeddings()
+        if self.flow == "scalable":
+            x_loc = embed(local["input_ids"])
+            deepstack = None
+            if rows is not None:
+                x_loc = x_loc.masked_scatter(visual_mask_loc.unsqueeze(-1), rows[0].to(x_loc.dtype))
+                deepstack = rows[1:]
+        else:
+            x_full = embed(prep.input_ids)
+            deepstack = None
+            if rows is not None:
+                # masked_scatter fills positions in row-major order; rows are images then videos.
+                order = torch.argsort(prep.row_positions).to(x_full.device)
+                x_full = x_full.masked_scatter(
+                    prep.visual_mask.unsqueeze(-1), rows[0].index_select(0, order).to(x_full.dtype)
+                )
+                mine = _local_row_order(prep, self.cp_rank).to(x_full.device)
+                deepstack = [t.index_select(0, mine) for t in rows[1:]]
+            x_loc = prep.plan.shard(prep.plan.pad(x_full), self.cp_rank)
+
+        lm_kwargs = {}
+        if self.family == "qwen3_vl" and rows is not None:
+            lm_kwargs = {"visual_pos_masks": visual_mask_loc, "deepstack_visual_embeds": deepstack}
+        context = CPAttentionContext(prep.plan, self.cp_rank, self.cp_group, self.attn)
+        hidden = self.model.model.language_model(
+            inputs_embeds=x_loc,
+            position_ids=local["position_ids"],
+            attention_mask=None,
+            use_cache=False,
+            cpvlm_cp=context,
+            **lm_kwargs,
+        ).last_hidden_state
+        logits = self.model.lm_head(hidden)
+        loss = token_mean_loss(logits, local["labels"], prep.num_valid)
+        return ContextParallelOutput(
+            loss=loss,
+            num_valid=prep.num_valid,
+            local_labels=int((local["labels"] != -100).sum()),
+            local_visual_tokens=int(visual_mask_loc.sum()),
+            encoded_units=encoded,
+        )
+
+    def _vision_rows(self, prep: PreparedBatch) -> tuple[list[torch.Tensor] | None, int]:
+        """This rank's visual rows (scalable flow) or all of them (compat), main then deepstack."""
+        if not prep.has_vision:
+            return None, 0
+        visual = self.model.model.visual
+        tower = _Tower(visual, deepstack=self.family == "qwen3_vl")
+        merge = visual.spatial_merge_size
+        if self.vision == "replicate":
+            out = tower(prep.pixel_values, prep.grid_thw)
+            rows = [out[0], *out[1]] if isinstance(out, tuple) else [out]
+            encoded = None
+        else:
+            vdp = VisionDataParallel(tower, self.cp_group, mode=self.vision, merge_size=merge)
+            units = vdp.units(prep.grid_thw)
+            encoded = len(vdp.assignment(units)[self.cp_rank])
+            if self.vision == "route":
+                out = vdp(
+                    prep.pixel_values,
+                    prep.grid_thw,
+                    plan=prep.plan,
+                    row_positions=prep.row_positions,
+                )
+            else:
+                out = vdp(prep.pixel_values, prep.grid_thw)
+            rows = [out[0], *out[1]] if isinstance(out, tuple) else [out]
+        if encoded is None:
+            encoded = int(prep.grid_thw[:, 0].sum())
+        if self.flow == "scalable" and self.vision != "route":
+            mine = _local_row_order(prep, self.cp_rank).to(rows[0].device)
+            rows = [t.index_select(0, mine) for t in rows]
+        return rows, encoded
