@@ -64,6 +64,16 @@ def _check(q, k, v, plan, cp_rank, group, impl, causal, scale) -> None:
         raise ValueError(f"cp_attention: impl must be one of {sorted(IMPLS)}, got {impl!r}")
     if not isinstance(plan, ShardPlan):
         raise ValueError(f"cp_attention: plan must be a ShardPlan, got {type(plan).__name__}")
+    group_size = dist.get_world_size(group)
+    if group_size != plan.cp_size:
+        raise ValueError(
+            f"cp_attention: the group has {group_size} ranks but the plan has cp_size={plan.cp_size}"
+        )
+    group_rank = dist.get_rank(group)
+    if cp_rank != group_rank:
+        raise ValueError(
+            f"cp_attention: cp_rank={cp_rank!r} but this process is rank {group_rank} of the group"
+        )
     if not isinstance(causal, bool):
         raise ValueError(f"cp_attention: causal must be a bool, got {causal!r}")
     if scale is not None and (
@@ -104,14 +114,4 @@ def _check(q, k, v, plan, cp_rank, group, impl, causal, scale) -> None:
         raise ValueError(
             f"cp_attention: q has {s} and k {sk} positions but {plan!r} gives each rank "
             f"local_len={plan.local_len} (pad and shard with the plan first)"
-        )
-    group_size = dist.get_world_size(group)
-    if group_size != plan.cp_size:
-        raise ValueError(
-            f"cp_attention: the group has {group_size} ranks but the plan has cp_size={plan.cp_size}"
-        )
-    group_rank = dist.get_rank(group)
-    if cp_rank != group_rank:
-        raise ValueError(
-            f"cp_attention: cp_rank={cp_rank!r} but this process is rank {group_rank} of the group"
         )
