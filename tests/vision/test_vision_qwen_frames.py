@@ -79,3 +79,15 @@ def test_a_video_encodes_exactly_as_its_frames(make_tower):
     # Control: the same pixel rows as one tall image (frames stacked; attention and positions
     # across frames) give different rows, so the check above is not vacuous.
     assert rel_err(_encode(tower, pixels, [[1, t * h, w]])[0], whole[0]) > 1e-3
+
+
+@pytest.mark.parametrize(
+    "make_tower", [_qwen2_5_tower, _qwen3_tower], ids=["qwen2_5_vl", "qwen3_vl"]
+)
+def test_the_dummy_frame_of_empty_ranks_is_valid_for_the_real_towers(make_tower):
+    # VisionDataParallel's empty ranks encode one zero frame of grid (1, m, m) to learn their
+    # placeholders' dtype and widths: it must give one row per output.
+    tower = make_tower().to(torch.float64)
+    outputs = _encode(tower, torch.zeros(4, 3 * 2 * 8 * 8, dtype=torch.float64), [[1, 2, 2]])
+    assert all(o.shape == (1, 16) and o.dtype == torch.float64 for o in outputs)
+    assert all(torch.isfinite(o).all() for o in outputs)
