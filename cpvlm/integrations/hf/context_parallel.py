@@ -155,25 +155,21 @@ class ContextParallelVLM(nn.Module):
         embed = self.model.get_input_embeddings()
         if self.flow == "scalable":
             x_loc = embed(local["input_ids"])
-            deepstack = None
-            if rows is not None:
-                x_loc = x_loc.masked_scatter(visual_mask_loc.unsqueeze(-1), rows[0].to(x_loc.dtype))
-                deepstack = rows[1:]
+            x_loc = x_loc.masked_scatter(visual_mask_loc.unsqueeze(-1), rows[0].to(x_loc.dtype))
+            deepstack = rows[1:]
         else:
             x_full = embed(prep.input_ids)
-            deepstack = None
-            if rows is not None:
-                # masked_scatter fills positions in row-major order; rows are images then videos.
-                order = torch.argsort(prep.row_positions).to(x_full.device)
-                x_full = x_full.masked_scatter(
-                    prep.visual_mask.unsqueeze(-1), rows[0].index_select(0, order).to(x_full.dtype)
-                )
-                mine = _local_row_order(prep, self.cp_rank).to(x_full.device)
-                deepstack = [t.index_select(0, mine) for t in rows[1:]]
+            # masked_scatter fills positions in row-major order; rows are images then videos.
+            order = torch.argsort(prep.row_positions).to(x_full.device)
+            x_full = x_full.masked_scatter(
+                prep.visual_mask.unsqueeze(-1), rows[0].index_select(0, order).to(x_full.dtype)
+            )
+            mine = _local_row_order(prep, self.cp_rank).to(x_full.device)
+            deepstack = [t.index_select(0, mine) for t in rows[1:]]
             x_loc = prep.plan.shard(prep.plan.pad(x_full), self.cp_rank)
 
         lm_kwargs = {}
-        if self.family == "qwen3_vl" and rows is not None:
+        if self.family == "qwen3_vl":
             lm_kwargs = {"visual_pos_masks": visual_mask_loc, "deepstack_visual_embeds": deepstack}
         context = CPAttentionContext(prep.plan, self.cp_rank, self.cp_group, self.attn)
         hidden = self.model.model.language_model(
@@ -194,22 +190,25 @@ class ContextParallelVLM(nn.Module):
             encoded_units=encoded,
         )
 
-    def _vision_rows(self, prep: PreparedBatch) -> tuple[list[torch.Tensor] | None, int]:
-        """This rank's visual rows (scalable flow) or all of them (compat), main then deepstack."""
-        if not prep.has_vision:
-            return None, 0
+    def _vision_rows(self, prep: PreparedBatch) -> tuple[list[torch.Tensor], int]:
+        """This rank's visual rows (scalable flow) or all of them (compat), main then deepstack.
+
+        The tower runs on every rank even without images (VisionDataParallel then encodes a dummy
+        frame and keeps none of it), so every rank makes the same collectives and gradients.
+        """
         visual = self.model.model.visual
         tower = _Tower(visual, deepstack=self.family == "qwen3_vl")
-        merge = visual.spatial_merge_size
-        if self.vision == "replicate":
+        if self.vision == "replicate" and len(prep.grid_thw):
             out = tower(prep.pixel_values, prep.grid_thw)
-            rows = [out[0], *out[1]] if isinstance(out, tuple) else [out]
-            encoded = None
+            encoded = int(prep.grid_thw[:, 0].sum())
         else:
-            vdp = VisionDataParallel(tower, self.cp_group, mode=self.vision, merge_size=merge)
-            units = vdp.units(prep.grid_thw)
-            encoded = len(vdp.assignment(units)[self.cp_rank])
-            if self.vision == "route":
+            # With no units at all, "replicate" runs the same dummy frame as the other modes.
+            mode = "allgather" if self.vision == "replicate" else self.vision
+            vdp = VisionDataParallel(
+                tower, self.cp_group, mode=mode, merge_size=visual.spatial_merge_size
+            )
+            encoded = len(vdp.assignment(vdp.units(prep.grid_thw))[self.cp_rank])
+            if mode == "route":
                 out = vdp(
                     prep.pixel_values,
                     prep.grid_thw,
@@ -218,9 +217,7 @@ class ContextParallelVLM(nn.Module):
                 )
             else:
                 out = vdp(prep.pixel_values, prep.grid_thw)
-            rows = [out[0], *out[1]] if isinstance(out, tuple) else [out]
-        if encoded is None:
-            encoded = int(prep.grid_thw[:, 0].sum())
+        rows = [out[0], *out[1]] if isinstance(out, tuple) else [out]
         if self.flow == "scalable" and self.vision != "route":
             mine = _local_row_order(prep, self.cp_rank).to(rows[0].device)
             rows = [t.index_select(0, mine) for t in rows]

@@ -35,13 +35,9 @@ class PreparedBatch:
     labels: torch.Tensor  # [B, S] shifted (label of token t+1 at t), -100 = no loss
     num_valid: int  # global valid-label count the loss divides by
     visual_mask: torch.Tensor  # [B, S] image or video placeholder
-    pixel_values: torch.Tensor | None  # [patches, C] images then videos
-    grid_thw: torch.Tensor | None  # [items, 3] images then videos
-    row_positions: torch.Tensor | None  # [R] b * P + p of each visual row, tower order
-
-    @property
-    def has_vision(self) -> bool:
-        return self.grid_thw is not None
+    pixel_values: torch.Tensor  # [patches, C] images then videos ([0, C] for text only)
+    grid_thw: torch.Tensor  # [items, 3] images then videos ([0, 3] for text only)
+    row_positions: torch.Tensor  # [R] b * P + p of each visual row, tower order
 
 
 def _tokens_per_item(grids: list[tuple[int, int, int]], merge: int) -> list[int]:
@@ -234,19 +230,20 @@ def prepare_batch(
         num_valid = count_valid_labels(shifted)
 
     visual_mask = (ids == config.image_token_id) | (ids == config.video_token_id)
-    pixels, grids, row_positions = None, None, None
-    if image_grids or video_grids:
-        dtype = model.model.visual.dtype
-        pixels = torch.cat(
-            [batch[k].to(dtype) for k in ("pixel_values", "pixel_values_videos") if k in batch]
-        )
-        grids = torch.tensor(image_grids + video_grids, dtype=torch.long)
-        padded = plan.padded_index.to(ids.device)
-        flat = []
-        for token_id in (config.image_token_id, config.video_token_id):
-            b, s = torch.nonzero(ids == token_id, as_tuple=True)  # row-major: the tower's order
-            flat.append(b * plan.padded_len + padded[s])
-        row_positions = torch.cat(flat)
+    vision = config.vision_config
+    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    # Text-only batches keep [0, C] pixels: the tower still runs (on a dummy frame) on every rank,
+    # so FSDP's per-module collectives and the set of gradients match across DP replicas.
+    pixels = [batch[k] for k in ("pixel_values", "pixel_values_videos") if batch.get(k) is not None]
+    pixels = torch.cat(pixels) if pixels else torch.zeros(0, width)
+    pixels = pixels.to(model.model.visual.dtype)
+    grids = torch.tensor(image_grids + video_grids, dtype=torch.long).reshape(-1, 3)
+    padded = plan.padded_index.to(ids.device)
+    flat = []
+    for token_id in (config.image_token_id, config.video_token_id):
+        b, s = torch.nonzero(ids == token_id, as_tuple=True)  # row-major: the tower's order
+        flat.append(b * plan.padded_len + padded[s])
+    row_positions = torch.cat(flat)
     return PreparedBatch(
         plan=plan,
         input_ids=ids,
