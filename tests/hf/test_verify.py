@@ -1,0 +1,119 @@
+"""`cpvlm verify` passes on the tiny models and names the module group of an injected gradient bug."""
+
+import io
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("transformers")
+
+from cpvlm.integrations.hf import ContextParallelVLM, build_model  # noqa: E402
+from cpvlm.integrations.hf.context_parallel import _local_row_order, _Tower  # noqa: E402
+from cpvlm.verify import GROUPS, group_of, reference, run_verify, verify_batches  # noqa: E402
+from cpvlm.vision import assign_vision_units, gather_vision_embeddings, vision_units  # noqa: E402
+
+
+@pytest.mark.parametrize("name", ["qwen3-vl-tiny", "qwen2.5-vl-tiny"])
+def test_verify_passes_on_tiny_models_at_cp_2_and_4(name):
+    out = io.StringIO()
+    assert run_verify(name, [2, 4], ["ring", "allgather"], ["route"], ["scalable"], out=out)
+    text = out.getvalue()
+    assert "OK: the loss and every gradient are within tolerance (float64)" in text
+    assert "FAIL" not in text
+    for group in (
+        "vision blocks",
+        "vision merger",
+        "token embeddings",
+        "decoder layers",
+        "lm head",
+    ):
+        assert group in text
+    assert ("deepstack mergers" in text) == (name == "qwen3-vl-tiny")
+
+
+def test_every_module_group_has_a_nonzero_reference_gradient():
+    """So that a zero error in the table means equal gradients, not two zeros."""
+    model = build_model("qwen3-vl-tiny", dtype=torch.float64)
+    for batch, doc_lens in verify_batches(model, torch.float64).values():
+        _, grads = reference(model, batch, doc_lens)
+        for label, _ in GROUPS:
+            assert any(g.abs().max() > 0 for n, g in grads.items() if group_of(n) == label), label
+
+
+class _LocalSliceGather(torch.autograd.Function):
+    """The public bug: an all-gather of vision rows whose backward keeps only the local slice,
+    dropping what the other ranks' losses say about this rank's rows."""
+
+    @staticmethod
+    def forward(ctx, x, counts, rank, group):
+        ctx.start, ctx.stop = sum(counts[:rank]), sum(counts[: rank + 1])
+        with torch.no_grad():
+            return gather_vision_embeddings(x, counts, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.start : ctx.stop], None, None, None
+
+
+class _BuggyVisionGatherVLM(ContextParallelVLM):
+    def _vision_rows(self, prep):
+        visual = self.model.model.visual
+        tower = _Tower(visual, deepstack=self.family == "qwen3_vl")
+        units = vision_units(prep.grid_thw, visual.spatial_merge_size)
+        assignment = assign_vision_units(units.pixel_counts, self.cp_size)
+        mine = assignment[self.cp_rank]
+        out = tower(prep.pixel_values[units.pixel_index(mine)], units.grid_thw(mine))
+        rows = [out[0], *out[1]] if isinstance(out, tuple) else [out]
+        counts = [sum(units.row_counts[u] for u in a) for a in assignment]
+        gathered = [_LocalSliceGather.apply(t, counts, self.cp_rank, self.cp_group) for t in rows]
+        back = torch.argsort(torch.cat([units.row_index(a) for a in assignment]))
+        local = _local_row_order(prep, self.cp_rank)
+        return [t[back][local] for t in gathered], len(mine)
+
+
+def buggy_factory(model, group, attn, vision, flow):
+    return _BuggyVisionGatherVLM(model, group, attn=attn, vision="allgather", flow=flow)
+
+
+def test_verify_fails_and_names_the_vision_groups_on_a_local_slice_gather_backward():
+    assert dist.is_available()
+    out = io.StringIO()
+    ok = run_verify("qwen3-vl-tiny", [2], ["ring"], ["allgather"], factory=buggy_factory, out=out)
+    text = out.getvalue()
+    assert not ok
+    assert "FAIL vision blocks: relative error" in text
+    assert "FAIL vision merger: relative error" in text
+    # The loss and the text side are still right: only the vision gradients are wrong.
+    assert "FAIL loss" not in text and "FAIL decoder layers" not in text
+    assert "FAIL lm head" not in text and "FAIL token embeddings" not in text
+
+
+def test_verify_command_exit_codes():
+    ok = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cpvlm.verify",
+            "--model",
+            "qwen2.5-vl-tiny",
+            "--cp",
+            "2",
+            "--attn",
+            "ring",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "OK: the loss and every gradient are within tolerance" in ok.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "cpvlm.verify", "--model", "does/not/exist", "--cp", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert bad.returncode != 0 and "does/not/exist" in bad.stderr
