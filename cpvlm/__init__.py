@@ -1,7 +1,46 @@
-"""cpvlm: context-parallel training of vision-language models with exact gradients."""
+"""cpvlm: context-parallel training of vision-language models with exact gradients.
 
+The model-agnostic API lives here; the Hugging Face Qwen-VL integration (which needs
+``transformers``) is ``cpvlm.integrations.hf``.
+"""
+
+from cpvlm.attention import cp_attention
 from cpvlm.distributed import ShardPlan, ensure_requires_grad_for_cp_collective, pad_and_shard
+from cpvlm.loss import IGNORE_INDEX, count_valid_labels, shift_labels, token_mean_loss
+from cpvlm.parallelize import (
+    MeshGroups,
+    build_mesh,
+    mesh_groups,
+    parallelize,
+    sync_gradients,
+)
+from cpvlm.vision import (
+    VisionDataParallel,
+    assign_vision_units,
+    gather_vision_embeddings,
+    route_to_owners,
+    vision_units,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["ShardPlan", "ensure_requires_grad_for_cp_collective", "pad_and_shard"]
+__all__ = [
+    "IGNORE_INDEX",
+    "MeshGroups",
+    "ShardPlan",
+    "VisionDataParallel",
+    "assign_vision_units",
+    "build_mesh",
+    "count_valid_labels",
+    "cp_attention",
+    "ensure_requires_grad_for_cp_collective",
+    "gather_vision_embeddings",
+    "mesh_groups",
+    "pad_and_shard",
+    "parallelize",
+    "route_to_owners",
+    "shift_labels",
+    "sync_gradients",
+    "token_mean_loss",
+    "vision_units",
+]
