@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from cpvlm.attention.block import acc_dtype, add_key_grads, attend_block, attend_block_backward
 from cpvlm.attention.masks import AttentionSchedule
@@ -77,6 +78,7 @@ class _AllGatherAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout):
         q, kv_all, out, lse = ctx.saved_tensors
         dq, dk, dv = _allgather_backward(dout, q, kv_all, out, lse, *ctx.args)

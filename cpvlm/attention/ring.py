@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from cpvlm.attention.block import acc_dtype, add_key_grads, attend_block, attend_block_backward
 from cpvlm.attention.masks import AttentionSchedule
@@ -116,6 +117,7 @@ class _RingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, *ctx.args)

@@ -44,26 +44,33 @@ def inputs(c, cp):
     return plan, [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
 
 
-def run_cases(rank, world_size, cases):
-    """On each rank: shard, cp_attention forward and backward, return out and grads (shards)."""
+def run_cases(rank, world_size, cases, cp=None):
+    """On each rank: shard, cp_attention forward and backward, return out and grads (shards).
+
+    ``cp`` < world_size splits the world into CP groups of ``cp`` consecutive ranks.
+    """
+    group, cp_rank, cp = dist.group.WORLD, rank, cp or world_size
+    if cp != world_size:
+        groups = [dist.new_group(list(range(s, s + cp))) for s in range(0, world_size, cp)]
+        group, cp_rank = groups[rank // cp], rank % cp
     results = []
     for c in cases:
-        plan, (q, k, v, g) = inputs(c, world_size)
+        plan, (q, k, v, g) = inputs(c, cp)
         q_loc, k_loc, v_loc = (
-            plan.shard(t, rank, seq_dim=2).detach().requires_grad_() for t in (q, k, v)
+            plan.shard(t, cp_rank, seq_dim=2).detach().requires_grad_() for t in (q, k, v)
         )
         out = cp_attention(
             q_loc,
             k_loc,
             v_loc,
             plan=plan,
-            cp_rank=rank,
-            group=dist.group.WORLD,
+            cp_rank=cp_rank,
+            group=group,
             impl=c["impl"],
             causal=c["causal"],
             scale=c["scale"],
         )
-        (out * plan.shard(g, rank, seq_dim=2)).sum().backward()
+        (out * plan.shard(g, cp_rank, seq_dim=2)).sum().backward()
         results.append([t.detach() for t in (out, q_loc.grad, k_loc.grad, v_loc.grad)])
     return results
 

@@ -2,6 +2,7 @@
 
 import torch
 import torch.distributed as dist
+from attn_cases import case, reference, run_cases, unshard
 
 from cpvlm import ShardPlan
 from cpvlm.attention import cp_attention
@@ -112,3 +113,13 @@ def test_no_grad_mixed_requires_grad_and_strided_inputs_give_the_same_results():
         assert r["mixed"] == 0.0 and r["no_grad"] == 0.0
         assert rank == 0 or r["mixed_grads"] == 0.0
         assert not r["no_grad_requires_grad"]
+
+
+def test_cp_groups_that_are_subgroups_of_the_world():
+    """4 ranks as 2 data-parallel replicas x CP=2: each pair runs its own ring in a subgroup."""
+    c = case([9, 14], "ring", True, seed=4)
+    results = run_distributed(run_cases, 4, [c], cp=2)
+    plan, expected = reference(c, 2)
+    for pair in (results[0:2], results[2:4]):
+        for j in range(4):
+            assert rel_err(unshard(plan, [r[0][j] for r in pair]), expected[j]) <= 1e-10
