@@ -1,0 +1,262 @@
+"""Configuration of ``cpvlm train``: small frozen dataclasses, validated when built.
+
+Every error names the config field, the command-line flag that sets it, and the fix. Checks that
+need the launch environment (the world size under torchrun) or the model (token ids, merge size)
+live in ``resolve_world`` and ``cpvlm.train.data.check_data_fits``; all of them run before any
+training process starts work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DTYPES = ("float32", "float64", "bfloat16")
+ATTN_IMPLS = ("ring", "allgather")
+VISION_MODES = ("route", "allgather", "replicate")
+FLOWS = ("scalable", "compat")
+DATA_PARALLEL = ("fsdp", "ddp", "none")
+DEVICES = ("auto", "cpu", "cuda")
+MIN_SEQ_LEN = 16
+
+
+def _fail(field_name: str, flag: str, value: object, need: str) -> None:
+    raise ValueError(f"{field_name} = {value!r} ({flag}): {need}")
+
+
+def _positive_int(field_name: str, flag: str, value: object, *, zero_ok: bool = False) -> None:
+    low = 0 if zero_ok else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        _fail(
+            field_name,
+            flag,
+            value,
+            f"must be an integer >= {low}; pass {flag} {max(low, 1)} or more",
+        )
+
+
+def _choice(field_name: str, flag: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        _fail(field_name, flag, value, f"must be one of {', '.join(choices)}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model, in which dtype, and what is trained."""
+
+    name: str = "qwen3-vl-tiny"  # "qwen3-vl-tiny", "qwen2.5-vl-tiny", or a local checkpoint dir
+    dtype: str = "float32"
+    freeze_vision: bool = False  # freeze the vision encoder; its mergers (projector) still train
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            _fail("model.name", "--model", self.name, "name a tiny model or a checkpoint directory")
+        _choice("model.dtype", "--dtype", self.dtype, DTYPES)
+
+    @property
+    def torch_dtype(self):
+        import torch  # lazily: flags are validated without loading torch
+
+        return getattr(torch, self.dtype)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the ranks split the work: cp ranks per sequence, dp replicas of the batch."""
+
+    cp: int = 4
+    dp: int | None = None  # None: 1 when cpvlm launches the ranks, world // cp under torchrun
+    attn: str = "ring"
+    vision: str = "route"
+    flow: str = "scalable"
+    data_parallel: str = "fsdp"
+
+    def __post_init__(self):
+        _positive_int("parallel.cp", "--cp", self.cp)
+        if self.dp is not None:
+            _positive_int("parallel.dp", "--dp", self.dp)
+        _choice("parallel.attn", "--attn", self.attn, ATTN_IMPLS)
+        _choice("parallel.vision", "--vision", self.vision, VISION_MODES)
+        _choice("parallel.flow", "--flow", self.flow, FLOWS)
+        _choice("parallel.data_parallel", "--data-parallel", self.data_parallel, DATA_PARALLEL)
+        if self.flow == "compat" and self.vision == "route":
+            _fail(
+                "parallel.vision",
+                "--vision",
+                self.vision,
+                "--flow compat builds the full input embeddings, which needs every visual row on "
+                "every rank; use --vision allgather or --vision replicate with it",
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.cp * (self.dp or 1)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where samples come from and how they are packed into rows."""
+
+    source: str = "synthetic"  # "synthetic" or "package.module:function" (see cpvlm.train.data)
+    seq_len: int = 512  # tokens per packed row (one row per CP forward)
+    batch_size: int = 1  # packed rows per DP rank per microbatch
+    grad_accum: int = 1  # microbatches per optimizer step
+
+    def __post_init__(self):
+        if self.source != "synthetic" and (
+            not isinstance(self.source, str) or self.source.count(":") != 1
+        ):
+            _fail(
+                "data.source",
+                "--data",
+                self.source,
+                "use 'synthetic' or 'package.module:function' (a function returning samples)",
+            )
+        if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int):
+            _fail("data.seq_len", "--seq-len", self.seq_len, "must be an integer")
+        if self.seq_len < MIN_SEQ_LEN:
+            _fail("data.seq_len", "--seq-len", self.seq_len, f"use --seq-len {MIN_SEQ_LEN} or more")
+        _positive_int("data.batch_size", "--batch-size", self.batch_size)
+        _positive_int("data.grad_accum", "--grad-accum", self.grad_accum)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warmup to a constant learning rate, and gradient-norm clipping.
+
+    The schedule does not depend on the number of steps, so a run stopped at step K and resumed
+    to step N follows the same learning rates as a run of N steps.
+    """
+
+    lr: float = 1e-2
+    weight_decay: float = 0.0
+    warmup_steps: int = 3
+    max_grad_norm: float = 1.0  # 0 disables clipping (the norm is still logged)
+
+    def __post_init__(self):
+        if not isinstance(self.lr, (int, float)) or not self.lr > 0:
+            _fail("optim.lr", "--lr", self.lr, "must be a number > 0, e.g. --lr 3e-3")
+        if not isinstance(self.weight_decay, (int, float)) or self.weight_decay < 0:
+            _fail("optim.weight_decay", "--weight-decay", self.weight_decay, "must be >= 0")
+        _positive_int("optim.warmup_steps", "--warmup-steps", self.warmup_steps, zero_ok=True)
+        if not isinstance(self.max_grad_norm, (int, float)) or self.max_grad_norm < 0:
+            _fail("optim.max_grad_norm", "--max-grad-norm", self.max_grad_norm, "must be >= 0")
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of step ``step`` (0-based)."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / (self.warmup_steps + 1)
+        return self.lr
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """How long, where the outputs go, checkpoints, and the device."""
+
+    steps: int = 30
+    seed: int = 0
+    out: str = ""  # "" -> runs/train-<date>-<time> (see TrainConfig.with_default_out)
+    ckpt_every: int = 0  # save every N steps; 0: only at the end. The last step always saves.
+    resume: bool = False
+    device: str = "auto"  # auto: cuda under torchrun when available, else cpu
+
+    def __post_init__(self):
+        _positive_int("run.steps", "--steps", self.steps)
+        if (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not 0 <= self.seed < 2**31
+        ):
+            _fail("run.seed", "--seed", self.seed, "must be an integer in [0, 2**31)")
+        _positive_int("run.ckpt_every", "--ckpt-every", self.ckpt_every, zero_ok=True)
+        _choice("run.device", "--device", self.device, DEVICES)
+        if self.resume and not self.out:
+            _fail("run.out", "--out", self.out, "--resume continues the run in --out DIR; pass it")
+
+
+# Fields a resumed run may change; everything else must match the checkpoint for exactness.
+RESUMABLE_CHANGES = ("run.steps", "run.ckpt_every", "run.resume", "run.out", "run.device")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self):
+        for name, kind in (
+            ("model", ModelConfig),
+            ("parallel", ParallelConfig),
+            ("data", DataConfig),
+            ("optim", OptimConfig),
+            ("run", RunConfig),
+        ):
+            if not isinstance(getattr(self, name), kind):
+                raise ValueError(f"TrainConfig.{name} must be a {kind.__name__}")
+
+    def replace(self, **sections) -> TrainConfig:
+        """A copy with ``section={field: value}`` updates, e.g. ``replace(run={"steps": 5})``."""
+        updates = {k: dataclasses.replace(getattr(self, k), **v) for k, v in sections.items()}
+        return dataclasses.replace(self, **updates)
+
+    def with_default_out(self) -> TrainConfig:
+        if self.run.out:
+            return self
+        return self.replace(run={"out": str(Path("runs") / time.strftime("train-%Y%m%d-%H%M%S"))})
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainConfig:
+        return cls(
+            model=ModelConfig(**d["model"]),
+            parallel=ParallelConfig(**d["parallel"]),
+            data=DataConfig(**d["data"]),
+            optim=OptimConfig(**d["optim"]),
+            run=RunConfig(**d["run"]),
+        )
+
+    def differences(self, other: TrainConfig, *, ignore=RESUMABLE_CHANGES) -> list[str]:
+        """``"section.field: mine -> other"`` for every field that differs, except ``ignore``."""
+        out = []
+        a, b = self.to_dict(), other.to_dict()
+        for section, fields in a.items():
+            for name, value in fields.items():
+                key = f"{section}.{name}"
+                if key not in ignore and b[section][name] != value:
+                    out.append(f"{key}: {value!r} -> {b[section][name]!r}")
+        return out
+
+
+def resolve_world(config: TrainConfig, world_size: int | None) -> TrainConfig:
+    """Fill ``parallel.dp`` and check it against the launcher's world size.
+
+    ``world_size=None``: cpvlm launches the ranks itself (dp defaults to 1). Otherwise the world
+    comes from torchrun and must be dp * cp.
+    """
+    cp, dp = config.parallel.cp, config.parallel.dp
+    if world_size is None:
+        return config.replace(parallel={"dp": dp or 1})
+    if world_size % cp:
+        _fail(
+            "parallel.cp",
+            "--cp",
+            cp,
+            f"must divide the launcher's world size {world_size} (torchrun --nproc-per-node x "
+            f"--nnodes); use a --cp that divides {world_size}",
+        )
+    if dp is not None and dp * cp != world_size:
+        _fail(
+            "parallel.dp",
+            "--dp",
+            dp,
+            f"--dp {dp} x --cp {cp} = {dp * cp} ranks, but the launcher started {world_size}; "
+            f"use --dp {world_size // cp} or leave --dp out",
+        )
+    return config.replace(parallel={"dp": world_size // cp})

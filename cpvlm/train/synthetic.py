@@ -1,0 +1,119 @@
+"""Deterministic synthetic multimodal samples that a tiny model can learn from.
+
+Sample ``i`` is a pure function of ``(seed, i)``, so any rank can produce any sample without
+communication and a resumed run reads exactly the samples an uninterrupted run would.
+
+Each sample is one document in the layout a Qwen-VL processor writes (built with
+``cpvlm.integrations.hf.synthetic_batch``): text-only (2 in 5), one or two images (9 in 20) (grids from 2x2
+to 8x8 patches: sides spread 4x, areas 16x), or a video (3 in 20; 2 to 4 temporal patch-frames; Qwen3-VL
+writes a timestamp + <vision_start> pads <vision_end> group per frame). Pixels are random.
+
+The text is learnable: the text tokens of a document count upwards through a small vocabulary,
+``TEXT_BASE + (start + j * stride) % TEXT_VOCAB`` with a per-document start and a stride of 1, 2
+or 3, continuing across the images. After two tokens of a document the next one is determined by
+the last two, so the loss of a tiny model falls from ln(vocab) towards the cost of the first tokens
+and of the vision-start tokens, whose place is random.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from cpvlm.integrations.hf import SampleSpec, model_family, synthetic_batch
+
+TEXT_BASE = 16  # above the tiny configs' pad/bos/eos ids
+TEXT_VOCAB = 64
+STRIDES = (1, 2, 3)
+TEXT_LEN = (24, 96)  # text tokens per document, inclusive
+IMAGE_GRIDS = ((2, 2), (2, 4), (4, 4), (4, 8), (8, 8))  # (h, w) in patches
+VIDEO_FRAMES = (2, 4)  # temporal patch-frames per video, inclusive
+VIDEO_HW = (4, 4)
+MAX_IMAGES = 2
+KIND_WEIGHTS = {"text": 0.40, "image": 0.45, "video": 0.15}
+QWEN3_TIMESTAMP_TOKENS = 3
+
+
+class SyntheticVLMData:
+    """An infinite map-style source of sample dicts (see ``cpvlm.train.data``): ``data[i]``."""
+
+    def __init__(self, model_config, *, seed: int = 0):
+        self.config = model_config
+        self.family = model_family(model_config)
+        self.seed = seed
+        self.merge = model_config.vision_config.spatial_merge_size
+        vocab = model_config.text_config.vocab_size
+        specials = (
+            model_config.image_token_id,
+            model_config.video_token_id,
+            model_config.vision_start_token_id,
+            model_config.vision_end_token_id,
+        )
+        self.text_ids = torch.arange(TEXT_BASE, TEXT_BASE + TEXT_VOCAB)
+        if vocab < TEXT_BASE + TEXT_VOCAB or any(
+            TEXT_BASE <= s < TEXT_BASE + TEXT_VOCAB for s in specials
+        ):
+            raise ValueError(
+                f"synthetic data uses text ids {TEXT_BASE}..{TEXT_BASE + TEXT_VOCAB - 1}, which do "
+                f"not fit the model (vocab {vocab}, special ids {specials})"
+            )
+        self._specials = torch.tensor(specials)
+
+    def spec(self, index: int) -> tuple[SampleSpec, int, int]:
+        """``(SampleSpec, start, stride)`` of sample ``index``."""
+        g = self._generator(index)
+        text_len = int(torch.randint(TEXT_LEN[0], TEXT_LEN[1] + 1, (1,), generator=g))
+        kinds = list(KIND_WEIGHTS)
+        kind = kinds[
+            int(torch.multinomial(torch.tensor(list(KIND_WEIGHTS.values())), 1, generator=g))
+        ]
+        images, videos = (), ()
+        if kind == "image":
+            n = int(torch.randint(1, MAX_IMAGES + 1, (1,), generator=g))
+            picks = torch.randint(len(IMAGE_GRIDS), (n,), generator=g).tolist()
+            images = tuple(IMAGE_GRIDS[p] for p in picks)
+        elif kind == "video":
+            t = int(torch.randint(VIDEO_FRAMES[0], VIDEO_FRAMES[1] + 1, (1,), generator=g))
+            videos = ((t, *VIDEO_HW),)
+        start = int(torch.randint(TEXT_VOCAB, (1,), generator=g))
+        stride = STRIDES[int(torch.randint(len(STRIDES), (1,), generator=g))]
+        return SampleSpec(images=images, videos=videos, text_len=text_len), start, stride
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise IndexError(f"synthetic sample index must be an int >= 0, got {index!r}")
+        spec, start, stride = self.spec(index)
+        batch = synthetic_batch(self.config, [spec], seed=self._sample_seed(index))
+        ids = batch["input_ids"][0]
+        text = ~torch.isin(ids, self._specials)
+        j = torch.arange(int(text.sum()))
+        ids = ids.clone()
+        ids[text] = self.text_ids[(start + j * stride) % TEXT_VOCAB]
+        sample = {"input_ids": ids}
+        for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
+            if key in batch:
+                sample[key] = batch[key]
+        if "second_per_grid_ts" in batch:
+            sample["second_per_grid_ts"] = batch["second_per_grid_ts"]
+        return sample
+
+    def max_sample_len(self) -> int:
+        """The longest sample this source can produce, in tokens."""
+        m2 = self.merge**2
+        image = max(h * w for h, w in IMAGE_GRIDS) // m2 + 2
+        frame = VIDEO_HW[0] * VIDEO_HW[1] // m2
+        t = VIDEO_FRAMES[1]
+        if self.family == "qwen3_vl":
+            video = t * (QWEN3_TIMESTAMP_TOKENS + frame + 2)
+        else:
+            video = t * frame + 2
+        return TEXT_LEN[1] + max(MAX_IMAGES * image, video)
+
+    def _sample_seed(self, index: int, stream: str = "pixels") -> int:
+        # torch's CPU generator keeps only 32 bits of a seed, so (seed, index) are hashed into 32.
+        key = f"{self.seed}:{index}:{stream}".encode()
+        return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little")
+
+    def _generator(self, index: int) -> torch.Generator:
+        return torch.Generator().manual_seed(self._sample_seed(index, "spec"))
