@@ -1,0 +1,186 @@
+"""``cpvlm train``: flags -> TrainConfig -> launch. Flag defaults are the dataclass defaults."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from cpvlm.train.config import (
+    ATTN_IMPLS,
+    DATA_PARALLEL,
+    DEVICES,
+    DTYPES,
+    FLOWS,
+    VISION_MODES,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+)
+
+DESCRIPTION = """\
+Train a Qwen2.5-VL / Qwen3-VL model with context parallelism (CP): every packed sequence is split
+over --cp ranks, with gradients equal to the one-device run. Without a launcher this starts
+dp * cp local CPU processes (gloo); under torchrun it uses torchrun's ranks (NCCL on GPUs):
+    torchrun --nproc-per-node 8 -m cpvlm.train --cp 4          (dp = 8 / 4 = 2)
+The default is a tiny Qwen3-VL on synthetic image/video/text data, CP=4, about a minute on CPU.
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    m, par, d, o, r = ModelConfig(), ParallelConfig(), DataConfig(), OptimConfig(), RunConfig()
+    g = p.add_argument_group("model")
+    g.add_argument(
+        "--model",
+        default=m.name,
+        help="qwen3-vl-tiny, qwen2.5-vl-tiny, or a local checkpoint directory",
+    )
+    g.add_argument("--dtype", default=m.dtype, choices=DTYPES, help="parameter and compute dtype")
+    g.add_argument(
+        "--freeze-vision",
+        action="store_true",
+        help="freeze the vision encoder (its mergers still train)",
+    )
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--cp", type=int, default=par.cp, help="context-parallel ranks per sequence")
+    g.add_argument(
+        "--dp",
+        type=int,
+        default=par.dp,
+        help="data-parallel replicas (default: 1, or world / cp under torchrun)",
+    )
+    g.add_argument("--attn", default=par.attn, choices=ATTN_IMPLS, help="CP attention")
+    g.add_argument(
+        "--vision",
+        default=par.vision,
+        choices=VISION_MODES,
+        help="how CP ranks share the vision encoder",
+    )
+    g.add_argument(
+        "--flow",
+        default=par.flow,
+        choices=FLOWS,
+        help="scalable: no rank builds full-length embeddings",
+    )
+    g.add_argument(
+        "--data-parallel",
+        default=par.data_parallel,
+        choices=DATA_PARALLEL,
+        help="gradient sync over dp x cp (all sum)",
+    )
+    g = p.add_argument_group("data")
+    g.add_argument(
+        "--data",
+        default=d.source,
+        help="'synthetic' or pkg.module:function returning samples (see cpvlm/train/data.py)",
+    )
+    g.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per packed row")
+    g.add_argument(
+        "--batch-size",
+        type=int,
+        default=d.batch_size,
+        help="packed rows per DP rank per microbatch",
+    )
+    g.add_argument("--grad-accum", type=int, default=d.grad_accum, help="microbatches per step")
+    g = p.add_argument_group("optimizer (AdamW, linear warmup then constant)")
+    g.add_argument("--lr", type=float, default=o.lr)
+    g.add_argument("--weight-decay", type=float, default=o.weight_decay)
+    g.add_argument("--warmup-steps", type=int, default=o.warmup_steps)
+    g.add_argument(
+        "--max-grad-norm",
+        type=float,
+        default=o.max_grad_norm,
+        help="clip the global gradient norm (0: off)",
+    )
+    g = p.add_argument_group("run")
+    g.add_argument(
+        "--steps", type=int, default=r.steps, help="optimizer steps (in total, when resuming)"
+    )
+    g.add_argument("--seed", type=int, default=r.seed, help="model init and data")
+    g.add_argument(
+        "--out", default=r.out or None, help="output directory (default: runs/train-<date>-<time>)"
+    )
+    g.add_argument(
+        "--ckpt-every",
+        type=int,
+        default=r.ckpt_every,
+        help="checkpoint every N steps (0: only at the end)",
+    )
+    g.add_argument(
+        "--resume", action="store_true", help="continue the run in --out from its latest checkpoint"
+    )
+    g.add_argument(
+        "--device",
+        default=r.device,
+        choices=DEVICES,
+        help="auto: cuda under torchrun if available, else cpu",
+    )
+
+
+def config_from_args(a: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
+        model=ModelConfig(name=a.model, dtype=a.dtype, freeze_vision=a.freeze_vision),
+        parallel=ParallelConfig(
+            cp=a.cp,
+            dp=a.dp,
+            attn=a.attn,
+            vision=a.vision,
+            flow=a.flow,
+            data_parallel=a.data_parallel,
+        ),
+        data=DataConfig(
+            source=a.data, seq_len=a.seq_len, batch_size=a.batch_size, grad_accum=a.grad_accum
+        ),
+        optim=OptimConfig(
+            lr=a.lr,
+            weight_decay=a.weight_decay,
+            warmup_steps=a.warmup_steps,
+            max_grad_norm=a.max_grad_norm,
+        ),
+        run=RunConfig(
+            steps=a.steps,
+            seed=a.seed,
+            out=a.out or "",
+            ckpt_every=a.ckpt_every,
+            resume=a.resume,
+            device=a.device,
+        ),
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cpvlm train",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``cpvlm train``: 0 on success, 2 for a bad configuration, 1 when a local rank failed.
+
+    Under torchrun only rank 0 prints a configuration error (every rank finds the same one); an
+    error while training propagates with its traceback, and torchrun reports it.
+    """
+    args = build_parser().parse_args(argv)
+    from cpvlm.train.launcher import ConfigError, TrainingFailed, launch
+
+    try:
+        try:
+            config = config_from_args(args)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        launch(config)
+    except ConfigError as err:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"cpvlm train: error: {err}", file=sys.stderr)
+        return 2
+    except TrainingFailed as err:
+        print(f"cpvlm train: {err}", file=sys.stderr)
+        return 1
+    return 0

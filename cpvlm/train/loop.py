@@ -1,0 +1,195 @@
+"""The training loop of one rank: model, data parallelism, data, steps, metrics, checkpoints.
+
+Legend: W world size = dp * cp; a *row* is one packed sequence (one CP forward); a step runs
+batch_size * grad_accum rows per DP rank.
+
+Per step every rank: takes its DP replica's rows (the same on all CP ranks), counts the valid
+(shifted) labels of the whole step over DP, runs each row through ``ContextParallelVLM`` (its
+loss is this rank's share of the step's token mean) and backward; the gradient sync sums over the
+dp x cp ranks, so the summed gradients are the one-device gradients of the step. Then the global
+gradient norm, clipping, AdamW, and one all-reduce of the step's statistics.
+
+Every rank ends every backward with the same set of gradients: ContextParallelVLM runs the
+vision tower on every rank, on a dummy frame (kept out of the result) where a rank or a whole row
+has no image, so the tower gets zero gradients rather than none. FSDP2 and DDP need that when the
+DP replicas' rows differ (one has images, another not).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cpvlm.integrations.hf import ContextParallelVLM, build_model
+from cpvlm.loss import count_valid_labels, shift_labels
+from cpvlm.parallelize import build_mesh, mesh_groups, parallelize, sync_gradients
+from cpvlm.train.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    read_meta,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from cpvlm.train.config import TrainConfig
+from cpvlm.train.data import RowPacker, TokenIds, load_source
+from cpvlm.train.metrics import MetricsLog, Progress, summarize
+
+VISION_TRAINABLE_PREFIXES = ("merger", "deepstack_merger_list")
+"""Parts of the vision tower that ``--freeze-vision`` leaves trainable: the projectors."""
+
+_STATS = ("loss", "tokens", "rows", "rows_text_only", "ranks_no_image", "ranks_no_visual_tokens")
+
+
+def freeze_vision_encoder(model: nn.Module) -> None:
+    for name, p in model.model.visual.named_parameters():
+        if not name.startswith(VISION_TRAINABLE_PREFIXES):
+            p.requires_grad_(False)
+
+
+def global_grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
+    """The 2-norm of all gradients of the model, whole (FSDP2 shards: a DTensor reduction)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return norm
+
+
+def _setup_model(config: TrainConfig, device: torch.device, groups, mesh):
+    model = build_model(config.model.name, dtype=config.model.torch_dtype, seed=config.run.seed)
+    if config.model.freeze_vision:
+        freeze_vision_encoder(model)
+    model.to(device)
+    p = config.parallel
+    cp_model = ContextParallelVLM(model, groups.cp_group, attn=p.attn, vision=p.vision, flow=p.flow)
+    # FSDP2 units: each decoder layer and the vision tower (the root keeps embeddings, head, norm).
+    # The tower is a safe unit because ContextParallelVLM calls it exactly once per forward on
+    # every rank, at the same point, with a dummy frame where there is nothing to encode.
+    units = [*model.model.language_model.layers, model.model.visual]
+    runner = parallelize(
+        cp_model, mesh, data_parallel=p.data_parallel, groups=groups, fsdp_units=units
+    )
+    return model, cp_model, runner
+
+
+def train_rank(config: TrainConfig, device: torch.device) -> dict | None:
+    """Train on this rank; returns the summary on rank 0. The process group must exist."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dp, cp = config.parallel.dp, config.parallel.cp
+    mesh = build_mesh(dp_replicate=1, dp_shard=dp, cp=cp, device_type=device.type)
+    groups = mesh_groups(mesh)
+    model, cp_model, runner = _setup_model(config, device, groups, mesh)
+    params = [p for p in cp_model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        params, lr=config.optim.lr, weight_decay=config.optim.weight_decay
+    )
+
+    source = load_source(config.data.source, model.config, config.run.seed)
+    data_state, start_step = None, 0
+    if config.run.resume:
+        path = latest_checkpoint(config.run.out)
+        template = {
+            "data": {"next_index": 0, "offset": 0},
+            "rng": rng_state(device),
+        }
+        restored = load_checkpoint(
+            path, model=cp_model, optimizer=optimizer, rank_state_template=template
+        )
+        set_rng_state(restored["rng"], device)
+        data_state = restored["data"]
+        start_step = read_meta(path)["step"]
+    packer = RowPacker(
+        source,
+        config.data.seq_len,
+        TokenIds.from_config(model.config),
+        dp_rank=groups.dp_rank,
+        dp_size=dp,
+        state=data_state,
+    )
+
+    log = MetricsLog(config.run.out, start_step=start_step) if rank == 0 else None
+    progress = Progress(config.run.steps, start_step) if rank == 0 else None
+    rows_per_step = config.data.batch_size * config.data.grad_accum
+    meta = {"config": config.to_dict(), "world_size": world}
+    records = []
+    for step in range(start_step, config.run.steps):
+        t0 = time.perf_counter()
+        rows = [packer.next_row() for _ in range(rows_per_step)]
+        shifted = [shift_labels(r.labels.view(1, -1), doc_lens=r.doc_lens) for r in rows]
+        num_valid = count_valid_labels(shifted, groups.dp_group)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        units = visual_tokens = 0
+        for row in rows:
+            out = runner(**row.batch(device), doc_lens=row.doc_lens, num_valid=num_valid)
+            out.loss.backward()
+            loss_sum += out.loss.detach().double().cpu()
+            units += out.encoded_units
+            visual_tokens += out.local_visual_tokens
+        if config.parallel.data_parallel == "none":
+            sync_gradients(cp_model, groups)
+        grad_norm = global_grad_norm(params)
+        if config.optim.max_grad_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, config.optim.max_grad_norm, grad_norm)
+        lr = config.optim.lr_at(step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        if num_valid > 0:  # a step without labels has zero gradients: AdamW would still move
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        # One all-reduce of this step's statistics; row facts counted once per DP replica.
+        lead = groups.cp_rank == 0
+        with_vision = any(r.has_vision for r in rows)
+        stats = torch.tensor(
+            [
+                float(loss_sum),
+                sum(r.num_tokens for r in rows) if lead else 0,
+                len(rows) if lead else 0,
+                sum(not r.has_vision for r in rows) if lead else 0,
+                with_vision and units == 0,
+                with_vision and visual_tokens == 0,
+            ],
+            dtype=torch.float64,
+            device=device,
+        )
+        dist.all_reduce(stats)
+        stats = dict(zip(_STATS, stats.cpu().tolist()))
+        seconds = time.perf_counter() - t0
+        record = {
+            "step": step + 1,
+            "loss": stats["loss"],
+            "tokens_per_s": stats["tokens"] / seconds,
+            "step_time_s": seconds,
+            "grad_norm": float(grad_norm),
+            "lr": lr,
+            "tokens": int(stats["tokens"]),
+            "valid_labels": num_valid,
+            "rows": int(stats["rows"]),
+            "rows_text_only": int(stats["rows_text_only"]),
+            "ranks": world,
+            "ranks_no_image": int(stats["ranks_no_image"]),
+            "ranks_no_visual_tokens": int(stats["ranks_no_visual_tokens"]),
+        }
+        records.append(record)
+        if rank == 0:
+            log.write(record)
+            progress.update(record)
+        every = config.run.ckpt_every
+        if (every and (step + 1) % every == 0) or step + 1 == config.run.steps:
+            rank_state = {"data": packer.state_dict(), "rng": rng_state(device)}
+            save_checkpoint(
+                config.run.out,
+                step + 1,
+                model=cp_model,
+                optimizer=optimizer,
+                rank_state=rank_state,
+                meta=meta,
+            )
+    if rank != 0:
+        return None
+    progress.close()
+    return summarize(config, records, start_step, log)

@@ -1,0 +1,121 @@
+"""What rank 0 shows and writes: a progress bar, ``metrics.jsonl``, and the end-of-run summary.
+
+``metrics.jsonl`` holds one JSON object per step: ``step`` (1-based), ``loss`` (the step's mean
+loss over its valid labels, all DP ranks and microbatches), ``tokens_per_s`` (real tokens of the
+global batch / step wall time), ``step_time_s``, ``grad_norm`` (before clipping), ``lr``,
+``tokens``, ``valid_labels``, ``rows``, ``rows_text_only``, ``ranks`` (dp * cp), and
+``ranks_no_image`` / ``ranks_no_visual_tokens``: ranks that, in a step whose rows hold images or
+videos, encoded no vision unit / held no visual token in their shards.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+
+
+class MetricsLog:
+    """Appends one JSON line per step; on resume, drops the lines after the checkpoint's step."""
+
+    def __init__(self, out: str | Path, *, start_step: int = 0):
+        self.path = Path(out) / METRICS
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if start_step and self.path.exists():
+            kept = [r for r in self.read() if r["step"] <= start_step]
+        with open(self.path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+
+    def write(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def read(self) -> list[dict]:
+        with open(self.path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+
+class Progress:
+    """A tqdm bar on a terminal; otherwise about 20 plain lines per run (logs stay readable)."""
+
+    def __init__(self, total: int, start: int):
+        self.total = total
+        self.interactive = sys.stderr.isatty()
+        self.every = max(1, (total - start) // 20)
+        self.bar = (
+            tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+            if self.interactive
+            else None
+        )
+
+    def update(self, r: dict) -> None:
+        text = (
+            f"loss {r['loss']:.4f}  {r['tokens_per_s']:,.0f} tok/s  {r['step_time_s']:.2f} s/step"
+        )
+        if self.bar is not None:
+            self.bar.set_postfix_str(text, refresh=False)
+            self.bar.update(1)
+        elif r["step"] % self.every == 0 or r["step"] == self.total or r["step"] == 1:
+            print(f"step {r['step']:>{len(str(self.total))}}/{self.total}  {text}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def summarize(config, records: list[dict], start_step: int, log: MetricsLog) -> dict:
+    """Print the summary of this run (all steps in metrics.jsonl) and write summary.json."""
+    everything = log.read()
+    losses = [r["loss"] for r in everything]
+    k = max(1, min(3, len(losses) // 3))
+    steady = records[1:] or records  # the first step of a process pays one-time setup
+    vision_steps = [r for r in everything if r["rows"] > r["rows_text_only"]]
+    no_image = [r["ranks_no_image"] for r in vision_steps]
+    no_tokens = [r["ranks_no_visual_tokens"] for r in vision_steps]
+    ranks = records[-1]["ranks"] if records else config.parallel.world_size
+    summary = {
+        "steps": len(everything),
+        "resumed_from": start_step,
+        "loss_first": _mean(losses[:k]),
+        "loss_last": _mean(losses[-k:]),
+        "tokens_per_s": _mean([r["tokens_per_s"] for r in steady]),
+        "step_time_s": _mean([r["step_time_s"] for r in steady]),
+        "train_time_s": sum(r["step_time_s"] for r in records),
+        "ranks": ranks,
+        "steps_with_images": len(vision_steps),
+        "steps_with_a_rank_without_images": sum(n > 0 for n in no_image),
+        "mean_ranks_without_images": _mean(no_image),
+        "steps_with_a_rank_without_visual_tokens": sum(n > 0 for n in no_tokens),
+        "mean_ranks_without_visual_tokens": _mean(no_tokens),
+        "out": str(log.path.parent),
+    }
+    with open(log.path.parent / SUMMARY, "w") as f:
+        json.dump(summary, f, indent=1)
+    p = config.parallel
+    lines = [
+        f"done: {summary['steps']} steps of {config.model.name} ({config.model.dtype}), "
+        f"cp {p.cp} x dp {p.dp} = {ranks} ranks, seq-len {config.data.seq_len}"
+        + (f", resumed at step {start_step}" if start_step else ""),
+        f"  loss            {summary['loss_first']:.4f} -> {summary['loss_last']:.4f} "
+        f"(mean of the first / last {k} steps)",
+        f"  throughput      {summary['tokens_per_s']:,.0f} tokens/s, "
+        f"{summary['step_time_s']:.3f} s/step (after the first step)",
+        f"  vision          in {summary['steps_with_a_rank_without_images']} of "
+        f"{len(vision_steps)} steps with images, a rank encoded none (mean "
+        f"{summary['mean_ranks_without_images']:.2f} of {ranks} ranks); in "
+        f"{summary['steps_with_a_rank_without_visual_tokens']} a rank held no visual token "
+        f"(mean {summary['mean_ranks_without_visual_tokens']:.2f})",
+        f"  outputs         {log.path} ; checkpoints in {Path(summary['out']) / 'checkpoints'}",
+    ]
+    print("\n".join(lines), flush=True)
+    return summary
