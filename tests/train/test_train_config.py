@@ -101,3 +101,17 @@ def test_config_round_trips_and_lists_its_differences():
     config = TrainConfig().replace(parallel={"cp": 2}, run={"steps": 9})
     assert TrainConfig.from_dict(config.to_dict()) == config
     assert config.differences(TrainConfig()) == ["parallel.cp: 2 -> 4"]  # run.steps may change
+
+
+@pytest.mark.parametrize("name", ["qwen3-vl-tiny", "qwen2.5-vl-tiny"])
+def test_freeze_vision_keeps_the_mergers_trainable(name):
+    from cpvlm.integrations.hf import build_model
+    from cpvlm.train.loop import freeze_vision_encoder
+
+    model = build_model(name)
+    freeze_vision_encoder(model)
+    for pname, p in model.named_parameters():
+        in_encoder = pname.startswith("model.visual.") and ".merger" not in pname
+        in_encoder &= "deepstack_merger_list" not in pname
+        assert p.requires_grad != in_encoder, pname
+    assert any(not p.requires_grad for p in model.parameters())
