@@ -425,29 +425,30 @@ def main():
         breakdown, ["cp", "flow", *wheres], title="MiB live at the peak, by origin (worst rank)"
     )
 
+    def describe(r: dict) -> str:
+        return f"{_mib(r['bytes']):8.2f} MiB  {r['where']:>8}  {r['op']}  {r['dtype']} {list(r['shape'])}"
+
+    largest = {}  # worst rank of each row: the largest live tensors, overall and of each origin
+    for (cp, flow), ranks in results.items():
+        worst = max(ranks, key=lambda r: r["peak_act"])
+        largest[f"cp{cp}_{flow}"] = [describe(r) for r in worst["largest_at_peak"]]
+        for r in ranks:
+            del r["largest_at_peak"]
+            r["full_len_floats"] = sorted(
+                {f"{f['where']}:{f['op']}{list(f['shape'])}" for f in r["full_len_floats"]}
+            )
     last = max(args.cp)
     for flow in FLOWS:
-        worst = max(results[last, flow], key=lambda r: r["peak_act"])
-        largest = worst["largest_at_peak"]
-        glue = [r for r in largest if r["where"] == "glue"]
+        lines = largest[f"cp{last}_{flow}"]
+        glue = [line for line in lines if " glue " in line]
         print(f"\nlargest tensors live at the peak, cp={last} {flow} (worst rank), then glue's:")
-        for r in largest[:6] + [None] + glue[:6]:
-            if r is None:
-                print("  ...")
-                continue
-            mib = _mib(r["bytes"])
-            print(f"  {mib:8.2f} MiB  {r['where']:>8}  {r['op']}  {r['dtype']} {list(r['shape'])}")
+        print("\n".join(f"  {line}" for line in [*lines[:6], "...", *glue[:6]]))
 
     print("\nfloat tensors of full sequence length (S or padded) allocated on a rank:")
     for (cp, flow), ranks in results.items():
-        if cp == 1:
-            continue
-        found = {}
-        for r in ranks:
-            for f in r["full_len_floats"]:
-                found[f["where"], f["op"], tuple(f["shape"])] = f["bytes"]
-        listed = ", ".join(f"{w}:{op}{list(s)}" for (w, op, s) in sorted(found)) or "none"
-        print(f"  cp={cp} {flow}: {listed}")
+        if cp > 1:
+            found = sorted({f for r in ranks for f in r["full_len_floats"]})
+            print(f"  cp={cp} {flow}: {', '.join(found) or 'none'}")
 
     write_json(
         "memory",
@@ -465,6 +466,7 @@ def main():
             },
             "rows": rows,
             "at_peak_MiB": breakdown,
+            "largest_at_peak": largest,
             "ranks": {f"cp{cp}_{flow}": ranks for (cp, flow), ranks in results.items()},
         },
     )
