@@ -183,13 +183,8 @@ def token_mean_loss(
             "the DP group"
         )
     dtype = torch.promote_types(logits_loc.dtype, torch.float32)
-    vocab = logits_loc.shape[-1]
-    # Zero the ignored rows before the upcast: one copy in the input dtype, one in the compute dtype.
-    logits_f = logits_loc.masked_fill(~valid.unsqueeze(-1), 0).to(dtype)
-    ce_sum = F.cross_entropy(
-        logits_f.reshape(-1, vocab),
-        labels_loc.reshape(-1).long(),
-        ignore_index=ignore_index,
-        reduction="sum",
-    )
+    # Only the valid rows reach the softmax: ignored rows (padding, image tokens) cost no copy,
+    # and a non-finite logit there cannot turn into a NaN gradient. With no valid row this is a
+    # sum over nothing: 0, still connected to logits_loc.
+    ce_sum = F.cross_entropy(logits_loc[valid].to(dtype), labels_loc[valid].long(), reduction="sum")
     return ce_sum / max(num_valid, 1)

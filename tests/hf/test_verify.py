@@ -65,7 +65,8 @@ class _BuggyVisionGatherVLM(ContextParallelVLM):
         units = vision_units(prep.grid_thw, visual.spatial_merge_size)
         assignment = assign_vision_units(units.pixel_counts, self.cp_size)
         mine = assignment[self.cp_rank]
-        out = tower(prep.pixel_values[units.pixel_index(mine)], units.grid_thw(mine))
+        pixels = prep.pixel_values(visual.dtype)
+        out = tower(pixels[units.pixel_index(mine)], units.grid_thw(mine))
         rows = [out[0], *out[1]] if isinstance(out, tuple) else [out]
         counts = [sum(units.row_counts[u] for u in a) for a in assignment]
         gathered = [_LocalSliceGather.apply(t, counts, self.cp_rank, self.cp_group) for t in rows]

@@ -151,23 +151,9 @@ class ContextParallelVLM(nn.Module):
         visual_mask_loc = prep.plan.shard(
             prep.plan.pad(prep.visual_mask, value=False), self.cp_rank
         )
-        rows, encoded = self._vision_rows(prep)
-        embed = self.model.get_input_embeddings()
-        if self.flow == "scalable":
-            x_loc = embed(local["input_ids"])
-            x_loc = x_loc.masked_scatter(visual_mask_loc.unsqueeze(-1), rows[0].to(x_loc.dtype))
-            deepstack = rows[1:]
-        else:
-            x_full = embed(prep.input_ids)
-            # masked_scatter fills positions in row-major order; rows are images then videos.
-            order = torch.argsort(prep.row_positions).to(x_full.device)
-            x_full = x_full.masked_scatter(
-                prep.visual_mask.unsqueeze(-1), rows[0].index_select(0, order).to(x_full.dtype)
-            )
-            mine = _local_row_order(prep, self.cp_rank).to(x_full.device)
-            deepstack = [t.index_select(0, mine) for t in rows[1:]]
-            x_loc = prep.plan.shard(prep.plan.pad(x_full), self.cp_rank)
-
+        x_loc, deepstack, encoded = self._local_embeddings(
+            prep, local["input_ids"], visual_mask_loc
+        )
         lm_kwargs = {}
         if self.family == "qwen3_vl":
             lm_kwargs = {"visual_pos_masks": visual_mask_loc, "deepstack_visual_embeds": deepstack}
@@ -190,6 +176,28 @@ class ContextParallelVLM(nn.Module):
             encoded_units=encoded,
         )
 
+    def _local_embeddings(self, prep: PreparedBatch, ids_loc, visual_mask_loc):
+        """``(inputs_embeds [B, L, D], deepstack rows of the local visual positions, units)``.
+
+        In a method so that the compat flow's full-length tensors die when it returns, before the
+        decoder runs (autograd keeps only their indices).
+        """
+        rows, encoded = self._vision_rows(prep)
+        embed = self.model.get_input_embeddings()
+        if self.flow == "scalable":
+            x_loc = embed(ids_loc)
+            x_loc = x_loc.masked_scatter(visual_mask_loc.unsqueeze(-1), rows[0].to(x_loc.dtype))
+            return x_loc, rows[1:], encoded
+        x_full = embed(prep.input_ids)
+        # masked_scatter fills positions in row-major order; rows are images then videos.
+        order = torch.argsort(prep.row_positions).to(x_full.device)
+        x_full = x_full.masked_scatter(
+            prep.visual_mask.unsqueeze(-1), rows[0].index_select(0, order).to(x_full.dtype)
+        )
+        mine = _local_row_order(prep, self.cp_rank).to(x_full.device)
+        deepstack = [t.index_select(0, mine) for t in rows[1:]]
+        return prep.plan.shard(prep.plan.pad(x_full), self.cp_rank), deepstack, encoded
+
     def _vision_rows(self, prep: PreparedBatch) -> tuple[list[torch.Tensor], int]:
         """This rank's visual rows (scalable flow) or all of them (compat), main then deepstack.
 
@@ -198,8 +206,11 @@ class ContextParallelVLM(nn.Module):
         """
         visual = self.model.model.visual
         tower = _Tower(visual, deepstack=self.family == "qwen3_vl")
+        # Text-only batches give [0, C] pixels: the tower still runs (on a dummy frame) on every
+        # rank, so FSDP's per-module collectives and the set of gradients match across DP ranks.
+        pixel_values = prep.pixel_values(visual.dtype)
         if self.vision == "replicate" and len(prep.grid_thw):
-            out = tower(prep.pixel_values, prep.grid_thw)
+            out = tower(pixel_values, prep.grid_thw)
             encoded = int(prep.grid_thw[:, 0].sum())
         else:
             # With no units at all, "replicate" runs the same dummy frame as the other modes.
@@ -210,13 +221,13 @@ class ContextParallelVLM(nn.Module):
             encoded = len(vdp.assignment(vdp.units(prep.grid_thw))[self.cp_rank])
             if mode == "route":
                 out = vdp(
-                    prep.pixel_values,
+                    pixel_values,
                     prep.grid_thw,
                     plan=prep.plan,
                     row_positions=prep.row_positions,
                 )
             else:
-                out = vdp(prep.pixel_values, prep.grid_thw)
+                out = vdp(pixel_values, prep.grid_thw)
         rows = [out[0], *out[1]] if isinstance(out, tuple) else [out]
         if self.flow == "scalable" and self.vision != "route":
             mine = _local_row_order(prep, self.cp_rank).to(rows[0].device)

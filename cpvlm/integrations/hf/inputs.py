@@ -35,9 +35,18 @@ class PreparedBatch:
     labels: torch.Tensor  # [B, S] shifted (label of token t+1 at t), -100 = no loss
     num_valid: int  # global valid-label count the loss divides by
     visual_mask: torch.Tensor  # [B, S] image or video placeholder
-    pixel_values: torch.Tensor  # [patches, C] images then videos ([0, C] for text only)
+    pixel_parts: tuple[torch.Tensor, ...]  # [patches, C] images, then videos (none: text only)
     grid_thw: torch.Tensor  # [items, 3] images then videos ([0, 3] for text only)
     row_positions: torch.Tensor  # [R] b * P + p of each visual row, tower order
+    pixel_width: int  # C of a pixel row
+
+    def pixel_values(self, dtype: torch.dtype) -> torch.Tensor:
+        """``[patches, C]`` images then videos in ``dtype``. Build it only where it is used: it
+        is a full copy of the batch's pixels on every rank (one tensor is passed through)."""
+        if not self.pixel_parts:
+            return torch.zeros(0, self.pixel_width, dtype=dtype)
+        parts = [p.to(dtype) for p in self.pixel_parts]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _tokens_per_item(grids: list[tuple[int, int, int]], merge: int) -> list[int]:
@@ -232,11 +241,9 @@ def prepare_batch(
     visual_mask = (ids == config.image_token_id) | (ids == config.video_token_id)
     vision = config.vision_config
     width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-    # Text-only batches keep [0, C] pixels: the tower still runs (on a dummy frame) on every rank,
-    # so FSDP's per-module collectives and the set of gradients match across DP replicas.
-    pixels = [batch[k] for k in ("pixel_values", "pixel_values_videos") if batch.get(k) is not None]
-    pixels = torch.cat(pixels) if pixels else torch.zeros(0, width)
-    pixels = pixels.to(model.model.visual.dtype)
+    pixels = tuple(
+        batch[k] for k in ("pixel_values", "pixel_values_videos") if batch.get(k) is not None
+    )
     grids = torch.tensor(image_grids + video_grids, dtype=torch.long).reshape(-1, 3)
     padded = plan.padded_index.to(ids.device)
     flat = []
@@ -251,7 +258,8 @@ def prepare_batch(
         labels=shifted,
         num_valid=int(num_valid),
         visual_mask=visual_mask,
-        pixel_values=pixels,
+        pixel_parts=pixels,
         grid_thw=grids,
         row_positions=row_positions,
+        pixel_width=width,
     )
