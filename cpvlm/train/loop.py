@@ -36,7 +36,7 @@ from cpvlm.train.checkpoint import (
 )
 from cpvlm.train.config import TrainConfig
 from cpvlm.train.data import RowPacker, TokenIds, load_source
-from cpvlm.train.metrics import MetricsLog, Progress, summarize
+from cpvlm.train.metrics import MetricsLog, Progress, StepMemory, summarize
 
 VISION_TRAINABLE_PREFIXES = ("merger", "deepstack_merger_list")
 """Parts of the vision tower that ``--freeze-vision`` leaves trainable: the projectors."""
@@ -116,7 +116,9 @@ def train_rank(config: TrainConfig, device: torch.device) -> dict | None:
     rows_per_step = config.data.batch_size * config.data.grad_accum
     meta = {"config": config.to_dict(), "world_size": world}
     records = []
+    memory = StepMemory(device)
     for step in range(start_step, config.run.steps):
+        mem_start = memory.start()
         t0 = time.perf_counter()
         rows = [packer.next_row() for _ in range(rows_per_step)]
         shifted = [shift_labels(r.labels.view(1, -1), doc_lens=r.doc_lens) for r in rows]
@@ -159,6 +161,9 @@ def train_rank(config: TrainConfig, device: torch.device) -> dict | None:
         dist.all_reduce(stats)
         stats = dict(zip(_STATS, stats.cpu().tolist()))
         seconds = time.perf_counter() - t0
+        mem = torch.tensor([mem_start, memory.peak()], dtype=torch.float64, device=device)
+        dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+        mem_start, mem_peak = mem.cpu().tolist()
         record = {
             "step": step + 1,
             "loss": stats["loss"],
@@ -173,6 +178,8 @@ def train_rank(config: TrainConfig, device: torch.device) -> dict | None:
             "ranks": world,
             "ranks_no_image": int(stats["ranks_no_image"]),
             "ranks_no_visual_tokens": int(stats["ranks_no_visual_tokens"]),
+            "mem_start_mib": mem_start,
+            "mem_peak_mib": mem_peak,
         }
         records.append(record)
         if rank == 0:

@@ -5,19 +5,70 @@ loss over its valid labels, all DP ranks and microbatches), ``tokens_per_s`` (re
 global batch / step wall time), ``step_time_s``, ``grad_norm`` (before clipping), ``lr``,
 ``tokens``, ``valid_labels``, ``rows``, ``rows_text_only``, ``ranks`` (dp * cp), and
 ``ranks_no_image`` / ``ranks_no_visual_tokens``: ranks that, in a step whose rows hold images or
-videos, encoded no vision unit / held no visual token in their shards.
+videos, encoded no vision unit / held no visual token in their shards; ``mem_start_mib`` /
+``mem_peak_mib``: the memory a rank held when the step began / its peak during the step, max over
+ranks, in MiB (see ``StepMemory``).
 """
 
 from __future__ import annotations
 
 import json
+import resource
 import sys
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
+MiB = 2**20
+
+
+class StepMemory:
+    """One rank's memory at the start of a step and its peak during the step, in MiB.
+
+    CUDA: bytes held by tensors (``torch.cuda.memory_allocated`` / ``max_memory_allocated``, the
+    peak reset at each step). CPU has no allocator counter, so the figure is the process's
+    resident memory: VmRSS and VmHWM from /proc/self/status, the high-water mark reset at each
+    step through /proc/self/clear_refs (Linux); elsewhere the peak is the process's lifetime
+    ``ru_maxrss`` and the start is 0. RSS also holds the interpreter, the libraries, the model and
+    memory the allocator keeps after frees, so compare it across runs, not as activation bytes.
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+
+    def start(self) -> float:
+        """Reset the peak; returns the memory held now."""
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return torch.cuda.memory_allocated(self.device) / MiB
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # 5: reset the peak RSS (VmHWM) to the current RSS
+            return self._proc_status("VmRSS")
+        except OSError:
+            return 0.0
+
+    def peak(self) -> float:
+        """The peak since ``start``."""
+        if self.cuda:
+            return torch.cuda.max_memory_allocated(self.device) / MiB
+        try:
+            return self._proc_status("VmHWM")
+        except OSError:
+            scale = 1 if sys.platform == "darwin" else 1024  # macOS: bytes; Linux: KiB
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / MiB
+
+    @staticmethod
+    def _proc_status(key: str) -> float:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024 / MiB
+        raise OSError(f"no {key} in /proc/self/status")
 
 
 class MetricsLog:
@@ -91,6 +142,7 @@ def summarize(config, records: list[dict], start_step: int, log: MetricsLog) -> 
         "tokens_per_s": _mean([r["tokens_per_s"] for r in steady]),
         "step_time_s": _mean([r["step_time_s"] for r in steady]),
         "train_time_s": sum(r["step_time_s"] for r in records),
+        "mem_peak_mib": max((r["mem_peak_mib"] for r in records), default=float("nan")),
         "ranks": ranks,
         "steps_with_images": len(vision_steps),
         "steps_with_a_rank_without_images": sum(n > 0 for n in no_image),
@@ -110,6 +162,8 @@ def summarize(config, records: list[dict], start_step: int, log: MetricsLog) -> 
         f"(mean of the first / last {k} steps)",
         f"  throughput      {summary['tokens_per_s']:,.0f} tokens/s, "
         f"{summary['step_time_s']:.3f} s/step (after the first step)",
+        f"  memory          peak {summary['mem_peak_mib']:,.0f} MiB on a rank (GPU: tensors; "
+        "CPU: the process's resident set)",
         f"  vision          in {summary['steps_with_a_rank_without_images']} of "
         f"{len(vision_steps)} steps with images, a rank encoded none (mean "
         f"{summary['mean_ranks_without_images']:.2f} of {ranks} ranks); in "
