@@ -1,0 +1,279 @@
+"""`cpvlm train` at a fixed global batch: tokens/s and per-rank memory, CP 1, 2, 4 and the modes.
+
+    python benchmarks/train.py          # about 3 minutes on 2 idle CPU cores
+
+Every row is one run of the trainer as a user starts it, in its own processes:
+``python -m cpvlm.train --seq-len 8192 --steps 10 --cp N [--vision ...] [--attn ...]`` (tiny
+Qwen3-VL, float32, synthetic image/video/text data, FSDP2 over the CP ranks, dp = 1), read back
+from its ``metrics.jsonl``. The global batch is the same in every row: one packed row of 8192
+tokens per step, split over the CP ranks. Rows: the CP sweep with the defaults (vision route, ring
+attention), then at the largest CP the other vision modes (allgather, replicate) and the
+all-gather attention. At CP = 1 the modes are all the same single-rank computation.
+
+Columns:
+- tok/s: real tokens per second of wall time, the median over the steps after ``WARMUP`` (the
+  first steps pay one-time setup); "x ref" is the ratio to the reference row (CP = 1 for the
+  sweep, the default route + ring row at the same CP for the modes).
+- base_MiB: a rank's resident memory when training starts (interpreter, torch, the model, the
+  process group), ``mem_start_mib`` of step 1; the same at every CP.
+- step1_MiB: what the first step adds at its peak on a rank, ``mem_peak_mib - mem_start_mib`` of
+  step 1 (each the max over ranks): activations, gradients, optimizer state, communication
+  buffers, in a process whose allocator has not yet kept freed memory.
+- short_MiB: step1_MiB of the same run with rows of ``SHORT_SEQ_LEN`` tokens, and seq_MiB =
+  step1_MiB - short_MiB: the part that grows with the sequence. Its "x ref" against ideal = 1/cp
+  is the scaling figure. short_MiB (library and allocator working memory, gradients and
+  optimizer state of this 0.25M-parameter model) does not shrink with CP, nor does the part of
+  seq_MiB that every rank of a row holds whole: the row's inputs (pixels, ids; ~5 MiB at 8192).
+- train_MiB: the peak over all steps minus base_MiB, the memory the job needed. On CPU it creeps
+  up over the steps as the allocator keeps freed memory, more where more was freed, so its
+  ratios sit above step1's.
+The memory is the process's resident set (VmHWM, reset every step; see
+``cpvlm.train.metrics.StepMemory``): CPU has no allocator counter. For exact per-rank tensor bytes
+of one forward+backward, see benchmarks/memory.py.
+
+Threads: the launcher gives each rank max(1, cores // ranks) torch threads. On this 2-core
+machine CP = 1 is one process with 2 threads, CP = 2 two processes with 1 thread each, CP = 4
+four processes with 1 thread each sharing the 2 cores. So tok/s compares the overhead of CP (its
+collectives, smaller kernels, 2x oversubscription at CP = 4) at a fixed core count, not scaling
+over more devices. The load average of the machine is recorded before and after: other work on
+the machine makes tok/s noisy, the memory much less so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import RESULTS_DIR, print_table, write_json
+
+SEQ_LEN = 8192
+STEPS = 10
+WARMUP = 2  # steps left out of the throughput: the first pays process and kernel warm-up
+SHORT_SEQ_LEN = 256  # one-step runs that measure what does not grow with the sequence
+QUIET_LOAD = 1.0  # a 1-minute load average above this disturbs tok/s: say so
+DEFAULTS = {"vision": "route", "attn": "ring"}
+MODES = [{"vision": "allgather"}, {"vision": "replicate"}, {"attn": "allgather"}]
+
+
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def flags(run: dict, seq_len: int, steps: int) -> list[str]:
+    return [
+        "--cp", str(run["cp"]), "--vision", run["vision"], "--attn", run["attn"],
+        "--seq-len", str(seq_len), "--steps", str(steps), "--device", "cpu",
+    ]  # fmt: skip
+
+
+def train(run: dict, seq_len: int, steps: int) -> list[dict]:
+    """One `cpvlm train` run in fresh processes; its metrics.jsonl records."""
+    with tempfile.TemporaryDirectory(prefix="cpvlm-bench-train-") as tmp:
+        out = Path(tmp) / "run"
+        cmd = [sys.executable, "-m", "cpvlm.train", *flags(run, seq_len, steps), "--out", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            sys.exit(f"{' '.join(cmd[1:])} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def first_step_mib(records: list[dict]) -> float:
+    return records[0]["mem_peak_mib"] - records[0]["mem_start_mib"]
+
+
+def summarize(run: dict, records: list[dict]) -> dict:
+    steady = records[WARMUP:]
+    base = records[0]["mem_start_mib"]
+    peak = max(r["mem_peak_mib"] for r in records)
+    return {
+        **run,
+        "ranks": records[0]["ranks"],
+        "threads/rank": max(1, cores() // records[0]["ranks"]),
+        "tok/s": statistics.median(r["tokens_per_s"] for r in steady),
+        "tok/s_min": min(r["tokens_per_s"] for r in steady),
+        "tok/s_max": max(r["tokens_per_s"] for r in steady),
+        "s/step": statistics.median(r["step_time_s"] for r in steady),
+        "base_MiB": base,
+        "step1_MiB": first_step_mib(records),
+        "peak_MiB": peak,
+        "train_MiB": peak - base,
+        "loss_last": records[-1]["loss"],
+        "steps_measured": len(steady),
+    }
+
+
+def with_ratios(row: dict, ref: dict) -> dict:
+    return {
+        **row,
+        "ref": ref["name"],
+        "tok/s x ref": row["tok/s"] / ref["tok/s"],
+        "step1 x ref": row["step1_MiB"] / ref["step1_MiB"],
+        "train x ref": row["train_MiB"] / ref["train_MiB"],
+    }
+
+
+def plot(sweep: list[dict], modes: list[dict], short_len: int, title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    rows = sweep + modes[1:]
+    labels = [f"CP{r['cp']}\nvision {r['vision']}\nattn {r['attn']}" for r in rows]
+    x = list(range(len(rows)))
+    colors = ["tab:blue"] * len(sweep) + ["tab:green"] * (len(rows) - len(sweep))
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(14, 5))
+    tok = [r["tok/s"] for r in rows]
+    err = [[r["tok/s"] - r["tok/s_min"] for r in rows], [r["tok/s_max"] - r["tok/s"] for r in rows]]
+    ax_t.bar(x, tok, color=colors)
+    ax_t.errorbar(x, tok, yerr=err, fmt="none", ecolor="black", capsize=3)
+    ax_t.set_ylabel("tokens/s, whole job (median; bars: min-max)")
+    ax_t.set_title("throughput at a fixed global batch")
+    n = len(sweep)
+    short = [r["short_MiB"] for r in sweep]
+    ax_m.bar(range(n), short, color="lightgray", label=f"same run at {short_len} tokens")
+    ax_m.bar(range(n), [r["seq_MiB"] for r in sweep], bottom=short, color="tab:blue")
+    ax_m.bar(x[n:], [r["step1_MiB"] for r in rows[n:]], color="tab:green")
+    ideal = [b + sweep[0]["seq_MiB"] * r["ideal"] for b, r in zip(short, sweep)]
+    ax_m.plot(range(n), ideal, "k_", markersize=30, mew=2, label="gray + CP=1's blue / cp")
+    ax_m.plot(x, [r["train_MiB"] for r in rows], "kx", label="peak over all steps")
+    for i, r in enumerate(rows):
+        ratio = r["seq x ref"] if i < n else r["step1 x ref"]
+        ax_m.text(i, r["step1_MiB"], f"{ratio:.2f}x", ha="center", va="bottom")
+    base = max(r["base_MiB"] for r in rows)
+    ax_m.set_ylabel("MiB per rank above the start (peak RSS, max over ranks)")
+    ax_m.set_title(f"memory per rank, step 1 (base ~{base:.0f} MiB/process not shown)")
+    handles = [Patch(color="tab:blue", label="CP sweep, grows with the sequence: ratio to CP=1")]
+    if len(modes) > 1:
+        handles.append(Patch(color="tab:green", label=f"modes: ratio to {modes[0]['name']}"))
+    handles += ax_m.get_legend_handles_labels()[0]
+    ax_m.legend(handles=handles, loc="upper right", fontsize=8)
+    for ax in (ax_t, ax_m):
+        ax.set_xticks(x, labels, fontsize=7.5)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--seq-len", type=int, default=SEQ_LEN)
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--short-seq-len", type=int, default=SHORT_SEQ_LEN)
+    args = parser.parse_args()
+    if args.steps <= WARMUP:
+        parser.error(f"--steps must be more than the {WARMUP} warm-up steps")
+    top = max(args.cp)
+    runs = [{"cp": cp, **DEFAULTS} for cp in args.cp]
+    runs += [{"cp": top, **DEFAULTS, **mode} for mode in MODES] if top > 1 else []
+    load_before = os.getloadavg()
+    if load_before[0] > QUIET_LOAD:
+        print(f"note: load average {load_before[0]:.1f} on {cores()} cores: other work will "
+              "disturb tok/s (CP=1's 2 threads most)", flush=True)  # fmt: skip
+    t_start = time.perf_counter()
+    rows = []
+    for run in runs:
+        t0 = time.perf_counter()
+        row = summarize(run, train(run, args.seq_len, args.steps))
+        row["name"] = f"CP{run['cp']} {run['vision']} {run['attn']}"
+        row["command"] = "cpvlm train " + " ".join(flags(run, args.seq_len, args.steps))
+        rows.append(row)
+        print(f"{row['name']}: {row['tok/s']:,.0f} tok/s, peak {row['peak_MiB']:.0f} MiB, "
+              f"run {time.perf_counter() - t0:.0f}s", flush=True)  # fmt: skip
+    for row in rows[: len(args.cp)]:
+        t0 = time.perf_counter()
+        row["short_MiB"] = first_step_mib(train(row, args.short_seq_len, 1))
+        row["seq_MiB"] = row["step1_MiB"] - row["short_MiB"]
+        print(f"{row['name']} at {args.short_seq_len} tokens: step 1 {row['short_MiB']:.0f} "
+              f"MiB, run {time.perf_counter() - t0:.0f}s", flush=True)  # fmt: skip
+    load_after = os.getloadavg()
+
+    first = rows[0]
+    sweep = [with_ratios(r, first) for r in rows[: len(args.cp)]]
+    for r in sweep:
+        r["ideal"] = first["cp"] / r["cp"]
+        r["seq x ref"] = r["seq_MiB"] / first["seq_MiB"]
+    ref = sweep[-1]
+    modes = [with_ratios(r, ref) for r in [ref, *rows[len(args.cp) :]]]
+
+    n = cores()
+    setting = (
+        f"{n} cores, {os.cpu_count()} CPUs; threads per rank = max(1, {n} // ranks); "
+        f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after"
+    )
+    print()
+    print(f"cpvlm train, qwen3-vl-tiny float32, one row of {args.seq_len} tokens per step "
+          f"(fixed global batch), {args.steps} steps, tok/s = median of the last "
+          f"{args.steps - WARMUP}; {setting}")  # fmt: skip
+    print()
+    print_table(
+        sweep,
+        ["cp", "ranks", "threads/rank", "tok/s", "tok/s x ref", "base_MiB", "step1_MiB",
+         "short_MiB", "seq_MiB", "seq x ref", "ideal", "train_MiB", "train x ref"],
+        title=f"CP sweep (vision {DEFAULTS['vision']}, attn {DEFAULTS['attn']}); "
+        f"x ref = ratio to CP=1; seq_MiB = step1_MiB - short_MiB (the same run at "
+        f"{args.short_seq_len} tokens); ideal = 1/cp",
+    )  # fmt: skip
+    if len(modes) > 1:
+        print()
+        print_table(
+            modes,
+            ["cp", "vision", "attn", "tok/s", "tok/s x ref", "step1_MiB", "step1 x ref",
+             "train_MiB", "train x ref"],
+            title=f"modes at CP={top}; x ref = ratio to {ref['name']}",
+        )  # fmt: skip
+    print(f"\ntotal {time.perf_counter() - t_start:.0f}s")
+
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    plot(
+        sweep,
+        modes,
+        args.short_seq_len,
+        f"cpvlm train, qwen3-vl-tiny fp32, {args.seq_len} tokens/step at every CP; {setting}",
+        RESULTS_DIR / "train.png",
+    )
+    write_json(
+        "train",
+        {
+            "config": {
+                "model": "qwen3-vl-tiny",
+                "dtype": "float32",
+                "data": "synthetic",
+                "seq_len": args.seq_len,
+                "short_seq_len": args.short_seq_len,
+                "rows_per_step": 1,
+                "steps": args.steps,
+                "warmup_steps": WARMUP,
+                "data_parallel": "fsdp (over the cp ranks; dp = 1)",
+                "cores": n,
+                "threads_per_rank": "max(1, cores // ranks) (cpvlm.train.launcher)",
+                "load_average_before": load_before,
+                "load_average_after": load_after,
+                "tok/s": "median over steps after warm-up of real tokens / step wall time",
+                "memory": "process resident set per rank (VmHWM reset each step), max over ranks; "
+                "step1_MiB = peak - start of step 1; short_MiB = step1_MiB of the same run "
+                "at short_seq_len; seq_MiB = step1_MiB - short_MiB; train_MiB = peak over all "
+                "steps - start of step 1",
+            },
+            "sweep": sweep,
+            "modes": modes,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
