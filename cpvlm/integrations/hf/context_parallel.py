@@ -25,7 +25,7 @@ from cpvlm.loss import token_mean_loss
 from cpvlm.vision import VisionDataParallel
 
 from .attention import CP_ATTENTION, CPAttentionContext
-from .inputs import PreparedBatch, prepare_batch
+from .inputs import OPTIONAL_KEYS, PreparedBatch, prepare_batch
 from .models import model_family
 
 ATTN_IMPLS = ("ring", "allgather")
@@ -125,15 +125,7 @@ class ContextParallelVLM(nn.Module):
         doc_lens=None,
         **batch,
     ) -> ContextParallelOutput:
-        unknown = set(batch) - {
-            "attention_mask",
-            "mm_token_type_ids",
-            "pixel_values",
-            "image_grid_thw",
-            "pixel_values_videos",
-            "video_grid_thw",
-            "second_per_grid_ts",
-        }
+        unknown = set(batch) - set(OPTIONAL_KEYS)
         if unknown:
             raise ValueError(f"ContextParallelVLM: unexpected batch keys {sorted(unknown)}")
         prep = prepare_batch(

@@ -22,7 +22,16 @@ from cpvlm.vision.units import grid_list
 
 from .models import model_family
 
-VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+OPTIONAL_KEYS = (
+    "attention_mask",
+    "mm_token_type_ids",
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_values_videos",
+    "video_grid_thw",
+    "second_per_grid_ts",
+)
+"""Batch keys a training step takes besides ``input_ids`` and ``labels``."""
 
 
 @dataclass(frozen=True)
