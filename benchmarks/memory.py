@@ -50,8 +50,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForImageTextToText
+
+from cpvlm.distributed.compat import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

@@ -11,6 +11,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+# Dispatch-level tracing (benchmarks/memory.py counts live tensor bytes with it).
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
+
 _aten = torch.ops.aten
 
 # The fused CPU flash kernel (tiled, multithreaded, O(S) memory) accepts these dtypes, returns the
