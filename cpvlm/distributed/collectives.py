@@ -14,7 +14,8 @@ import torch.distributed as dist
 _WIRE_DTYPE = {torch.bool: torch.uint8}
 
 
-def _to_wire(x: torch.Tensor) -> torch.Tensor:
+def to_wire(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as gloo can send it (bools as uint8), contiguous; ``.to(x.dtype)`` undoes it."""
     wire = _WIRE_DTYPE.get(x.dtype)
     return (x.to(wire) if wire is not None else x).contiguous()
 
@@ -22,7 +23,7 @@ def _to_wire(x: torch.Tensor) -> torch.Tensor:
 def all_gather_dim0(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Concatenate equal-sized tensors of all ranks along dim 0, in rank order (no autograd)."""
     world = dist.get_world_size(group)
-    wire = _to_wire(x)
+    wire = to_wire(x)
     out = wire.new_empty((world * wire.shape[0], *wire.shape[1:]))
     dist.all_gather_single(out, wire, group=group)
     return out.to(x.dtype)

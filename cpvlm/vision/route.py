@@ -24,12 +24,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from cpvlm.distributed.collectives import ensure_requires_grad_for_cp_collective
+from cpvlm.distributed.collectives import ensure_requires_grad_for_cp_collective, to_wire
 from cpvlm.distributed.shard_plan import ShardPlan
 from cpvlm.vision._pack import as_tensor_list, check_rows, pack_features, unpack_features
-
-# gloo has no bool all-to-all; bools travel as uint8.
-_WIRE_DTYPE = {torch.bool: torch.uint8}
 
 
 @dataclass(frozen=True)
@@ -119,8 +116,7 @@ def route_plan(
 
 
 def _all_to_all(x_nD, out_rows, out_splits, in_splits, group) -> torch.Tensor:
-    wire = _WIRE_DTYPE.get(x_nD.dtype)
-    send = (x_nD.to(wire) if wire is not None else x_nD).contiguous()
+    send = to_wire(x_nD)
     recv = send.new_empty(out_rows, x_nD.shape[1])
     dist.all_to_all_single(recv, send, out_splits, in_splits, group=group)
     return recv.to(x_nD.dtype)

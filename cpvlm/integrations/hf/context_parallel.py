@@ -136,13 +136,17 @@ class ContextParallelVLM(nn.Module):
             num_valid=num_valid,
         )
         local = pad_and_shard(
-            {"input_ids": prep.input_ids, "labels": prep.labels, "position_ids": prep.position_ids},
+            {
+                "input_ids": prep.input_ids,
+                "labels": prep.labels,
+                "position_ids": prep.position_ids,
+                "visual_mask": prep.visual_mask,
+            },
             prep.plan,
             self.cp_rank,
+            seq_dims={"visual_mask": 1},
         )
-        visual_mask_loc = prep.plan.shard(
-            prep.plan.pad(prep.visual_mask, value=False), self.cp_rank
-        )
+        visual_mask_loc = local["visual_mask"]
         x_loc, deepstack, encoded = self._local_embeddings(
             prep, local["input_ids"], visual_mask_loc
         )
