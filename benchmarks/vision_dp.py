@@ -25,8 +25,8 @@ import torch
 from _common import print_table, write_json
 
 from cpvlm import ShardPlan
+from cpvlm.testing.toy_tower import ToyVisionTower
 from cpvlm.vision import assign_vision_units, contiguous_assignment, route_plan, vision_units
-from cpvlm.vision.toy import ToyVisionTower
 
 MERGE = 2
 IMAGES = [

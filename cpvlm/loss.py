@@ -27,8 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
-"""Label value that takes no part in the loss (padding, prompt and image tokens, document ends)."""
+from cpvlm.constants import IGNORE_INDEX
 
 
 def _check_int_labels(name: str, labels: object) -> torch.Tensor:

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from cpvlm.constants import IGNORE_INDEX
+
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 TOLERANCES = {
     # Round-off only: the CP run sums the same terms in another order.
@@ -147,9 +149,12 @@ def reference(model, batch: dict, doc_lens: list | None) -> tuple[torch.Tensor, 
             logits = logits.float()
         labels = doc["labels"][:, 1:].reshape(-1)
         total = total + F.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]), labels, ignore_index=-100, reduction="sum"
+            logits[:, :-1].reshape(-1, logits.shape[-1]),
+            labels,
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
         )
-        count += int((labels != -100).sum())
+        count += int((labels != IGNORE_INDEX).sum())
         model.model.rope_deltas = None
     loss = total / max(count, 1)
     loss.backward()

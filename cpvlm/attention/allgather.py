@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from cpvlm.attention.block import acc_dtype, add_key_grads, attend_block, attend_block_backward
-from cpvlm.attention.masks import AttentionSchedule
+from cpvlm.attention.schedule import AttentionSchedule
 from cpvlm.distributed.collectives import all_gather_dim0, reduce_scatter_dim0
 
 

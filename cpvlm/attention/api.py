@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from cpvlm.attention.allgather import allgather_attention
-from cpvlm.attention.masks import attention_schedule
 from cpvlm.attention.ring import ring_attention
+from cpvlm.attention.schedule import attention_schedule
 from cpvlm.distributed.collectives import ensure_requires_grad_for_cp_collective
 from cpvlm.distributed.shard_plan import ShardPlan
 
@@ -25,8 +25,8 @@ def cp_attention(
     v: torch.Tensor,
     *,
     plan: ShardPlan,
-    cp_rank: int,
     group: dist.ProcessGroup | None,
+    cp_rank: int | None = None,
     impl: str = "ring",
     causal: bool = True,
     scale: float | None = None,
@@ -40,8 +40,8 @@ def cp_attention(
     Args:
         q: ``[B, Hq, S_loc, D]``; k, v: ``[B, Hkv, S_loc, D]``, this rank's shard from ``plan``.
         plan: the layout every rank of ``group`` shares.
-        cp_rank: this rank's index in ``group``.
         group: the CP process group (``None``: the default group).
+        cp_rank: this rank's index in ``group``; derived from the group when omitted.
         impl: ``"ring"`` (K/V passed around, overlapped with compute) or ``"allgather"``.
         causal: causal mask within each document, else bidirectional within each document.
         scale: score scale, default ``D ** -0.5``.
@@ -49,6 +49,8 @@ def cp_attention(
     Every rank of the group must call this with the same plan, impl, causal, shapes and dtype,
     forward and backward: the collectives are matched rank to rank.
     """
+    if cp_rank is None:
+        cp_rank = dist.get_rank(group)
     _check(q, k, v, plan, cp_rank, group, impl, causal, scale)
     if scale is None:
         scale = q.shape[-1] ** -0.5

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from cpvlm.attention.masks import CAUSAL, MASKED, Segment
+from cpvlm.attention.schedule import CAUSAL, MASKED, Segment
 from cpvlm.distributed import compat
 
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from cpvlm.attention.block import acc_dtype, add_key_grads, attend_block, attend_block_backward
-from cpvlm.attention.masks import AttentionSchedule
+from cpvlm.attention.schedule import AttentionSchedule
 
 _KV_TAG, _DKV_TAG = 0, 1
 

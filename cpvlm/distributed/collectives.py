@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from cpvlm.distributed import compat
+
 # gloo has no bool reductions; these travel as uint8 and come back as bool.
 _WIRE_DTYPE = {torch.bool: torch.uint8}
 
@@ -25,7 +27,7 @@ def all_gather_dim0(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.T
     world = dist.get_world_size(group)
     wire = to_wire(x)
     out = wire.new_empty((world * wire.shape[0], *wire.shape[1:]))
-    dist.all_gather_single(out, wire, group=group)
+    compat.all_gather_tensor(out, wire, group)
     return out.to(x.dtype)
 
 
@@ -36,7 +38,7 @@ def reduce_scatter_dim0(x: torch.Tensor, group: dist.ProcessGroup | None) -> tor
         raise ValueError(f"reduce_scatter: dim 0 ({x.shape[0]}) is not divisible by {world} ranks")
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
-    dist.reduce_scatter_single(out, x, group=group)
+    compat.reduce_scatter_tensor(out, x, group)
     return out
 
 

@@ -8,6 +8,10 @@ changes one of these ops is fixed in this file alone.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 
@@ -15,6 +19,59 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 
 _aten = torch.ops.aten
+
+# ---- tensor collectives: the *_single names (torch >= 2.13) or the older ones ------------------
+#
+# torch 2.13 added dist.all_gather_single / reduce_scatter_single and deprecated
+# all_gather_into_tensor / reduce_scatter_tensor (same arguments, same semantics); 2.11 and 2.12
+# have only the older names. Chosen by feature detection, never by version string.
+_COLLECTIVES = {
+    "all_gather": ("all_gather_single", "all_gather_into_tensor"),
+    "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor"),
+}
+
+
+def _pick(op: str, legacy: bool):
+    new, old = _COLLECTIVES[op]
+    fn = None if legacy else getattr(dist, new, None)
+    return fn if fn is not None else getattr(dist, old)
+
+
+_legacy_collectives = False
+
+
+def uses_single_collectives() -> bool:
+    """True when the ``*_single`` tensor collectives are in use (present and not overridden)."""
+    return not _legacy_collectives and hasattr(dist, _COLLECTIVES["all_gather"][0])
+
+
+@contextlib.contextmanager
+def legacy_collectives() -> Iterator[None]:
+    """Use ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` even where the ``*_single`` names
+    exist: how tests exercise the torch 2.11/2.12 branch on a newer torch."""
+    global _legacy_collectives
+    before, _legacy_collectives = _legacy_collectives, True
+    try:
+        yield
+    finally:
+        _legacy_collectives = before
+
+
+def all_gather_tensor(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """``out`` = the equal-sized ``x`` of every rank, concatenated along dim 0 in rank order."""
+    fn = _pick("all_gather", _legacy_collectives)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the old name on torch >= 2.13
+        fn(out, x, group=group)
+
+
+def reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """``out`` = this rank's equal slice (dim 0) of the sum over ranks of ``x``."""
+    fn = _pick("reduce_scatter", _legacy_collectives)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        fn(out, x, group=group)
+
 
 # The fused CPU flash kernel (tiled, multithreaded, O(S) memory) accepts these dtypes, returns the
 # log-sum-exp (float32 for half types, float64 for float64) and takes GQA key/value heads as they
@@ -78,6 +135,22 @@ def cpu_flash_backward(
         scale=scale,
     )
     return dq, dk, dv
+
+
+# ---- PyTorch's own context parallelism (tests and benchmarks compare against it) --------------
+
+
+def torch_head_tail_indices(seq_len: int, cp_size: int) -> torch.Tensor | None:
+    """``[cp_size, seq_len // cp_size]`` positions each rank holds under PyTorch's own head-tail
+    load balancer, or None where this torch has no such (private) balancer."""
+    try:
+        from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
+            _HeadTailLoadBalancer,
+        )
+    except ImportError:
+        return None
+    balancer = _HeadTailLoadBalancer(seq_len, cp_size, torch.device("cpu"))
+    return balancer._generate_indices().reshape(cp_size, -1)
 
 
 # ---- PyTorch's own context-parallel ring attention (benchmarks compare against it) ------------

@@ -18,6 +18,7 @@ from functools import cached_property
 import torch
 import torch.distributed as dist
 
+from cpvlm.constants import IGNORE_INDEX
 from cpvlm.distributed.collectives import differentiable_all_gather_dim0
 
 PAD_DOC = -1
@@ -119,6 +120,16 @@ class ShardPlan:
         for idx in self._rank_indices:
             local[idx] = torch.arange(len(idx))
         return local
+
+    def locate(self, flat_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(owner, local)`` of positions ``b * padded_len + p`` in a padded ``[B, P]`` batch.
+
+        ``owner`` is the CP rank that holds each position, ``local`` its index ``b * local_len + i``
+        in that rank's flattened ``[B, local_len]`` shard (``indices(owner)[i] == p``).
+        """
+        pos = flat_positions.to("cpu", torch.long)
+        p = pos % self.padded_len
+        return self.owners[p], (pos // self.padded_len) * self.local_len + self.local_index[p]
 
     @cached_property
     def doc_ids(self) -> torch.Tensor:
@@ -226,7 +237,7 @@ class ShardPlan:
 # ---- batches ----------------------------------------------------------------------------------
 
 PAD_VALUES: Mapping[str, float | bool] = {
-    "labels": -100,
+    "labels": IGNORE_INDEX,
     "padding_mask": True,
     "attention_mask": False,
 }

@@ -13,10 +13,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cpvlm.constants import ATTN_IMPLS, FLOWS, VISION_MODES
+
 DTYPES = ("float32", "float64", "bfloat16")
-ATTN_IMPLS = ("ring", "allgather")
-VISION_MODES = ("route", "allgather", "replicate")
-FLOWS = ("scalable", "compat")
 DATA_PARALLEL = ("fsdp", "ddp", "none")
 DEVICES = ("auto", "cpu", "cuda")
 MIN_SEQ_LEN = 16

@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-IGNORE_INDEX = -100
+from cpvlm.loss import IGNORE_INDEX
+
 VISION_KEYS = (
     "pixel_values",
     "image_grid_thw",

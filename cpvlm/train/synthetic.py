@@ -22,6 +22,7 @@ import hashlib
 import torch
 
 from cpvlm.integrations.hf import SampleSpec, model_family, synthetic_batch
+from cpvlm.integrations.hf.models import QWEN3_TIMESTAMP_TOKENS
 
 TEXT_BASE = 16  # above the tiny configs' pad/bos/eos ids
 TEXT_VOCAB = 64
@@ -32,7 +33,6 @@ VIDEO_FRAMES = (2, 4)  # temporal patch-frames per video, inclusive
 VIDEO_HW = (4, 4)
 MAX_IMAGES = 2
 KIND_WEIGHTS = {"text": 0.40, "image": 0.45, "video": 0.15}
-QWEN3_TIMESTAMP_TOKENS = 3
 
 
 class SyntheticVLMData:

@@ -26,13 +26,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cpvlm.constants import VISION_DP_MODES
 from cpvlm.distributed.shard_plan import ShardPlan
 from cpvlm.vision.assign import assign_vision_units
 from cpvlm.vision.gather import gather_vision_embeddings
 from cpvlm.vision.route import route_plan, route_to_owners
 from cpvlm.vision.units import VisionUnits, check_merge_size, vision_units
-
-MODES = ("route", "allgather")
 
 
 def _split_output(out: object) -> tuple[list[torch.Tensor], bool]:
@@ -89,8 +88,10 @@ class VisionDataParallel(nn.Module):
         dtype: torch.dtype | None = None,
     ):
         super().__init__()
-        if mode not in MODES:
-            raise ValueError(f"VisionDataParallel: mode must be one of {MODES}, got {mode!r}")
+        if mode not in VISION_DP_MODES:
+            raise ValueError(
+                f"VisionDataParallel: mode must be one of {VISION_DP_MODES}, got {mode!r}"
+            )
         if (out_dims is None) != (dtype is None):
             raise ValueError("VisionDataParallel: pass out_dims and dtype together, or neither")
         self.encoder = encoder

@@ -82,19 +82,14 @@ def route_plan(
     that are out of range, padding, or repeated.
     """
     plan._check_rank(cp_rank)
-    w, big_p, local_len = plan.cp_size, plan.padded_len, plan.local_len
+    w = plan.cp_size
     row_ranks = row_ranks.to("cpu", torch.long)
     if row_ranks.numel() and not 0 <= int(row_ranks.min()) <= int(row_ranks.max()) < w:
         raise ValueError(
             f"route: row_ranks must lie in [0, {w}), got {row_ranks.unique().tolist()}"
         )
     pos = _check_positions(row_positions, row_ranks.numel(), plan)
-    p = pos % big_p
-    owner = plan.owners[p]
-    local_of = torch.empty(big_p, dtype=torch.long)
-    for r in range(w):
-        local_of[plan.indices(r)] = torch.arange(local_len)
-    local = (pos // big_p) * local_len + local_of[p]
+    owner, local = plan.locate(pos)
     stride = int(local.max()) + 1 if local.numel() else 1
 
     mine = torch.nonzero(row_ranks == cp_rank).squeeze(1)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from cpvlm import ShardPlan
 from cpvlm.attention import attention_schedule, cp_attention
-from cpvlm.attention.masks import CAUSAL, FULL, MASKED
+from cpvlm.attention.schedule import CAUSAL, FULL, MASKED
 from cpvlm.distributed import compat
 from cpvlm.testing import run_distributed
 

@@ -1,6 +1,6 @@
 """VisionDataParallel around a small tower on real gloo ranks, against the one-process tower.
 
-The tower (cpvlm.vision.toy) has a Conv3d patch embedding, attention within each frame, a 2x2
+The tower (cpvlm.testing.toy_tower) has a Conv3d patch embedding, attention within each frame, a 2x2
 merger and a deepstack tap, like the Qwen-VL towers. The reference encodes every item whole
 (videos as one grid) on one process; the wrapped runs split videos into frames across ranks.
 """
@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from cpvlm import ShardPlan
 from cpvlm.testing import rel_err, run_distributed
+from cpvlm.testing.toy_tower import ToyVisionTower
 from cpvlm.vision import VisionDataParallel, assign_vision_units, vision_units
-from cpvlm.vision.toy import ToyVisionTower
 
 MERGE = 2
 # Images of different sizes and two videos (t = 3 and t = 2): 8 units.

@@ -20,17 +20,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cpvlm.constants import ATTN_IMPLS, FLOWS, VISION_MODES
 from cpvlm.distributed.shard_plan import pad_and_shard
-from cpvlm.loss import token_mean_loss
+from cpvlm.loss import IGNORE_INDEX, token_mean_loss
 from cpvlm.vision import VisionDataParallel
 
 from .attention import CP_ATTENTION, CPAttentionContext
 from .inputs import OPTIONAL_KEYS, PreparedBatch, prepare_batch
 from .models import model_family
-
-ATTN_IMPLS = ("ring", "allgather")
-VISION_MODES = ("route", "allgather", "replicate")
-FLOWS = ("scalable", "compat")
 
 
 @dataclass
@@ -61,10 +58,8 @@ class _Tower(nn.Module):
 
 def _local_row_order(prep: PreparedBatch, cp_rank: int) -> torch.Tensor:
     """Indices of the visual rows this rank owns, sorted by their place in its [B, L] shard."""
-    plan, pos = prep.plan, prep.row_positions.cpu()
-    p = pos % plan.padded_len
-    local = (pos // plan.padded_len) * plan.local_len + plan.local_index[p]
-    mine = torch.nonzero(plan.owners[p] == cp_rank).squeeze(1)
+    owner, local = prep.plan.locate(prep.row_positions)
+    mine = torch.nonzero(owner == cp_rank).squeeze(1)
     return mine[torch.argsort(local[mine])]
 
 
@@ -167,7 +162,7 @@ class ContextParallelVLM(nn.Module):
         return ContextParallelOutput(
             loss=loss,
             num_valid=prep.num_valid,
-            local_labels=int((local["labels"] != -100).sum()),
+            local_labels=int((local["labels"] != IGNORE_INDEX).sum()),
             local_visual_tokens=int(visual_mask_loc.sum()),
             encoded_units=encoded,
         )

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig, Qwen3VLConfig
 
-IGNORE_INDEX = -100
+from cpvlm.loss import IGNORE_INDEX
+
 # Token ids of the tiny configs (vocab 512): specials at the top, text ids drawn below them.
 TINY_VOCAB_SIZE = 512
 TINY_PAD_TOKEN_ID = 0

@@ -1,0 +1,23 @@
+"""cpvlm's shared constants, defined once: the label that is not learned and the mode names.
+
+Plain values (the library, the trainer's flags and ``cpvlm verify`` share them), so that flag
+parsing and config validation name the choices without building anything.
+"""
+
+IGNORE_INDEX = -100
+"""Label value that takes no part in the loss (padding, prompt and image tokens, document ends)."""
+
+ATTN_IMPLS = ("ring", "allgather")
+"""CP attention implementations (``cp_attention(impl=...)``, ``--attn``)."""
+
+VISION_MODES = ("route", "allgather", "replicate")
+"""How the CP ranks of a replica share the vision tower (``ContextParallelVLM(vision=...)``,
+``--vision``); the first two are ``VisionDataParallel`` modes, "replicate" encodes everything on
+every rank (the baseline)."""
+
+VISION_DP_MODES = ("route", "allgather")
+"""``VisionDataParallel(mode=...)``: each unit encoded once, rows routed to owners or all-gathered."""
+
+FLOWS = ("scalable", "compat")
+"""``ContextParallelVLM(flow=...)``: no full-length tensor on any rank, or the full
+``inputs_embeds`` built and then sharded (the compatibility flow)."""
