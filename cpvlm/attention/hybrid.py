@@ -99,7 +99,7 @@ def hybrid_attention(
             cp_rank=cp_rank // u,
             group=ring_group,
             scale=scale,
-        )  # fmt: skip
+        )
         for qa, qb, ka, kb in heads.groups(lay.member)
     ]
     # A member without query heads (Hq < u) still joins both all-to-alls, forward and backward:

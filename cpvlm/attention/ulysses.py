@@ -254,9 +254,14 @@ def _local_forward(q, k, v, segments: tuple[Segment, ...], groups, scale):
     lse_acc = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
     for qa, qb, ka, kb in groups:
         attend_block(
-            q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], segments,
-            out_acc[:, qa:qb], lse_acc[:, qa:qb], scale,
-        )  # fmt: skip
+            q[:, qa:qb],
+            k[:, ka:kb],
+            v[:, ka:kb],
+            segments,
+            out_acc[:, qa:qb],
+            lse_acc[:, qa:qb],
+            scale,
+        )
     return out_acc.to(q.dtype), lse_acc
 
 
@@ -268,9 +273,16 @@ def _local_backward(dout, q, k, v, out, lse, segments, groups, scale):
     dkv_acc = torch.zeros((2, *k.shape), dtype=acc, device=q.device)
     for qa, qb, ka, kb in groups:
         parts = attend_block_backward(
-            dout[:, qa:qb], q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], out[:, qa:qb],
-            lse[:, qa:qb], segments, dq_acc[:, qa:qb], scale,
-        )  # fmt: skip
+            dout[:, qa:qb],
+            q[:, qa:qb],
+            k[:, ka:kb],
+            v[:, ka:kb],
+            out[:, qa:qb],
+            lse[:, qa:qb],
+            segments,
+            dq_acc[:, qa:qb],
+            scale,
+        )
         add_key_grads(dkv_acc[:, :, ka:kb], parts)
     return dq_acc.to(q.dtype), dkv_acc[0].to(k.dtype), dkv_acc[1].to(v.dtype)
 

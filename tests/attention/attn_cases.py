@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from cpvlm import ShardPlan
 from cpvlm.attention import cp_attention
+from cpvlm.testing import rel_err
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -146,3 +147,30 @@ def reference(c, cp):
         f[:, :, real] = t.detach()
         full.append(f)
     return plan, full
+
+
+def run_and_reference(rank, world_size, cases):
+    """``run_cases`` on every rank, and the one-process reference of every world_size-th case
+    (rank r takes cases r, r + world_size, ...): the references run in parallel, one thread each."""
+    refs = {i: reference(c, world_size)[1] for i, c in enumerate(cases) if i % world_size == rank}
+    return run_cases(rank, world_size, cases), refs
+
+
+def errors(cases, ranks, cp):
+    """Yield (case, name, error, padding exact) from ``run_distributed(run_and_reference, ...)``.
+
+    The error is relative, except for a gradient that is mathematically zero (every document of
+    one token: a softmax over a single key has no gradient), where both sides hold round-off noise
+    of ~1e-17 and the absolute error is the meaningful figure.
+    """
+    refs = {i: ref for _, part in ranks for i, ref in part.items()}
+    for i, c in enumerate(cases):
+        plan = ShardPlan(sum(c["doc_lens"]), cp, doc_lens=c["doc_lens"], layout=c["layout"])
+        for j, name in enumerate(("out", "dq", "dk", "dv")):
+            got, expected = unshard(plan, [results[i][j] for results, _ in ranks]), refs[i][j]
+            padding_zero = bool(torch.all(got[:, :, plan.is_padding] == 0))
+            if max(c["doc_lens"]) == 1 and name in ("dq", "dk"):
+                err = (got.double() - expected.double()).abs().max().item()
+            else:
+                err = rel_err(got, expected)
+            yield c, name, err, padding_zero
