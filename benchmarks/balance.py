@@ -1,8 +1,10 @@
-"""Causal attention balance of head-tail sharding against contiguous splitting.
+"""Causal attention balance of the ShardPlan layouts against contiguous splitting.
 
 For each CP size and document mix: max/mean over ranks of the causal (q, k) pairs a rank attends
-(1.00 is perfect balance), and the padding the layout adds. Pure arithmetic on the plans; no
-timing. Run: python benchmarks/balance.py
+(1.00 is perfect balance), and the padding the layout adds, for per-document head-tail (the
+default), the balanced layout (long documents head-tail, short ones whole, LPT by causal work;
+``layout="balanced"``) and contiguous splitting. Pure arithmetic on the plans; no timing.
+Run: python benchmarks/balance.py
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ def causal_pairs(plan: ShardPlan, positions_per_rank: list[torch.Tensor]) -> lis
     # For a real query at p in document d: (p - start_of_d + 1) keys.
     doc_start = torch.zeros(plan.padded_len, dtype=torch.long)
     start = 0
-    for p in plan.padded_doc_lens:
+    for p in plan.padded_doc_lens:  # the balanced layout's padding-only tail follows, no keys
         doc_start[start : start + p] = start
         start += p
     keys = torch.where(real, torch.arange(plan.padded_len) - doc_start + 1, 0)
@@ -61,7 +63,9 @@ def main() -> None:
     for name, doc_lens in mixes(seq_len).items():
         for cp in (2, 4, 8):
             plan = ShardPlan(seq_len, cp, doc_lens=doc_lens)
+            bal = ShardPlan(seq_len, cp, doc_lens=doc_lens, layout="balanced")
             ht = causal_pairs(plan, [plan.indices(r) for r in range(cp)])
+            bl = causal_pairs(bal, [bal.indices(r) for r in range(cp)])
             contig = causal_pairs(plan, contiguous_split(plan))
             rows.append(
                 {
@@ -69,9 +73,12 @@ def main() -> None:
                     "docs": len(doc_lens),
                     "cp": cp,
                     "head_tail_max_over_mean": max(ht) / (sum(ht) / cp),
+                    "balanced_max_over_mean": max(bl) / (sum(bl) / cp),
                     "contiguous_max_over_mean": max(contig) / (sum(contig) / cp),
                     "padding_tokens": plan.padded_len - seq_len,
                     "padding_pct": 100 * (plan.padded_len - seq_len) / seq_len,
+                    "balanced_padding_pct": 100 * (bal.padded_len - seq_len) / seq_len,
+                    "balanced_docs_split": sum(1 for r in bal.whole_on if r < 0),
                 }
             )
     columns = [
@@ -79,9 +86,11 @@ def main() -> None:
         "docs",
         "cp",
         "head_tail_max_over_mean",
+        "balanced_max_over_mean",
         "contiguous_max_over_mean",
-        "padding_tokens",
         "padding_pct",
+        "balanced_padding_pct",
+        "balanced_docs_split",
     ]
     print_table(
         rows, columns, f"Causal attention balance, seq_len={seq_len} (max/mean pairs per rank)"
