@@ -64,7 +64,7 @@ def cp_attention(
     if cp_rank is None:
         cp_rank = dist.get_rank(group)
     _check(q, k, v, plan, cp_rank, group, impl, causal, scale)
-    _check_ulysses_size(impl, ulysses_size, plan.cp_size)
+    check_ulysses_size(impl, ulysses_size, plan.cp_size)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if impl == "auto":
@@ -81,11 +81,12 @@ def cp_attention(
     return hybrid_attention(q, k, v, plan=plan, causal=causal, ulysses_size=ulysses_size, **kw)
 
 
-def _check_ulysses_size(impl: str, ulysses_size, cp_size: int) -> None:
+def check_ulysses_size(impl: str, ulysses_size, cp_size: int, where: str = "cp_attention"):
+    """``ulysses_size`` is a divisor of ``cp_size`` for impl="hybrid", and None otherwise."""
     if impl != "hybrid":
         if ulysses_size is not None:
             raise ValueError(
-                f"cp_attention: ulysses_size={ulysses_size!r} applies to impl='hybrid' only "
+                f"{where}: ulysses_size={ulysses_size!r} applies to impl='hybrid' only "
                 f"(impl={impl!r}); drop it"
             )
         return
@@ -97,7 +98,7 @@ def _check_ulysses_size(impl: str, ulysses_size, cp_size: int) -> None:
     ):
         divisors = [u for u in range(1, cp_size + 1) if cp_size % u == 0]
         raise ValueError(
-            f"cp_attention: impl='hybrid' needs ulysses_size, the ranks per Ulysses group: a "
+            f"{where}: impl='hybrid' needs ulysses_size, the ranks per Ulysses group: a "
             f"divisor of the CP group size {cp_size} ({divisors}); got {ulysses_size!r}"
         )
 

@@ -65,7 +65,15 @@ def _setup_model(config: TrainConfig, device: torch.device, groups, mesh):
         freeze_vision_encoder(model)
     model.to(device)
     p = config.parallel
-    cp_model = ContextParallelVLM(model, groups.cp_group, attn=p.attn, vision=p.vision, flow=p.flow)
+    cp_model = ContextParallelVLM(
+        model,
+        groups.cp_group,
+        attn=p.attn,
+        vision=p.vision,
+        flow=p.flow,
+        ulysses_size=p.ulysses_size,
+        layout=p.layout,
+    )
     # FSDP2 units: each decoder layer and the vision tower (the root keeps embeddings, head, norm).
     # The tower is a safe unit because ContextParallelVLM calls it exactly once per forward on
     # every rank, at the same point, with a dummy frame where there is nothing to encode.

@@ -156,7 +156,9 @@ def summarize(config, records: list[dict], start_step: int, log: MetricsLog) -> 
     p = config.parallel
     lines = [
         f"done: {summary['steps']} steps of {config.model.name} ({config.model.dtype}), "
-        f"cp {p.cp} x dp {p.dp} = {ranks} ranks, seq-len {config.data.seq_len}"
+        f"cp {p.cp} x dp {p.dp} = {ranks} ranks, seq-len {config.data.seq_len}, attn {p.attn}"
+        + (f" {p.ulysses_size}x{p.cp // p.ulysses_size}" if p.attn == "hybrid" else "")
+        + (f", layout {p.layout}" if p.layout != "head_tail" else "")
         + (f", resumed at step {start_step}" if start_step else ""),
         f"  loss            {summary['loss_first']:.4f} -> {summary['loss_last']:.4f} "
         f"(mean of the first / last {k} steps)",

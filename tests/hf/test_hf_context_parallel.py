@@ -28,12 +28,21 @@ from cpvlm.integrations.hf import (  # noqa: E402
 from cpvlm.testing import DistributedTestError, rel_err, run_distributed  # noqa: E402
 
 MODELS = ["qwen3-vl-tiny", "qwen2.5-vl-tiny"]
-# (attn, vision, flow): the scalable flow with both vision collectives, and the compat flow.
+# (attn, vision, flow[, more ContextParallelVLM keywords]): the scalable flow with both vision
+# collectives, and the compat flow.
 EXACT_CONFIGS = [
     ("ring", "route", "scalable"),
     ("allgather", "route", "scalable"),
     ("ring", "allgather", "compat"),
     ("allgather", "allgather", "compat"),
+]
+# Ulysses and hybrid (Ulysses over 2 ranks, a ring across: 2 x 1 at cp 2, 2 x 2 at cp 4); the
+# tiny models have 4 query and 2 key/value heads, so at cp 4 Ulysses gives each rank one query
+# head and sends each key/value head to two ranks.
+HEAD_CONFIGS = [
+    ("ulysses", "route", "scalable"),
+    ("hybrid", "route", "scalable", {"ulysses_size": 2}),
+    ("ulysses", "allgather", "compat"),
 ]
 
 _models: dict = {}
@@ -49,9 +58,16 @@ def _model(name, dtype):
 def _cp_step(rank, world_size, name, dtype, batch, configs, doc_lens=None):
     """Run every config on this rank; rank 0 returns the summed losses and gradients."""
     results = []
-    for attn, vision, flow in configs:
+    for attn, vision, flow, *more in configs:
         model = copy.deepcopy(_model(name, dtype))
-        cp_model = ContextParallelVLM(model, dist.group.WORLD, attn=attn, vision=vision, flow=flow)
+        cp_model = ContextParallelVLM(
+            model,
+            dist.group.WORLD,
+            attn=attn,
+            vision=vision,
+            flow=flow,
+            **(more[0] if more else {}),
+        )
         out = cp_model(**batch, doc_lens=doc_lens)
         out.loss.backward()
         loss = out.loss.detach().clone()
@@ -103,6 +119,7 @@ def test_loss_and_every_gradient_match_transformers_float64(name, cp):
         assert any(n.startswith("model.visual.deepstack_merger_list") for n in ref_grads)
     configs = [
         *EXACT_CONFIGS,
+        *HEAD_CONFIGS,
         ("allgather", "allgather", "scalable"),
         ("ring", "replicate", "scalable"),
     ]
@@ -129,8 +146,9 @@ def test_ranks_without_images_and_text_only_batches(name):
     batch = _single_image_up_front(model, torch.float64)
     # Put the image first: its vision-start token is the first token.
     ref_loss, ref_grads = reference_loss_and_grads(model, batch)
-    per_rank = run_distributed(_cp_step, 4, name, torch.float64, batch, EXACT_CONFIGS[:2])
-    for i in range(2):
+    configs = [*EXACT_CONFIGS[:2], *HEAD_CONFIGS[:2]]
+    per_rank = run_distributed(_cp_step, 4, name, torch.float64, batch, configs)
+    for i in range(len(configs)):
         _assert_close(per_rank[0][i], ref_loss, ref_grads, 1e-10)
     assert [r[0]["encoded_units"] for r in per_rank].count(0) == 3
     assert [r[0]["visual_tokens"] for r in per_rank].count(0) >= 2
@@ -140,11 +158,12 @@ def test_ranks_without_images_and_text_only_batches(name):
     )
     text_only.pop("mm_token_type_ids")
     ref_loss, ref_grads = reference_loss_and_grads(model, text_only)
-    per_rank = run_distributed(_cp_step, 3, name, torch.float64, text_only, EXACT_CONFIGS[:1])
-    result = per_rank[0][0]
-    assert rel_err(result["loss"], ref_loss) <= 1e-10
-    for n, g in ref_grads.items():
-        assert rel_err(result["grads"][n], g) <= 1e-10, n
+    configs = [EXACT_CONFIGS[0], HEAD_CONFIGS[0]]
+    per_rank = run_distributed(_cp_step, 3, name, torch.float64, text_only, configs)
+    for result in per_rank[0]:
+        assert rel_err(result["loss"], ref_loss) <= 1e-10
+        for n, g in ref_grads.items():
+            assert rel_err(result["grads"][n], g) <= 1e-10, n
 
 
 def _packed(model, dtype):
@@ -202,7 +221,16 @@ def test_packed_documents_match_each_document_run_alone(name, cp):
     model = _model(name, torch.float64)
     packed, parts, doc_lens = _packed(model, torch.float64)
     ref_loss, ref_grads = _per_document_reference(model, parts)
-    configs = [EXACT_CONFIGS[0], EXACT_CONFIGS[2]]
+    # Both ShardPlan layouts: "balanced" places the short documents whole on one rank each.
+    balanced = {"layout": "balanced"}
+    configs = [
+        EXACT_CONFIGS[0],
+        EXACT_CONFIGS[2],
+        HEAD_CONFIGS[0],
+        ("ring", "route", "scalable", balanced),
+        ("ulysses", "allgather", "compat", balanced),
+        ("hybrid", "route", "scalable", {"ulysses_size": 2, **balanced}),
+    ]
     per_rank = run_distributed(_cp_step, cp, name, torch.float64, packed, configs, doc_lens)
     for i in range(len(configs)):
         _assert_close(per_rank[0][i], ref_loss, ref_grads, 1e-10)
@@ -213,7 +241,8 @@ def test_float32_within_1e_5(name):
     model = _model(name, torch.float32)
     batch = _mixed_batch(model, torch.float32)
     ref_loss, ref_grads = reference_loss_and_grads(model, batch)
-    per_rank = run_distributed(_cp_step, 2, name, torch.float32, batch, EXACT_CONFIGS)
+    configs = [*EXACT_CONFIGS, *HEAD_CONFIGS]
+    per_rank = run_distributed(_cp_step, 2, name, torch.float32, batch, configs)
     # float32: different summation orders (blockwise softmax, summed shares) give ~1e-7 relative
     # differences per value; 1e-5 leaves room for the accumulation over layers.
     for result in per_rank[0]:

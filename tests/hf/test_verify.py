@@ -12,7 +12,14 @@ pytest.importorskip("transformers")
 
 from cpvlm.integrations.hf import ContextParallelVLM, build_model  # noqa: E402
 from cpvlm.integrations.hf.context_parallel import _local_row_order, _Tower  # noqa: E402
-from cpvlm.verify import GROUPS, group_of, reference, run_verify, verify_batches  # noqa: E402
+from cpvlm.verify import (  # noqa: E402
+    GROUPS,
+    group_of,
+    main,
+    reference,
+    run_verify,
+    verify_batches,
+)
 from cpvlm.vision import assign_vision_units, gather_vision_embeddings, vision_units  # noqa: E402
 
 
@@ -32,6 +39,16 @@ def test_verify_passes_on_tiny_models_at_cp_2_and_4(name):
     ):
         assert group in text
     assert ("deepstack mergers" in text) == (name == "qwen3-vl-tiny")
+
+
+def test_verify_checks_ulysses_and_hybrid():
+    out = io.StringIO()
+    assert run_verify("qwen3-vl-tiny", [2], ["ulysses", "hybrid"], ["route"], ["scalable"], out=out)
+    text = out.getvalue()
+    assert "OK: the loss and every gradient are within tolerance (float64)" in text
+    assert "hybrid 2x1" in text and "ulysses" in text
+    with pytest.raises(SystemExit):  # a Ulysses size that does not divide a CP size
+        main(["--cp", "2,3", "--attn", "hybrid", "--ulysses-size", "2"])
 
 
 def test_every_module_group_has_a_nonzero_reference_gradient():

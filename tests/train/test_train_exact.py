@@ -29,6 +29,12 @@ def test_cp1_and_cp2_losses_agree(tmp_path, dtype, tol):
     for a, b in zip(one, two, strict=True):
         assert abs(a["loss"] - b["loss"]) <= tol * abs(a["loss"]), (a["step"], a["loss"], b["loss"])
     assert two[-1]["loss"] < two[0]["loss"]
+    if dtype == "float64":  # Ulysses attention on the balanced layout, through the same flags
+        uly = _train(
+            tmp_path / "ulysses", "--cp", "2", "--attn", "ulysses", "--layout", "balanced", *flags
+        )
+        for a, b in zip(one, uly, strict=True):
+            assert abs(a["loss"] - b["loss"]) <= tol * abs(a["loss"]), (a["step"], b["loss"])
 
 
 def test_text_only_rows_on_one_dp_rank_fsdp_equals_plain_sum(tmp_path):

@@ -35,6 +35,7 @@ class CPAttentionContext:
     cp_rank: int
     group: dist.ProcessGroup | None
     impl: str = "ring"
+    ulysses_size: int | None = None
 
 
 def context_parallel_attention(
@@ -71,6 +72,7 @@ def context_parallel_attention(
         impl=cpvlm_cp.impl,
         causal=True,
         scale=scaling,
+        ulysses_size=cpvlm_cp.ulysses_size,
     )
     return out.transpose(1, 2).contiguous(), None
 

@@ -20,7 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cpvlm.constants import ATTN_IMPLS, FLOWS, VISION_MODES
+from cpvlm.attention import hybrid_groups
+from cpvlm.attention.api import check_ulysses_size
+from cpvlm.constants import ATTN_IMPLS, FLOWS, LAYOUTS, VISION_MODES
 from cpvlm.distributed.shard_plan import pad_and_shard
 from cpvlm.loss import IGNORE_INDEX, token_mean_loss
 from cpvlm.vision import VisionDataParallel
@@ -69,11 +71,15 @@ class ContextParallelVLM(nn.Module):
     Args:
         model: ``Qwen2_5_VLForConditionalGeneration`` or ``Qwen3VLForConditionalGeneration``.
         cp_group: the CP process group (``None``: the default group).
-        attn: ``"ring"`` or ``"allgather"`` CP attention.
+        attn: CP attention: ``"ring"``, ``"allgather"``, ``"ulysses"``, ``"hybrid"`` (with
+            ``ulysses_size``) or ``"auto"`` (see ``cpvlm.cp_attention``).
         vision: ``"route"`` (each unit encoded once, rows sent to their owners), ``"allgather"``
             (each unit encoded once, every rank gets every row) or ``"replicate"`` (every rank
             encodes every unit: the simple baseline).
         flow: ``"scalable"`` or ``"compat"`` (full ``inputs_embeds`` built, then sharded).
+        ulysses_size: ``attn="hybrid"`` only: ranks per Ulysses group (a divisor of the CP size).
+        layout: ``ShardPlan`` layout, ``"head_tail"`` or ``"balanced"`` (short packed documents
+            whole on one rank).
 
     ``forward(**batch)`` takes the same full batch on every CP rank and returns a
     ``ContextParallelOutput`` whose ``loss`` is this rank's share.
@@ -87,6 +93,8 @@ class ContextParallelVLM(nn.Module):
         attn: str = "ring",
         vision: str = "route",
         flow: str = "scalable",
+        ulysses_size: int | None = None,
+        layout: str = "head_tail",
     ):
         super().__init__()
         self.family = model_family(model)
@@ -94,6 +102,7 @@ class ContextParallelVLM(nn.Module):
             ("attn", attn, ATTN_IMPLS),
             ("vision", vision, VISION_MODES),
             ("flow", flow, FLOWS),
+            ("layout", layout, LAYOUTS),
         ):
             if value not in allowed:
                 raise ValueError(
@@ -107,8 +116,12 @@ class ContextParallelVLM(nn.Module):
         self.model = model
         self.cp_group = cp_group
         self.attn, self.vision, self.flow = attn, vision, flow
+        self.ulysses_size, self.layout = ulysses_size, layout
         self.cp_size = dist.get_world_size(cp_group)
         self.cp_rank = dist.get_rank(cp_group)
+        check_ulysses_size(attn, ulysses_size, self.cp_size, "ContextParallelVLM")
+        if attn == "hybrid":
+            hybrid_groups(cp_group, ulysses_size)  # created now, on every rank, not mid-forward
         model.model.language_model.set_attn_implementation(CP_ATTENTION)
 
     def forward(
@@ -129,6 +142,7 @@ class ContextParallelVLM(nn.Module):
             self.cp_size,
             doc_lens=doc_lens,
             num_valid=num_valid,
+            layout=self.layout,
         )
         local = pad_and_shard(
             {
@@ -148,7 +162,9 @@ class ContextParallelVLM(nn.Module):
         lm_kwargs = {}
         if self.family == "qwen3_vl":
             lm_kwargs = {"visual_pos_masks": visual_mask_loc, "deepstack_visual_embeds": deepstack}
-        context = CPAttentionContext(prep.plan, self.cp_rank, self.cp_group, self.attn)
+        context = CPAttentionContext(
+            prep.plan, self.cp_rank, self.cp_group, self.attn, self.ulysses_size
+        )
         hidden = self.model.model.language_model(
             inputs_embeds=x_loc,
             position_ids=local["position_ids"],

@@ -148,6 +148,7 @@ def prepare_batch(
     *,
     doc_lens: Sequence[int] | torch.Tensor | None = None,
     num_valid: int | None = None,
+    layout: str = "head_tail",
 ) -> PreparedBatch:
     """Validate a full training batch and derive the replicated inputs of a CP step.
 
@@ -156,6 +157,7 @@ def prepare_batch(
     ``pixel_values``/``image_grid_thw``, ``pixel_values_videos``/``video_grid_thw`` (and
     ``second_per_grid_ts`` for Qwen2.5-VL videos). ``doc_lens`` packs one row into documents
     (positions restart, no attention across documents, labels shifted per document).
+    ``layout`` is the ShardPlan layout ("head_tail" or "balanced").
     """
     config = model.config
     merge = config.vision_config.spatial_merge_size
@@ -208,7 +210,7 @@ def prepare_batch(
         doc_lens = doc_lens.tolist()
     if doc_lens is not None and ids.shape[0] != 1:
         raise ValueError(f"doc_lens packs one row; got a batch of {ids.shape[0]} rows")
-    plan = ShardPlan(seq_len, cp_size, doc_lens=doc_lens)
+    plan = ShardPlan(seq_len, cp_size, doc_lens=doc_lens, layout=layout)
     seconds = batch.get("second_per_grid_ts")
 
     if doc_lens is None:
