@@ -265,6 +265,10 @@ def _impls_worker(rank, world_size, seq_len, hq, hkv, doc_lens, layouts, repeats
     return {"wall": wall, "cpu": cpu, "errors": errors}
 
 
+IMPL_COLUMNS = ["S", "heads", "docs", "cp", "impl", "layout", "wall/a", "cpu/a", "MiB/rank"]
+IMPL_COLUMNS += ["err", "auto"]
+
+
 def impls_main(args) -> None:
     rows = []
     for seq_len in args.seq_lens:
@@ -286,42 +290,24 @@ def impls_main(args) -> None:
                         args.repeats,
                         timeout=3600,
                     )
-                    rows += _impl_rows(ranks, seq_len, hq, hkv, docs_name, doc_lens, cp)
-                print(f"S={seq_len} Hq/Hkv={hq}/{hkv} {docs_name} done", flush=True)
+                    new = _impl_rows(ranks, seq_len, hq, hkv, docs_name, doc_lens, cp)
+                    print_table(new, IMPL_COLUMNS)
+                    rows += new
+                    # Written after every configuration, so that an interrupted run keeps them.
+                    _write_impls(rows, args)
     print()
     print_table(
         rows,
-        [
-            "S",
-            "heads",
-            "docs",
-            "cp",
-            "impl",
-            "layout",
-            "wall/a",
-            "cpu/a",
-            "MiB/rank",
-            "err",
-            "auto",
-        ],
+        IMPL_COLUMNS,
         title=f"CP attention fwd+bwd, causal, float32, B={B} D={D}: time over one-process SDPA "
         f"(wall: slowest rank, best of {args.repeats}; cpu: all ranks' CPU seconds), MiB each "
         "rank sends, max error vs one process, what impl='auto' picks for the shapes",
     )
-    write_json(
-        "attention_impls",
-        {
-            "config": {
-                "B": B,
-                "D": D,
-                "dtype": "float32",
-                "causal": True,
-                "repeats": args.repeats,
-                "load": f"{os.getloadavg()[0]:.1f}",
-            },
-            "rows": rows,
-        },
-    )
+
+
+def _write_impls(rows, args) -> None:
+    config = {"B": B, "D": D, "dtype": "float32", "causal": True, "repeats": args.repeats}
+    write_json("attention_impls", {"config": config, "rows": rows})
 
 
 def _impl_rows(ranks, seq_len, hq, hkv, docs_name, doc_lens, cp):
