@@ -55,7 +55,7 @@ def test_balanced_places_short_documents_whole_and_pads_the_tail():
     assert plan.source_index.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, -1, -1, -1, -1]
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(mixes)
 def test_balanced_layout_structure(mix):
     cp, doc_lens = mix

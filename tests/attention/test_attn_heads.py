@@ -22,7 +22,7 @@ def _kv_needed(a, b, g):
     return {h // g for h in range(a, b)}
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(head_cases)
 def test_head_split_covers_every_head_once_and_sends_kv_heads_only_where_used(case):
     hq, hkv, size = case

@@ -9,7 +9,7 @@ from test_attn_schedule import _coverage
 from cpvlm import ShardPlan
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(
     cp=st.sampled_from([1, 2, 3, 4, 6, 8]),
     doc_lens=st.lists(st.integers(1, 70), min_size=1, max_size=8),
