@@ -27,8 +27,13 @@ Time (``estimate_seconds``), per layer, forward + backward, slowest rank, from t
     hybrid:    four all-to-alls over u + the ring over r on the member's heads.
 The constants (``CostModel``) for CPU/gloo were measured on this project's 2-core machine (torch
 2.13, gloo over loopback, one thread per rank, while other jobs were running: load average ~11):
-fused CPU flash kernel 1.3e-10 s per (pair x head x D) forward at D=64, backward 2.6 x forward,
-~30 us per call; gloo ~0.5 GB/s per rank for p2p and all-to-all, ~1 ms per message. For CUDA/NCCL
+fused CPU flash kernel 1.3e-10 s per (pair x head x D) forward at D=64, backward 2.6 x forward;
+~100 us fixed per call (the slicing and log-sum-exp merge around the kernel: an 8 x 8 block took
+0.65 ms forward under a load average of 30, the kernel alone ~20 us on a quiet machine); gloo
+~0.5 GB/s per rank for p2p and all-to-all, ~1 ms per message. With these, ``auto`` came within 15%
+of the fastest measured implementation (CPU seconds) in 17 of the 24 configurations of
+``benchmarks/attention.py`` at S 4096 and 8192 (the others are within the run-to-run noise of a
+loaded machine, or packed rows where it picked Ulysses/hybrid and the ring was faster). For CUDA/NCCL
 they are published figures, not measured here (no GPU in this project's CI): FlashAttention-2 on
 an H100, ~350 TFLOP/s = 4 D flops per pair and head in 1.1e-14 s per (pair x head x D), ~10 us per
 call, NVLink ~200 GB/s per GPU achieved in all-to-all, ~20 us per message. On CPU the kernels
@@ -67,7 +72,7 @@ class CostModel:
 
 
 CPU_GLOO = CostModel(
-    pair_s=1.3e-10, backward_factor=2.6, call_s=30e-6, link_bytes_per_s=0.5e9, message_s=1e-3
+    pair_s=1.3e-10, backward_factor=2.6, call_s=100e-6, link_bytes_per_s=0.5e9, message_s=1e-3
 )
 CUDA_NCCL = CostModel(
     pair_s=1.1e-14, backward_factor=2.5, call_s=10e-6, link_bytes_per_s=200e9, message_s=20e-6
