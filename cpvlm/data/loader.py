@@ -85,6 +85,12 @@ class LocalRow:
     def has_vision(self) -> bool:
         return "image_grid_thw" in self.vision or "video_grid_thw" in self.vision
 
+    @property
+    def grid_thw(self) -> torch.Tensor:
+        """``[items, 3]``: the images, then the videos (the order of the units)."""
+        grids = [self.vision[k] for k in ("image_grid_thw", "video_grid_thw") if k in self.vision]
+        return torch.cat(grids) if grids else torch.zeros(0, 3, dtype=torch.long)
+
     def batch(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """Keyword arguments of ``ContextParallelVLM`` for this row (with ``doc_lens`` apart)."""
         ids = self.input_ids.view(1, -1)
@@ -180,7 +186,7 @@ def decode_row(job: RowJob, decode: Decoder, temporal_patch: int = 2) -> LocalRo
     ):
         if grid_key in vision:
             tensors = parts[key]
-            vision[key] = torch.cat(tensors) if tensors else torch.zeros(0, 0)
+            vision[key] = torch.cat(tensors) if tensors else torch.zeros(0, job.ids.pixel_width)
     return out
 
 

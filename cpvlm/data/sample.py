@@ -47,15 +47,18 @@ class TokenIds:
     video: int
     merge: int
     vocab_size: int | None = None
+    pixel_width: int = 0  # C of a pixel row: channels * temporal patch * patch**2
 
     @classmethod
     def from_config(cls, model_config) -> TokenIds:
         text = getattr(model_config, "text_config", model_config)
+        vision = model_config.vision_config
         return cls(
             image=model_config.image_token_id,
             video=model_config.video_token_id,
-            merge=model_config.vision_config.spatial_merge_size,
+            merge=vision.spatial_merge_size,
             vocab_size=getattr(text, "vocab_size", None),
+            pixel_width=vision.in_channels * vision.temporal_patch_size * vision.patch_size**2,
         )
 
 

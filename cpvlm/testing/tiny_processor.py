@@ -176,3 +176,48 @@ def write_frames(folder: str | Path, frames: int, height: int, width: int, *, se
     for f in range(frames):
         _png(Path(folder) / f"{f:05d}.png", height, width, rng)
     return Path(folder)
+
+
+_WORDS = ("a red square", "two cats", "a blue field", "one, two, three", "yes", "no", "a ball")
+
+
+def example_records(folder: str | Path, num_samples: int, *, seed: int = 0, videos: bool = True):
+    """Write images (and frame folders) under ``folder`` and return ``num_samples`` conversation
+    records referring to them by relative paths: text-only, one or two images of several sizes,
+    and (with ``videos``) a video of 3 to 5 frames; one or two turns."""
+    rng = np.random.default_rng(seed)
+    folder = Path(folder)
+    records = []
+    for i in range(num_samples):
+        kind = ["text", "image", "image", "two_images", "video" if videos else "image"][i % 5]
+        content = []
+        if kind in ("image", "two_images"):
+            for k in range(1 + (kind == "two_images")):
+                h, w = (int(v) for v in rng.integers(12, 90, 2))
+                name = f"img/s{i}_{k}.png"
+                _png(folder / name, h, w, rng)
+                content.append({"type": "image", "image": name})
+        elif kind == "video":
+            name = f"vid/s{i}"
+            write_frames(folder / name, int(rng.integers(3, 6)), 24, 40, seed=seed * 1000 + i)
+            content.append({"type": "video", "video": name, "fps": 2.0})
+        question = "Describe the image." if kind != "text" else "Count the shapes:"
+        content.append({"type": "text", "text": question + " " * int(rng.integers(0, 3))})
+        answer = " ".join(_WORDS[int(j)] for j in rng.integers(0, len(_WORDS), 1 + i % 4))
+        messages = [
+            {"role": "user", "content": content},
+            {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+        ]
+        if i % 3 == 0:
+            messages += [
+                {"role": "user", "content": [{"type": "text", "text": "And then?"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": _WORDS[i % 7]}]},
+            ]
+        records.append({"messages": messages})
+    return records
+
+
+def write_jsonl(path: str | Path, records) -> Path:
+    path = Path(path)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
