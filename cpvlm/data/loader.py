@@ -18,6 +18,7 @@ them runs the row. ``state_dict()`` is the stream position after the last step h
 
 from __future__ import annotations
 
+import multiprocessing
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -214,6 +215,13 @@ def _identity(x):
     return x
 
 
+def _worker_context():
+    # fork: workers start in milliseconds, without importing torch and the processor again
+    # (training ranks are often forkserver or spawn children, whose default they would inherit).
+    methods = multiprocessing.get_all_start_methods()
+    return multiprocessing.get_context("fork" if "fork" in methods else methods[0])
+
+
 def _worker_init(_: int) -> None:
     torch.set_num_threads(1)  # decoding is per-image work; ranks already use the cores
 
@@ -260,6 +268,7 @@ class RankLoader:
             prefetch_factor=prefetch if num_workers else None,
             collate_fn=_identity,
             worker_init_fn=_worker_init if num_workers else None,
+            multiprocessing_context=_worker_context() if num_workers else None,
         )
         self._iter = None
 

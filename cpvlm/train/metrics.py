@@ -124,7 +124,7 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def summarize(config, records: list[dict], start_step: int, log: MetricsLog) -> dict:
+def summarize(config, records: list[dict], start_step: int, log: MetricsLog, errors=None) -> dict:
     """Print the summary of this run (all steps in metrics.jsonl) and write summary.json."""
     everything = log.read()
     losses = [r["loss"] for r in everything]
@@ -149,6 +149,9 @@ def summarize(config, records: list[dict], start_step: int, log: MetricsLog) -> 
         "mean_ranks_without_images": _mean(no_image),
         "steps_with_a_rank_without_visual_tokens": sum(n > 0 for n in no_tokens),
         "mean_ranks_without_visual_tokens": _mean(no_tokens),
+        "bad_samples": errors.summary() if errors is not None else {},
+        "rows_replaced": sum(r.get("rows_replaced", 0) for r in everything),
+        "truncated_samples": sum(r.get("truncated", 0) for r in everything),
         "out": str(log.path.parent),
     }
     with open(log.path.parent / SUMMARY, "w") as f:
@@ -171,5 +174,14 @@ def summarize(config, records: list[dict], start_step: int, log: MetricsLog) -> 
         f"(mean {summary['mean_ranks_without_visual_tokens']:.2f})",
         f"  outputs         {log.path} ; checkpoints in {Path(summary['out']) / 'checkpoints'}",
     ]
+    bad = summary["bad_samples"]
+    if bad or summary["truncated_samples"]:
+        skipped = ", ".join(f"{n} {reason}" for reason, n in bad.items()) or "none"
+        lines.insert(
+            -1,
+            f"  data            skipped {sum(bad.values())} bad samples ({skipped}; see "
+            f"{Path(summary['out']) / 'data_errors.jsonl'}), {summary['rows_replaced']} rows "
+            f"replaced, {summary['truncated_samples']} text samples cut to --seq-len",
+        )
     print("\n".join(lines), flush=True)
     return summary

@@ -115,8 +115,13 @@ class VisionDataParallel(nn.Module):
         *,
         plan: ShardPlan | None = None,
         row_positions: torch.Tensor | None = None,
+        local_pixels: bool = False,
     ):
         """Encode this rank's units and return what the unwrapped tower would.
+
+        ``local_pixels``: ``pixel_values`` holds only this rank's units, their pixel rows in
+        unit order (what a data loader that decodes only these gives); ``grid_thw`` is still
+        every item's.
 
         allgather mode: all R rows in the tower's order (``plan``/``row_positions`` unused).
         route mode: ``plan`` is the batch's ShardPlan and ``row_positions[g]`` the position of
@@ -125,8 +130,8 @@ class VisionDataParallel(nn.Module):
         """
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         units = self.units(grid_thw)
-        self._check_pixels(pixel_values, units)
         assignment = self.assignment(units)
+        self._check_pixels(pixel_values, units, assignment[rank] if local_pixels else None)
         rp = None
         if self.mode == "route":
             rp = self._route_plan(units, assignment, plan, row_positions, world, rank)
@@ -135,7 +140,9 @@ class VisionDataParallel(nn.Module):
 
         mine = assignment[rank]
         if mine:
-            pix = pixel_values.index_select(0, units.pixel_index(mine).to(pixel_values.device))
+            pix = pixel_values
+            if not local_pixels:
+                pix = pix.index_select(0, units.pixel_index(mine).to(pixel_values.device))
             out = self.encoder(pix, units.grid_thw(mine).to(grid_thw.device))
             tensors, has_deepstack = _split_output(out)
             self._check_output(tensors, has_deepstack, sum(units.row_counts[u] for u in mine))
@@ -156,14 +163,18 @@ class VisionDataParallel(nn.Module):
 
     # ---- pieces -------------------------------------------------------------------------------
 
-    def _check_pixels(self, pixel_values: torch.Tensor, units: VisionUnits) -> None:
+    def _check_pixels(self, pixel_values: torch.Tensor, units: VisionUnits, mine) -> None:
         if not isinstance(pixel_values, torch.Tensor) or pixel_values.dim() != 2:
             raise ValueError("VisionDataParallel: pixel_values must be a 2-d tensor [patches, C]")
-        expected = units.pixel_offsets[-1]
+        if mine is None:
+            expected, what = units.pixel_offsets[-1], "the grids have"
+        else:
+            expected = sum(units.pixel_counts[u] for u in mine)
+            what = f"with local_pixels this rank's units {mine} have"
         if pixel_values.shape[0] != expected:
             raise ValueError(
-                f"VisionDataParallel: pixel_values has {pixel_values.shape[0]} rows but the grids "
-                f"have {expected} patches (sum of t*h*w over grid_thw)"
+                f"VisionDataParallel: pixel_values has {pixel_values.shape[0]} rows but {what} "
+                f"{expected} patches (sum of t*h*w)"
             )
 
     def _route_plan(self, units, assignment, plan, row_positions, world, rank):

@@ -23,7 +23,7 @@ from torch import nn
 from cpvlm.constants import ATTN_IMPLS, FLOWS, VISION_MODES
 from cpvlm.distributed.shard_plan import pad_and_shard
 from cpvlm.loss import IGNORE_INDEX, token_mean_loss
-from cpvlm.vision import VisionDataParallel
+from cpvlm.vision import VisionDataParallel, VisionUnits, assign_vision_units
 
 from .attention import CP_ATTENTION, CPAttentionContext
 from .inputs import OPTIONAL_KEYS, PreparedBatch, prepare_batch
@@ -76,7 +76,10 @@ class ContextParallelVLM(nn.Module):
         flow: ``"scalable"`` or ``"compat"`` (full ``inputs_embeds`` built, then sharded).
 
     ``forward(**batch)`` takes the same full batch on every CP rank and returns a
-    ``ContextParallelOutput`` whose ``loss`` is this rank's share.
+    ``ContextParallelOutput`` whose ``loss`` is this rank's share. With ``local_pixels=True``
+    the pixel values (images, then videos) hold only the rows of the units this rank encodes,
+    ``vision_assignment(units)[cp_rank]``, in unit order: a loader then decodes each image and
+    frame once per CP group (not with ``vision="replicate"``, which encodes every unit).
     """
 
     def __init__(
@@ -118,17 +121,24 @@ class ContextParallelVLM(nn.Module):
         *,
         num_valid: int | None = None,
         doc_lens=None,
+        local_pixels: bool = False,
         **batch,
     ) -> ContextParallelOutput:
         unknown = set(batch) - set(OPTIONAL_KEYS)
         if unknown:
             raise ValueError(f"ContextParallelVLM: unexpected batch keys {sorted(unknown)}")
+        if local_pixels and self.vision == "replicate":
+            raise ValueError(
+                "ContextParallelVLM: vision='replicate' encodes every unit on every rank and "
+                "needs every pixel row; pass the full pixel values (local_pixels=False)"
+            )
         prep = prepare_batch(
             self.model,
             {"input_ids": input_ids, "labels": labels, **batch},
             self.cp_size,
             doc_lens=doc_lens,
             num_valid=num_valid,
+            local_pixels=local_pixels,
         )
         local = pad_and_shard(
             {
@@ -143,7 +153,7 @@ class ContextParallelVLM(nn.Module):
         )
         visual_mask_loc = local["visual_mask"]
         x_loc, deepstack, encoded = self._local_embeddings(
-            prep, local["input_ids"], visual_mask_loc
+            prep, local["input_ids"], visual_mask_loc, local_pixels
         )
         lm_kwargs = {}
         if self.family == "qwen3_vl":
@@ -167,13 +177,17 @@ class ContextParallelVLM(nn.Module):
             encoded_units=encoded,
         )
 
-    def _local_embeddings(self, prep: PreparedBatch, ids_loc, visual_mask_loc):
+    def vision_assignment(self, units: VisionUnits) -> list[list[int]]:
+        """The units each CP rank encodes (``VisionDataParallel``'s assignment)."""
+        return assign_vision_units(units.pixel_counts, self.cp_size)
+
+    def _local_embeddings(self, prep: PreparedBatch, ids_loc, visual_mask_loc, local_pixels):
         """``(inputs_embeds [B, L, D], deepstack rows of the local visual positions, units)``.
 
         In a method so that the compat flow's full-length tensors die when it returns, before the
         decoder runs (autograd keeps only their indices).
         """
-        rows, encoded = self._vision_rows(prep)
+        rows, encoded = self._vision_rows(prep, local_pixels)
         embed = self.model.get_input_embeddings()
         if self.flow == "scalable":
             x_loc = embed(ids_loc)
@@ -189,7 +203,7 @@ class ContextParallelVLM(nn.Module):
         deepstack = [t.index_select(0, mine) for t in rows[1:]]
         return prep.plan.shard(prep.plan.pad(x_full), self.cp_rank), deepstack, encoded
 
-    def _vision_rows(self, prep: PreparedBatch) -> tuple[list[torch.Tensor], int]:
+    def _vision_rows(self, prep: PreparedBatch, local_pixels) -> tuple[list[torch.Tensor], int]:
         """This rank's visual rows (scalable flow) or all of them (compat), main then deepstack.
 
         The tower runs on every rank even without images (VisionDataParallel then encodes a dummy
@@ -216,9 +230,10 @@ class ContextParallelVLM(nn.Module):
                     prep.grid_thw,
                     plan=prep.plan,
                     row_positions=prep.row_positions,
+                    local_pixels=local_pixels,
                 )
             else:
-                out = vdp(pixel_values, prep.grid_thw)
+                out = vdp(pixel_values, prep.grid_thw, local_pixels=local_pixels)
         rows = [out[0], *out[1]] if isinstance(out, tuple) else [out]
         if self.flow == "scalable" and self.vision != "route":
             mine = _local_row_order(prep, self.cp_rank).to(rows[0].device)

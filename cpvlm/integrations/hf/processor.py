@@ -143,6 +143,14 @@ class ChatEncoder:
 
         if train_on not in TRAIN_ON:
             raise ValueError(f"train_on must be one of {TRAIN_ON}, got {train_on!r}")
+        self._args = (model_dir, model_config)
+        self._kwargs = dict(
+            train_on=train_on,
+            min_pixels=min_pixels,
+            max_pixels=max_pixels,
+            video_min_pixels=video_min_pixels,
+            video_max_pixels=video_max_pixels,
+        )
         self.model_dir = Path(model_dir)
         self.train_on = train_on
         self.ids = TokenIds.from_config(model_config)
@@ -177,6 +185,11 @@ class ChatEncoder:
                 f"{self.model_dir}: the image processor merges {merge}x{merge} patches, the "
                 f"model {self.ids.merge}x{self.ids.merge}"
             )
+
+    def __reduce__(self):
+        # Rebuilt from its arguments in a spawned DataLoader worker (the processor class made
+        # by build_processor cannot be pickled by name).
+        return _rebuild, (self._args, self._kwargs)
 
     # ---- planning (every rank, every sample) --------------------------------------------------
 
@@ -371,3 +384,7 @@ class ChatEncoder:
         if len(sizes) > 1:
             raise DataError("unreadable_media", f"video frames of different sizes {sorted(sizes)}")
         return self.video.pixels(torch.stack(frames), expect)
+
+
+def _rebuild(args, kwargs) -> ChatEncoder:
+    return ChatEncoder(*args, **kwargs)
