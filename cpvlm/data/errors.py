@@ -35,6 +35,9 @@ class DataError(ValueError):
         self.reason, self.detail, self.where = reason, detail, where
         super().__init__(self.line())
 
+    def __reduce__(self):  # travels from DataLoader workers with its fields
+        return DataError, (self.reason, self.detail, self.where)
+
     def at(self, where: str) -> DataError:
         """The same error, located."""
         return DataError(self.reason, self.detail, where)

@@ -49,7 +49,7 @@ class ImageRef:
         try:
             with self._open() as im:
                 w, h = im.size
-                if im.getexif().get(_ORIENTATION, 1) in _TRANSPOSED:
+                if _orientation(im) in _TRANSPOSED:
                     w, h = h, w
         except DataError:
             raise
@@ -69,6 +69,29 @@ class ImageRef:
             raise
         except Exception as err:
             raise DataError("unreadable_media", f"{self.name}: {err}") from None
+
+
+def _orientation(im) -> int:
+    """The EXIF orientation without decoding: PIL's ``getexif`` decodes a PNG to find an eXIf
+    chunk after the image data, so PNG chunks are walked here instead (headers only)."""
+    from PIL import Image
+
+    if im.format != "PNG" or "exif" in im.info:
+        return im.getexif().get(_ORIENTATION, 1)
+    fp = im.fp
+    fp.seek(8)  # the PNG signature
+    while True:
+        head = fp.read(8)
+        if len(head) < 8:
+            return 1
+        length, kind = int.from_bytes(head[:4], "big"), head[4:]
+        if kind == b"eXIf":
+            exif = Image.Exif()
+            exif.load(fp.read(length))
+            return exif.get(_ORIENTATION, 1)
+        if kind == b"IEND":
+            return 1
+        fp.seek(length + 4, 1)  # the data and its CRC
 
 
 def image_ref(value, base_dir: Path | None) -> ImageRef:

@@ -254,9 +254,15 @@ def launch_local(config: TrainConfig) -> None:
             raise
 
 
+_DATA_ERROR = "cpvlm.data.errors.DataError: "
+
+
 def _trim(msg: str, rank: int, world: int) -> str:
-    body = msg.split("terminated with the following error:\n", 1)[-1]
-    return f"rank {rank} of {world} failed:\n{body.rstrip()}"
+    body = msg.split("terminated with the following error:\n", 1)[-1].rstrip()
+    last = body.rsplit("\n", 1)[-1]
+    if last.startswith(_DATA_ERROR):  # bad data under --strict: its one line says it all
+        return f"bad data (--strict): {last.removeprefix(_DATA_ERROR)}"
+    return f"rank {rank} of {world} failed:\n{body}"
 
 
 def launch(config: TrainConfig) -> None:
