@@ -128,6 +128,7 @@ def train_rank(config: TrainConfig, device: torch.device) -> dict | None:
         rows = loader.next_step()
         bad = report_planning_errors(rows, errors, step + 1)
         rows, replaced = agree_on_decode_failures(rows, groups, dp, device, errors, step + 1)
+        data_s = time.perf_counter() - t0  # waiting for rows: what the loader did not hide
         shifted = [shift_labels(r.labels.view(1, -1), doc_lens=r.doc_lens) for r in rows]
         num_valid = count_valid_labels(shifted, groups.dp_group)
         loss_sum = torch.zeros((), dtype=torch.float64)
@@ -177,6 +178,7 @@ def train_rank(config: TrainConfig, device: torch.device) -> dict | None:
             "loss": stats["loss"],
             "tokens_per_s": stats["tokens"] / seconds,
             "step_time_s": seconds,
+            "data_time_s": data_s,
             "grad_norm": float(grad_norm),
             "lr": lr,
             "tokens": int(stats["tokens"]),

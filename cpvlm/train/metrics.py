@@ -3,7 +3,10 @@
 ``metrics.jsonl`` holds one JSON object per step: ``step`` (1-based), ``loss`` (the step's mean
 loss over its valid labels, all DP ranks and microbatches), ``tokens_per_s`` (real tokens of the
 global batch / step wall time), ``step_time_s``, ``grad_norm`` (before clipping), ``lr``,
-``tokens``, ``valid_labels``, ``rows``, ``rows_text_only``, ``ranks`` (dp * cp), and
+``tokens``, ``valid_labels``, ``rows``, ``rows_text_only``, ``ranks`` (dp * cp),
+``data_time_s`` (rank 0's wait for its rows, and the agreement on decode failures),
+``bad_samples`` (skipped while planning the step's rows), ``rows_replaced`` (rows whose images
+failed to decode, trained as rows without labels), ``truncated`` (text samples cut), and
 ``ranks_no_image`` / ``ranks_no_visual_tokens``: ranks that, in a step whose rows hold images or
 videos, encoded no vision unit / held no visual token in their shards; ``mem_start_mib`` /
 ``mem_peak_mib``: the memory a rank held when the step began / its peak during the step, max over
@@ -142,6 +145,8 @@ def summarize(config, records: list[dict], start_step: int, log: MetricsLog, err
         "tokens_per_s": _mean([r["tokens_per_s"] for r in steady]),
         "step_time_s": _mean([r["step_time_s"] for r in steady]),
         "train_time_s": sum(r["step_time_s"] for r in records),
+        "data_time_share": sum(r.get("data_time_s", 0.0) for r in steady)
+        / max(sum(r["step_time_s"] for r in steady), 1e-12),
         "mem_peak_mib": max((r["mem_peak_mib"] for r in records), default=float("nan")),
         "ranks": ranks,
         "steps_with_images": len(vision_steps),
@@ -164,7 +169,8 @@ def summarize(config, records: list[dict], start_step: int, log: MetricsLog, err
         f"  loss            {summary['loss_first']:.4f} -> {summary['loss_last']:.4f} "
         f"(mean of the first / last {k} steps)",
         f"  throughput      {summary['tokens_per_s']:,.0f} tokens/s, "
-        f"{summary['step_time_s']:.3f} s/step (after the first step)",
+        f"{summary['step_time_s']:.3f} s/step (after the first step), "
+        f"{summary['data_time_share']:.0%} of it waiting for data",
         f"  memory          peak {summary['mem_peak_mib']:,.0f} MiB on a rank (GPU: tensors; "
         "CPU: the process's resident set)",
         f"  vision          in {summary['steps_with_a_rank_without_images']} of "
