@@ -378,12 +378,11 @@ class ChatEncoder:
         for j in temporal:
             for f in range(j * tp, (j + 1) * tp):
                 pil = item.frames[min(f, last)].load()  # past the end: the last frame again
-                expect = (item.grid[1], item.grid[2])
                 frames.append(torch.from_numpy(np.array(pil)))
         sizes = {tuple(f.shape) for f in frames}
         if len(sizes) > 1:
             raise DataError("unreadable_media", f"video frames of different sizes {sorted(sizes)}")
-        return self.video.pixels(torch.stack(frames), expect)
+        return self.video.pixels(torch.stack(frames), item.grid[1:])
 
 
 def _rebuild(args, kwargs) -> ChatEncoder:
