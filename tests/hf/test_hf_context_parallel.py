@@ -302,17 +302,16 @@ def _cp_step_local(rank, world_size, name, dtype, batch, configs):
     return results
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-def test_local_pixels_match_transformers_float64(cp):
+def test_local_pixels_match_transformers_float64():
     """Each rank passes only the pixel rows of the units it encodes (images and video frames);
-    loss and every gradient equal the one-process model's (float64, 1e-10), at cp 2 and 4, in
-    both vision modes and the compat flow. cp=4 on the single small image leaves three ranks with
-    no unit and an empty [0, C] pixel tensor."""
+    loss and every gradient equal the one-process model's (float64, 1e-10) at cp 2, in the
+    scalable flow (rows routed) and the compat flow (rows all-gathered). The single small image
+    leaves one rank with no unit and an empty [0, C] pixel tensor."""
     name = "qwen3-vl-tiny"
     model = _model(name, torch.float64)
     configs = [("ring", "route", "scalable"), ("ring", "allgather", "compat")]
     for batch in (_mixed_batch(model, torch.float64), _single_image_up_front(model, torch.float64)):
         ref_loss, ref_grads = reference_loss_and_grads(model, batch)
-        per_rank = run_distributed(_cp_step_local, cp, name, torch.float64, batch, configs)
+        per_rank = run_distributed(_cp_step_local, 2, name, torch.float64, batch, configs)
         for i in range(len(configs)):
             _assert_close(per_rank[0][i], ref_loss, ref_grads, 1e-10)
