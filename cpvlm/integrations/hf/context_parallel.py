@@ -153,7 +153,7 @@ class ContextParallelVLM(nn.Module):
         )
         visual_mask_loc = local["visual_mask"]
         x_loc, deepstack, encoded = self._local_embeddings(
-            prep, local["input_ids"], visual_mask_loc, local_pixels
+            prep, local["input_ids"], visual_mask_loc
         )
         lm_kwargs = {}
         if self.family == "qwen3_vl":
@@ -181,13 +181,13 @@ class ContextParallelVLM(nn.Module):
         """The units each CP rank encodes (``VisionDataParallel``'s assignment)."""
         return assign_vision_units(units.pixel_counts, self.cp_size)
 
-    def _local_embeddings(self, prep: PreparedBatch, ids_loc, visual_mask_loc, local_pixels):
+    def _local_embeddings(self, prep: PreparedBatch, ids_loc, visual_mask_loc):
         """``(inputs_embeds [B, L, D], deepstack rows of the local visual positions, units)``.
 
         In a method so that the compat flow's full-length tensors die when it returns, before the
         decoder runs (autograd keeps only their indices).
         """
-        rows, encoded = self._vision_rows(prep, local_pixels)
+        rows, encoded = self._vision_rows(prep)
         embed = self.model.get_input_embeddings()
         if self.flow == "scalable":
             x_loc = embed(ids_loc)
@@ -203,7 +203,7 @@ class ContextParallelVLM(nn.Module):
         deepstack = [t.index_select(0, mine) for t in rows[1:]]
         return prep.plan.shard(prep.plan.pad(x_full), self.cp_rank), deepstack, encoded
 
-    def _vision_rows(self, prep: PreparedBatch, local_pixels) -> tuple[list[torch.Tensor], int]:
+    def _vision_rows(self, prep: PreparedBatch) -> tuple[list[torch.Tensor], int]:
         """This rank's visual rows (scalable flow) or all of them (compat), main then deepstack.
 
         The tower runs on every rank even without images (VisionDataParallel then encodes a dummy
@@ -230,10 +230,10 @@ class ContextParallelVLM(nn.Module):
                     prep.grid_thw,
                     plan=prep.plan,
                     row_positions=prep.row_positions,
-                    local_pixels=local_pixels,
+                    local_pixels=prep.local_pixels,
                 )
             else:
-                out = vdp(pixel_values, prep.grid_thw, local_pixels=local_pixels)
+                out = vdp(pixel_values, prep.grid_thw, local_pixels=prep.local_pixels)
         rows = [out[0], *out[1]] if isinstance(out, tuple) else [out]
         if self.flow == "scalable" and self.vision != "route":
             mine = _local_row_order(prep, self.cp_rank).to(rows[0].device)

@@ -48,6 +48,7 @@ class PreparedBatch:
     grid_thw: torch.Tensor  # [items, 3] images then videos ([0, 3] for text only)
     row_positions: torch.Tensor  # [R] b * P + p of each visual row, tower order
     pixel_width: int  # C of a pixel row
+    local_pixels: bool = False  # pixel_parts hold only this CP rank's units (see prepare_batch)
 
     def pixel_values(self, dtype: torch.dtype) -> torch.Tensor:
         """``[patches, C]`` images then videos in ``dtype``. Build it only where it is used: it
@@ -276,4 +277,5 @@ def prepare_batch(
         grid_thw=grids,
         row_positions=row_positions,
         pixel_width=width,
+        local_pixels=local_pixels,
     )
