@@ -190,6 +190,8 @@ def _exit_when_orphaned(launcher_pid: int) -> None:
     def watch():
         while _alive(launcher_pid):
             time.sleep(0.5)
+        for child in multiprocessing.active_children():  # DataLoader workers go with the rank
+            child.kill()
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True, name="cpvlm-launcher-watch").start()
