@@ -16,6 +16,7 @@ from cpvlm.attention import block, fused
 from cpvlm.attention.schedule import CAUSAL, MASKED, Segment, attention_schedule
 from cpvlm.distributed import compat
 from cpvlm.testing import EmulatedKernel, rel_err, simulate_cp_attention
+from cpvlm.testing.attention_check import CP_TOLERANCES, cp_errors, random_inputs
 
 
 def test_per_sequence_lse_and_packed_rows_convert_both_ways():
@@ -220,3 +221,17 @@ def test_the_emulated_kernel_refuses_what_the_cuda_kernels_would_get_wrong():
         call(ok, torch.tensor([0, 2, 6], **i32), max_k=4, causal=True)
     with pytest.raises(ValueError, match="no mask"):
         kernel.forward(q[None], k[None], k[None], causal=False, scale=1.0, bias=torch.zeros(6, 6))
+
+
+def test_the_gpu_checks_error_helper_agrees_on_cpu():
+    # cpvlm.testing.attention_check is what the CUDA tests and benchmarks/gpu measure with; here
+    # it runs on the CPU kernels (float32) and on the emulated varlen kernel (float64).
+    docs = [1, 9, 40, 3, 30]
+    plan = ShardPlan(sum(docs), 3, doc_lens=docs)
+    tensors = random_inputs(plan, hq=4, hkv=2, d=16)
+    errors = cp_errors(plan, *tensors, causal=True, kernel=EmulatedKernel("flash").kernel)
+    assert max(errors.values()) <= 1e-10, errors
+    tensors = random_inputs(plan, hq=4, hkv=2, d=16, dtype=torch.float32)
+    errors = cp_errors(plan, *tensors, causal=False)
+    assert max(errors.values()) <= CP_TOLERANCES[torch.float32], errors
+    assert min(errors.values()) > 0  # float32 arithmetic, measured against float64
