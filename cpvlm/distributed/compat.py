@@ -155,7 +155,7 @@ def cpu_flash_backward(
 # as dense [B, H, S] or packed [H, T], float32; the kernels' own layouts (the efficient kernel
 # keeps one row per sequence, padded to a multiple of 32) are read from the ops' meta kernels,
 # which follow the installed torch. Dropout is 0, so the kernels never read their philox / rng
-# arguments: zeros shaped as the forward returns them.
+# arguments (see ``_unused_rng``).
 
 
 @dataclass(frozen=True, eq=False)
@@ -342,25 +342,17 @@ def _kernel_lse_shape(name: str, packed: bool, max_q: int) -> tuple[int, ...]:
 
 @functools.lru_cache(maxsize=16)
 def _unused_rng(name: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two philox / rng arguments of a backward at dropout 0, shaped as the forward gives them
-    (flash: on the device, as torch's own varlen_attn passes them; efficient: on the CPU, where
-    its forward leaves them outside graph capture). Neither kernel reads them."""
-    q = torch.empty(1, 1, 1, 64, device="meta", dtype=torch.float16)
+    """The two philox / rng arguments of a backward at dropout 0, which neither kernel reads.
+
+    flash: what torch's own ``torch.nn.attention.varlen`` passes at dropout 0 (a zero [2] uint64
+    rng state and an empty tensor, on the device); efficient: zeros shaped as its forward
+    returns them (from the meta kernel), on the CPU, where it leaves them outside graph capture.
+    """
     if name == "flash":
-        outs, where = (
-            _aten._flash_attention_forward(q, q, q, None, None, 1, 1, 0.0, False, False),
-            device,
-        )
-    else:
-        outs = _aten._efficient_attention_forward(
-            q, q, q, None, None, None, None, None, 0.0, 0, True
-        )
-        where = torch.device("cpu")
-    seed, offset = outs[2], outs[3]
-    return (
-        torch.zeros(seed.shape, dtype=seed.dtype, device=where),
-        torch.zeros(offset.shape, dtype=offset.dtype, device=where),
-    )
+        return torch.zeros(2, dtype=torch.uint64, device=device), torch.empty(0, device=device)
+    q = torch.empty(1, 1, 1, 64, device="meta", dtype=torch.float16)
+    outs = _aten._efficient_attention_forward(q, q, q, None, None, None, None, None, 0.0, 0, True)
+    return tuple(torch.zeros(t.shape, dtype=t.dtype) for t in outs[2:4])
 
 
 def _row_coordinates(cu_q: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
