@@ -3,8 +3,8 @@
     python benchmarks/gpu/train_compare.py [--seq-len 16384] [--steps 4]
 
 A Qwen3-VL-2B-sized model (text 2048 x 28 layers, 16/8 heads of 128, vocab 151936; vision 1024 x
-24 blocks, deepstack 5/11/17) with random weights, bf16, is saved to a temporary directory (RAM
-disk where there is one). Then, one after the other on the same GPU:
+24 blocks, deepstack 5/11/17) with random weights, bf16, is saved to a temporary directory (a RAM
+disk where one has room). Then, one after the other on the same GPU:
   cpvlm  ``python -m cpvlm.cli train --cp 1 --model DIR --dtype bfloat16 --seq-len S`` with one
          S-token document per step (benchmarks/gpu/long_sample.py); its metrics.jsonl gives the
          step time and the peak memory (torch.cuda.max_memory_allocated, reset every step);
@@ -122,6 +122,15 @@ def _summary(records: list[dict]) -> dict:
     }
 
 
+def _scratch_root() -> str | None:
+    """A RAM disk with room for the model and the run's final checkpoint (~16 GB), else the
+    default temporary directory."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and shutil.disk_usage(shm).free > 40 * 2**30:
+        return str(shm)
+    return None
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seq-len", type=int, default=16384)
@@ -129,8 +138,7 @@ def main() -> None:
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("train_compare.py needs a CUDA device")
-    shm = Path("/dev/shm")
-    tmp = Path(tempfile.mkdtemp(prefix="cpvlm-gpu-", dir=shm if shm.is_dir() else None))
+    tmp = Path(tempfile.mkdtemp(prefix="cpvlm-gpu-", dir=_scratch_root()))
     try:
         t0 = time.perf_counter()
         save_random_model(tmp / "model")
