@@ -28,6 +28,7 @@ from cpvlm.vision import VisionDataParallel
 from .attention import CP_ATTENTION, CPAttentionContext
 from .inputs import OPTIONAL_KEYS, PreparedBatch, prepare_batch
 from .models import model_family
+from .vision_cost import vision_cost
 
 
 @dataclass
@@ -109,6 +110,7 @@ class ContextParallelVLM(nn.Module):
         self.attn, self.vision, self.flow = attn, vision, flow
         self.cp_size = dist.get_world_size(cp_group)
         self.cp_rank = dist.get_rank(cp_group)
+        self.vision_cost = vision_cost(model)  # units balanced by the tower's modelled cost
         model.model.language_model.set_attn_implementation(CP_ATTENTION)
 
     def forward(
@@ -207,7 +209,11 @@ class ContextParallelVLM(nn.Module):
             # With no units at all, "replicate" runs the same dummy frame as the other modes.
             mode = "allgather" if self.vision == "replicate" else self.vision
             vdp = VisionDataParallel(
-                tower, self.cp_group, mode=mode, merge_size=visual.spatial_merge_size
+                tower,
+                self.cp_group,
+                mode=mode,
+                merge_size=visual.spatial_merge_size,
+                cost=self.vision_cost,
             )
             encoded = len(vdp.assignment(vdp.units(prep.grid_thw))[self.cp_rank])
             if mode == "route":
