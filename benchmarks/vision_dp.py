@@ -21,7 +21,7 @@
    before, with the cost-balanced assignment: ring algorithms, an all-gather or reduce-scatter of
    W blocks of M rows sends and receives (W-1)*M rows per rank, an all-reduce of N rows
    2*(W-1)/W*N. Rows are bf16 Qwen3-VL-8B-sized: 4096 features plus 3 deepstack levels.
-Run: python benchmarks/vision_dp.py [--rounds 10]
+Run: python benchmarks/vision_dp.py [--rounds 15]
 """
 
 from __future__ import annotations
@@ -354,7 +354,7 @@ def comm_rows(target: VisionCost) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=10, help="interleaved timing rounds")
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds")
     args = parser.parse_args()
     torch.set_num_threads(1)
     costs = published_costs()
