@@ -4,7 +4,7 @@ Legend: U units, R rows of all units (t*h*w/m**2 each), m merge size, W ranks, D
 
 Every rank holds the same pixel_values and grid_thw (replicated inputs). Each rank splits them
 into units (images, video frames), takes its share from ``assign_vision_units`` (balanced by
-patches), encodes only those, and then either
+the tower's modelled cost, ``VisionCost``), encodes only those, and then either
 - ``mode="allgather"``: all-gathers every unit's rows; every rank gets all R rows in the
   unwrapped tower's order (backward: reduce-scatter), or
 - ``mode="route"``: sends each row only to the rank owning its sequence position; every rank
@@ -29,6 +29,7 @@ from torch import nn
 from cpvlm.constants import VISION_DP_MODES
 from cpvlm.distributed.shard_plan import ShardPlan
 from cpvlm.vision.assign import assign_vision_units
+from cpvlm.vision.cost import VisionCost
 from cpvlm.vision.gather import gather_vision_embeddings
 from cpvlm.vision.route import route_plan, route_to_owners
 from cpvlm.vision.units import VisionUnits, check_merge_size, vision_units
@@ -56,6 +57,18 @@ def _join_output(tensors: list[torch.Tensor], has_deepstack: bool):
     return (tensors[0], list(tensors[1:])) if has_deepstack else tensors[0]
 
 
+def _cost_model(encoder: nn.Module, cost: VisionCost | None) -> VisionCost:
+    if cost is None:
+        supplied = getattr(encoder, "vision_cost", None)
+        cost = supplied() if callable(supplied) else VisionCost.patches()
+    if not isinstance(cost, VisionCost):
+        raise ValueError(
+            f"VisionDataParallel: cost must be a VisionCost (or encoder.vision_cost() return one), "
+            f"got {type(cost).__name__}"
+        )
+    return cost
+
+
 class VisionDataParallel(nn.Module):
     """Wrap a vision tower ``encoder(pixel_values, grid_thw)`` for data parallelism over CP ranks.
 
@@ -74,6 +87,9 @@ class VisionDataParallel(nn.Module):
             includes the CP ranks (its parameter all-gathers would not match). With the dummy
             frame every rank calls the tower exactly once per step.
         dtype: the tower's output dtype; required with ``out_dims``.
+        cost: the tower's cost model, by which units are balanced over ranks. Default: what
+            ``encoder.vision_cost()`` returns if the encoder has that method, else the patch
+            count (``VisionCost.patches()``). Every rank must pass the same one.
     """
 
     def __init__(
@@ -86,6 +102,7 @@ class VisionDataParallel(nn.Module):
         split_frames: bool = True,
         out_dims: int | Sequence[int] | None = None,
         dtype: torch.dtype | None = None,
+        cost: VisionCost | None = None,
     ):
         super().__init__()
         if mode not in VISION_DP_MODES:
@@ -101,12 +118,13 @@ class VisionDataParallel(nn.Module):
         self.split_frames = split_frames
         self.out_dims = out_dims
         self.dtype = dtype
+        self.cost = _cost_model(encoder, cost)
 
     def units(self, grid_thw: torch.Tensor) -> VisionUnits:
         return vision_units(grid_thw, self.merge_size, split_frames=self.split_frames)
 
     def assignment(self, units: VisionUnits) -> list[list[int]]:
-        return assign_vision_units(units.pixel_counts, dist.get_world_size(self.group))
+        return assign_vision_units(self.cost.unit_costs(units), dist.get_world_size(self.group))
 
     def forward(
         self,

@@ -24,6 +24,7 @@ from cpvlm.integrations.hf import (  # noqa: E402
     prepare_batch,
     reference_loss_and_grads,
     synthetic_batch,
+    vision_cost,
 )
 from cpvlm.testing import DistributedTestError, rel_err, run_distributed  # noqa: E402
 
@@ -279,13 +280,14 @@ def test_bad_input_raises_on_every_rank_before_any_collective():
     assert "image tokens and features do not match" in str(info.value)
 
 
-def _local_pixels(rank, world_size, batch):
-    """This rank's share of the pixel rows, as a loader that decodes only its units gives it."""
+def _local_pixels(rank, world_size, batch, cost):
+    """This rank's share of the pixel rows, as a loader that decodes only its units gives it
+    (units balanced by the tower's modelled cost, as ``ContextParallelVLM`` assigns them)."""
     from cpvlm.vision import assign_vision_units, vision_units
 
     grids = [batch[k] for k in ("image_grid_thw", "video_grid_thw") if k in batch]
     units = vision_units(torch.cat(grids), 2)
-    mine = assign_vision_units(units.pixel_counts, world_size)[rank]
+    mine = assign_vision_units(cost.unit_costs(units), world_size)[rank]
     pixels = torch.cat([batch[k] for k in ("pixel_values", "pixel_values_videos") if k in batch])
     rows = pixels[units.pixel_index(mine)]
     n_images = sum(units.pixel_counts[u] for u in mine if units.items[u] < len(grids[0]))
@@ -295,8 +297,8 @@ def _local_pixels(rank, world_size, batch):
     return local, len(mine)
 
 
-def _cp_step_local(rank, world_size, name, dtype, batch, configs):
-    local, n_units = _local_pixels(rank, world_size, batch)
+def _cp_step_local(rank, world_size, name, dtype, batch, configs, cost):
+    local, n_units = _local_pixels(rank, world_size, batch, cost)
     results = _cp_step(rank, world_size, name, dtype, local, configs)
     assert all(r["encoded_units"] == n_units for r in results)
     return results
@@ -312,6 +314,8 @@ def test_local_pixels_match_transformers_float64():
     configs = [("ring", "route", "scalable"), ("ring", "allgather", "compat")]
     for batch in (_mixed_batch(model, torch.float64), _single_image_up_front(model, torch.float64)):
         ref_loss, ref_grads = reference_loss_and_grads(model, batch)
-        per_rank = run_distributed(_cp_step_local, 2, name, torch.float64, batch, configs)
+        per_rank = run_distributed(
+            _cp_step_local, 2, name, torch.float64, batch, configs, vision_cost(model)
+        )
         for i in range(len(configs)):
             _assert_close(per_rank[0][i], ref_loss, ref_grads, 1e-10)

@@ -28,6 +28,7 @@ from cpvlm.vision import VisionDataParallel, VisionUnits, assign_vision_units
 from .attention import CP_ATTENTION, CPAttentionContext
 from .inputs import OPTIONAL_KEYS, PreparedBatch, prepare_batch
 from .models import model_family
+from .vision_cost import vision_cost
 
 
 @dataclass
@@ -112,6 +113,7 @@ class ContextParallelVLM(nn.Module):
         self.attn, self.vision, self.flow = attn, vision, flow
         self.cp_size = dist.get_world_size(cp_group)
         self.cp_rank = dist.get_rank(cp_group)
+        self.vision_cost = vision_cost(model)  # units balanced by the tower's modelled cost
         model.model.language_model.set_attn_implementation(CP_ATTENTION)
 
     def forward(
@@ -178,8 +180,9 @@ class ContextParallelVLM(nn.Module):
         )
 
     def vision_assignment(self, units: VisionUnits) -> list[list[int]]:
-        """The units each CP rank encodes (``VisionDataParallel``'s assignment)."""
-        return assign_vision_units(units.pixel_counts, self.cp_size)
+        """The units each CP rank encodes: ``VisionDataParallel``'s assignment, balanced by the
+        tower's modelled cost (a loader that decodes only this rank's units must use this one)."""
+        return assign_vision_units(self.vision_cost.unit_costs(units), self.cp_size)
 
     def _local_embeddings(self, prep: PreparedBatch, ids_loc, visual_mask_loc):
         """``(inputs_embeds [B, L, D], deepstack rows of the local visual positions, units)``.
@@ -221,7 +224,11 @@ class ContextParallelVLM(nn.Module):
             # With no units at all, "replicate" runs the same dummy frame as the other modes.
             mode = "allgather" if self.vision == "replicate" else self.vision
             vdp = VisionDataParallel(
-                tower, self.cp_group, mode=mode, merge_size=visual.spatial_merge_size
+                tower,
+                self.cp_group,
+                mode=mode,
+                merge_size=visual.spatial_merge_size,
+                cost=self.vision_cost,
             )
             encoded = len(vdp.assignment(vdp.units(prep.grid_thw))[self.cp_rank])
             if mode == "route":
