@@ -248,7 +248,10 @@ def gather_heads(out_i, lay: Relayout, group):
 # ---- local attention over the whole sequence on this rank's heads -----------------------------
 
 
-def _local_forward(q, k, v, segments: tuple[Segment, ...], groups, scale):
+def _local_forward(q, k, v, segments: tuple[Segment, ...], groups, scale, kernel=None):
+    """(out, lse) of this rank's heads over the whole sequence: one block, the merged plan's
+    segments, through the same block entry point as the ring (so the fused CUDA kernels serve it;
+    ``kernel`` replaces the device's own, for tests)."""
     acc = acc_dtype(q.dtype)
     out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse_acc = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
@@ -261,11 +264,12 @@ def _local_forward(q, k, v, segments: tuple[Segment, ...], groups, scale):
             out_acc[:, qa:qb],
             lse_acc[:, qa:qb],
             scale,
+            kernel=kernel,
         )
     return out_acc.to(q.dtype), lse_acc
 
 
-def _local_backward(dout, q, k, v, out, lse, segments, groups, scale):
+def _local_backward(dout, q, k, v, out, lse, segments, groups, scale, kernel=None):
     acc = acc_dtype(q.dtype)
     # Padding rows saw nothing (lse -inf); any finite lse gives them probability 0.
     lse = lse.masked_fill(lse == float("-inf"), 0)
@@ -282,6 +286,7 @@ def _local_backward(dout, q, k, v, out, lse, segments, groups, scale):
             segments,
             dq_acc[:, qa:qb],
             scale,
+            kernel=kernel,
         )
         add_key_grads(dkv_acc[:, :, ka:kb], parts)
     return dq_acc.to(q.dtype), dkv_acc[0].to(k.dtype), dkv_acc[1].to(v.dtype)
