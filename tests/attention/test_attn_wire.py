@@ -122,3 +122,31 @@ def test_bytes_sent_per_rank_equal_the_formula(cp):
             assert sent == expected[rank], (impl, u, hq, hkv, dtype, rank, sent, expected[rank])
         if cp > 1:
             assert min(expected) > 0
+
+
+def test_the_formula_gives_the_figures_worked_out_by_hand_from_the_docstrings():
+    # N = B * L * D elements; the figures below are the docstring formulas evaluated by hand, so
+    # that counted bytes (above) == wire_bytes == the written formula.
+    def n_of(plan):
+        return 2 * plan.local_len * 32
+
+    plan = ShardPlan(100, 4)
+    n = n_of(plan)
+    # ring, W=4, Hkv=2, float32: 3 * 4N * 4 twice (K/V forward, again backward) + 4 * 4N * 4.
+    assert wire_bytes("ring", plan, Shapes(2, 8, 2, 32, torch.float32)) == [160 * n] * 4
+    # all-gather, bf16: 3 * 4N * 2 (K/V) + 3 * 4N * 4 (float32 dK/dV reduce-scatter).
+    assert wire_bytes("allgather", plan, Shapes(2, 6, 2, 32, torch.bfloat16)) == [72 * n] * 4
+    # Ulysses 6/2 over 4 ranks: query heads 1, 2, 1, 2 and one K/V head each (0, 0, 1, 1).
+    # Rank 0: 2*(2+1+2) + 2*3 + 3*(2*1 + 2*1) = 28 N e; rank 1: 2*(1+1+2) + 2*3 + 3*(4+2) = 32.
+    got = wire_bytes("ulysses", plan, Shapes(2, 6, 2, 32, torch.float32))
+    assert got == [28 * 4 * n, 32 * 4 * n, 28 * 4 * n, 32 * 4 * n]
+    # hybrid 2 x 2, 6/2, float32: Ulysses over 2 (heads 3 + 1 each): 2*3 + 2*1 + 1*(6+2) = 16 N e;
+    # the ring over 2 on 2L positions with 1 K/V head: 1*2*(2*2N*1) e + 2*2*2N*1 a = 8N e + 8N a.
+    got = wire_bytes("hybrid", plan, Shapes(2, 6, 2, 32, torch.float32), 2)
+    assert got == [(16 * 4 + 8 * 4 + 8 * 4) * n] * 4
+    # Ulysses 7/1 over 3 ranks, float64: query heads 2, 2, 3, one K/V head each (sent three
+    # times, never expanded to 7). Rank 0: 2*(2+3) + 2*2 + 2*(4+2) = 26 N e; rank 2: 28.
+    plan = ShardPlan(100, 3)
+    n = n_of(plan)
+    got = wire_bytes("ulysses", plan, Shapes(2, 7, 1, 32, torch.float64))
+    assert got == [26 * 8 * n, 26 * 8 * n, 28 * 8 * n]
