@@ -1,6 +1,6 @@
 """Context-parallel attention over a ShardPlan: exact ring, all-gather, Ulysses and hybrid."""
 
-from cpvlm.attention.api import cp_attention
+from cpvlm.attention.api import cp_attention, impl_label, resolve_impl
 from cpvlm.attention.cost import Shapes, choose_impl, estimate_seconds, wire_bytes
 from cpvlm.attention.hybrid import hybrid_groups
 from cpvlm.attention.schedule import AttentionSchedule, attention_schedule
@@ -16,5 +16,7 @@ __all__ = [
     "estimate_seconds",
     "head_split",
     "hybrid_groups",
+    "impl_label",
+    "resolve_impl",
     "wire_bytes",
 ]

@@ -67,9 +67,7 @@ def cp_attention(
     check_ulysses_size(impl, ulysses_size, plan.cp_size)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    if impl == "auto":
-        shapes = Shapes(q.shape[0], q.shape[1], k.shape[1], q.shape[3], q.dtype)
-        impl, ulysses_size = choose_impl(plan, causal, shapes, q.device.type)
+    impl, ulysses_size = resolve_impl(impl, plan, causal, q, k, ulysses_size)
     # A rank whose inputs happen not to require grad would skip the backward collectives and hang
     # the others; grad mode is the same everywhere, so it decides.
     q, k, v = (ensure_requires_grad_for_cp_collective(t) for t in (q, k, v))
@@ -79,6 +77,28 @@ def cp_attention(
     if impl == "ulysses":
         return ulysses_attention(q, k, v, plan=plan, causal=causal, **kw)
     return hybrid_attention(q, k, v, plan=plan, causal=causal, ulysses_size=ulysses_size, **kw)
+
+
+def resolve_impl(
+    impl: str,
+    plan: ShardPlan,
+    causal: bool,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    ulysses_size: int | None = None,
+) -> tuple[str, int | None]:
+    """The (impl, ulysses_size) that ``cp_attention`` runs for these inputs: ``impl="auto"``
+    becomes ``choose_impl``'s pick (the same on every rank: a pure function of the plan, the
+    shapes and the dtype); any other impl is returned as it is."""
+    if impl != "auto":
+        return impl, ulysses_size
+    shapes = Shapes(q.shape[0], q.shape[1], k.shape[1], q.shape[3], q.dtype)
+    return choose_impl(plan, causal, shapes, q.device.type)
+
+
+def impl_label(impl: str, ulysses_size: int | None, cp_size: int) -> str:
+    """How reports name an implementation: ``"ring"``, ..., ``"hybrid 2x4"`` (Ulysses x ring)."""
+    return impl if impl != "hybrid" else f"hybrid {ulysses_size}x{cp_size // ulysses_size}"
 
 
 def check_ulysses_size(impl: str, ulysses_size, cp_size: int, where: str = "cp_attention"):

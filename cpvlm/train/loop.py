@@ -141,12 +141,14 @@ def train_rank(config: TrainConfig, device: torch.device) -> dict | None:
         num_valid = count_valid_labels(shifted, groups.dp_group)
         loss_sum = torch.zeros((), dtype=torch.float64)
         units = visual_tokens = 0
+        ran = set()  # the CP attention of each row (impl="auto" picks per row)
         for row in rows:
             out = runner(**row.batch(device), doc_lens=row.doc_lens, num_valid=num_valid)
             out.loss.backward()
             loss_sum += out.loss.detach().double().cpu()
             units += out.encoded_units
             visual_tokens += out.local_visual_tokens
+            ran.update(out.attn_impl.split(","))
         if config.parallel.data_parallel == "none":
             sync_gradients(cp_model, groups)
         grad_norm = global_grad_norm(params)
@@ -201,6 +203,7 @@ def train_rank(config: TrainConfig, device: torch.device) -> dict | None:
             "truncated": sum(r.truncated for r in rows),
             "mem_start_mib": mem_start,
             "mem_peak_mib": mem_peak,
+            "attn_impl": ",".join(sorted(ran)),
         }
         records.append(record)
         if rank == 0:

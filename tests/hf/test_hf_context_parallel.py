@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
+from cpvlm import ShardPlan  # noqa: E402
+from cpvlm.attention import Shapes, choose_impl  # noqa: E402
 from cpvlm.integrations.hf import (  # noqa: E402
     ContextParallelVLM,
     SampleSpec,
@@ -84,6 +86,7 @@ def _cp_step(rank, world_size, name, dtype, batch, configs, doc_lens=None):
                 "grads": grads if rank == 0 else None,
                 "visual_tokens": out.local_visual_tokens,
                 "encoded_units": out.encoded_units,
+                "attn_impl": out.attn_impl,
             }
         )
     return results
@@ -231,10 +234,22 @@ def test_packed_documents_match_each_document_run_alone(name, cp):
         ("ring", "route", "scalable", balanced),
         ("ulysses", "allgather", "compat", balanced),
         ("hybrid", "route", "scalable", {"ulysses_size": 2, **balanced}),
+        ("auto", "route", "scalable", balanced),
     ]
     per_rank = run_distributed(_cp_step, cp, name, torch.float64, packed, configs, doc_lens)
     for i in range(len(configs)):
         _assert_close(per_rank[0][i], ref_loss, ref_grads, 1e-10)
+    # What ran is reported; for auto, the cost model's pick for the text model's attention shapes.
+    text = model.config.text_config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    heads = (text.num_attention_heads, text.num_key_value_heads)
+    shapes = Shapes(1, *heads, head_dim, torch.float64)
+    plan = ShardPlan(sum(doc_lens), cp, doc_lens=doc_lens, layout="balanced")
+    impl, u = choose_impl(plan, True, shapes)
+    picked = impl if u is None else f"hybrid {u}x{cp // u}"
+    reported = [r["attn_impl"] for r in per_rank[0]]
+    assert reported == ["ring", "ring", "ulysses", "ring", "ulysses", f"hybrid 2x{cp // 2}", picked]
+    assert all([r["attn_impl"] for r in ranks] == reported for ranks in per_rank)
 
 
 @pytest.mark.parametrize("name", MODELS)

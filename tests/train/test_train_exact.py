@@ -20,12 +20,13 @@ def _train(out, *flags):
 
 
 @pytest.mark.parametrize("dtype, tol", [("float64", 1e-10), ("float32", 1e-5)])
-def test_cp1_and_cp2_losses_agree(tmp_path, dtype, tol):
+def test_cp1_and_cp2_losses_agree(tmp_path, capfd, dtype, tol):
     flags = ["--steps", "3", "--seq-len", "192", "--dtype", dtype]
     one = _train(tmp_path / "cp1", "--cp", "1", *flags)
     two = _train(tmp_path / "cp2", "--cp", "2", *flags)
     assert [r["tokens"] for r in one] == [r["tokens"] for r in two]  # the same rows
     assert all(r["ranks"] == 2 for r in two)
+    assert all(r["attn_impl"] == "ring" for r in one + two)  # the explicit default, recorded
     for a, b in zip(one, two, strict=True):
         assert abs(a["loss"] - b["loss"]) <= tol * abs(a["loss"]), (a["step"], a["loss"], b["loss"])
     assert two[-1]["loss"] < two[0]["loss"]
@@ -35,6 +36,17 @@ def test_cp1_and_cp2_losses_agree(tmp_path, dtype, tol):
         )
         for a, b in zip(one, uly, strict=True):
             assert abs(a["loss"] - b["loss"]) <= tol * abs(a["loss"]), (a["step"], b["loss"])
+        assert all(r["attn_impl"] == "ulysses" for r in uly)
+        capfd.readouterr()
+        auto = _train(tmp_path / "auto", "--cp", "2", "--attn", "auto", *flags)
+        for a, b in zip(one, auto, strict=True):
+            assert abs(a["loss"] - b["loss"]) <= tol * abs(a["loss"]), (a["step"], b["loss"])
+        # What auto picked: recorded per step, counted in summary.json, printed at the end.
+        picks = [r["attn_impl"] for r in auto]
+        assert all(p in ("ring", "allgather", "ulysses") for p in picks), picks  # cp 2: no hybrid
+        summary = json.loads((tmp_path / "auto" / "summary.json").read_text())
+        assert summary["attn_impl_steps"] == {p: picks.count(p) for p in set(picks)}
+        assert f"attn auto (picked {picks[0]} in " in capfd.readouterr().out
 
 
 def test_text_only_rows_on_one_dp_rank_fsdp_equals_plain_sum(tmp_path):

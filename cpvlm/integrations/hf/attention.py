@@ -11,7 +11,7 @@ and the mask function registered under the same name is sdpa's, so the model sta
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from cpvlm.attention import cp_attention
+from cpvlm.attention import cp_attention, impl_label, resolve_impl
 from cpvlm.distributed.shard_plan import ShardPlan
 
 CP_ATTENTION = "cpvlm_context_parallel"
@@ -36,6 +36,8 @@ class CPAttentionContext:
     group: dist.ProcessGroup | None
     impl: str = "ring"
     ulysses_size: int | None = None
+    ran: set[str] = field(default_factory=set, compare=False)
+    """Filled by the attention calls: the implementations they ran (``impl="auto"``: its picks)."""
 
 
 def context_parallel_attention(
@@ -62,17 +64,20 @@ def context_parallel_attention(
         raise ValueError("sliding-window attention is not supported under context parallelism")
     # The plan's causal per-document mask replaces attention_mask (None here unless transformers
     # built one from a 2-D mask, which ContextParallelVLM never passes).
+    plan = cpvlm_cp.plan
+    impl, ulysses_size = resolve_impl(cpvlm_cp.impl, plan, True, query, key, cpvlm_cp.ulysses_size)
+    cpvlm_cp.ran.add(impl_label(impl, ulysses_size, plan.cp_size))
     out = cp_attention(
         query,
         key,
         value,
-        plan=cpvlm_cp.plan,
+        plan=plan,
         cp_rank=cpvlm_cp.cp_rank,
         group=cpvlm_cp.group,
-        impl=cpvlm_cp.impl,
+        impl=impl,
         causal=True,
         scale=scaling,
-        ulysses_size=cpvlm_cp.ulysses_size,
+        ulysses_size=ulysses_size,
     )
     return out.transpose(1, 2).contiguous(), None
 

@@ -42,6 +42,7 @@ class ContextParallelOutput:
     local_labels: int  # valid labels on this rank
     local_visual_tokens: int  # visual positions in this rank's shard
     encoded_units: int  # vision units (images, frames) this rank encoded
+    attn_impl: str = ""  # the CP attention that ran ("ring", "hybrid 2x2", ...; auto: its pick)
 
 
 class _Tower(nn.Module):
@@ -193,6 +194,7 @@ class ContextParallelVLM(nn.Module):
             local_labels=int((local["labels"] != IGNORE_INDEX).sum()),
             local_visual_tokens=int(visual_mask_loc.sum()),
             encoded_units=encoded,
+            attn_impl=",".join(sorted(context.ran)),
         )
 
     def vision_assignment(self, units: VisionUnits) -> list[list[int]]:
