@@ -3,8 +3,11 @@
 For each CP size and document mix: max/mean over ranks of the causal (q, k) pairs a rank attends
 (1.00 is perfect balance), and the padding the layout adds, for per-document head-tail (the
 default), the balanced layout (long documents head-tail, short ones whole, LPT by causal work;
-``layout="balanced"``) and contiguous splitting. Pure arithmetic on the plans; no timing.
-Run: python benchmarks/balance.py
+``layout="balanced"``) and contiguous splitting. Then the Ulysses head splits (``head_split``) of
+the head counts of published models and of the test cases: query heads per rank, the busiest
+rank's work over the mean (the price of an uneven split), and the K/V heads each rank receives
+(a K/V head goes to two ranks only when its query heads are split; never expanded to Hq).
+Pure arithmetic; no timing. Run: python benchmarks/balance.py
 """
 
 from __future__ import annotations
@@ -15,6 +18,19 @@ import torch
 from _common import print_table, write_json
 
 from cpvlm import ShardPlan
+from cpvlm.attention import head_split
+
+HEADS = {  # (Hq, Hkv) of the text models (their config.json), then the test cases' odd ones
+    "Qwen2.5-VL-3B": (16, 2),
+    "Qwen2.5-VL-7B": (28, 4),
+    "Qwen2.5-VL-32B": (40, 8),
+    "Qwen2.5-VL-72B": (64, 8),
+    "Qwen3-VL-8B": (32, 8),
+    "tests 12/4": (12, 4),
+    "tests 7/1": (7, 1),
+    "tests 6/2": (6, 2),
+    "tests 5/5": (5, 5),
+}
 
 
 def causal_pairs(plan: ShardPlan, positions_per_rank: list[torch.Tensor]) -> list[int]:
@@ -95,7 +111,35 @@ def main() -> None:
     print_table(
         rows, columns, f"Causal attention balance, seq_len={seq_len} (max/mean pairs per rank)"
     )
-    write_json("balance", {"seq_len": seq_len, "rows": rows})
+    heads = head_split_rows()
+    print_table(
+        heads,
+        ["model", "heads", "u", "q_heads_per_rank", "imbalance", "kv_heads_per_rank", "kv_copies"],
+        "Ulysses head splits: query heads per rank (min-max), busiest over mean, K/V heads each "
+        "rank receives (min-max), K/V head copies in all (Hkv when no K/V head is split)",
+    )
+    write_json("balance", {"seq_len": seq_len, "rows": rows, "head_splits": heads})
+
+
+def head_split_rows() -> list[dict]:
+    rows = []
+    for name, (hq, hkv) in HEADS.items():
+        for u in (2, 4, 8):
+            split = head_split(hq, hkv, u)
+            q = [b - a for a, b in (split.q_range(i) for i in range(u))]
+            kv = [b - a for a, b in (split.kv_range(i) for i in range(u))]
+            rows.append(
+                {
+                    "model": name,
+                    "heads": f"{hq}/{hkv}",
+                    "u": u,
+                    "q_heads_per_rank": f"{min(q)}-{max(q)}",
+                    "imbalance": split.imbalance,
+                    "kv_heads_per_rank": f"{min(kv)}-{max(kv)}",
+                    "kv_copies": sum(kv),
+                }
+            )
+    return rows
 
 
 if __name__ == "__main__":

@@ -12,8 +12,9 @@ all-to-all returns every rank its positions of all heads. Backward: the transpos
 (dout out, then dq, dk, dv back; a K/V head that went to two ranks gets both gradients summed).
 
 Heads (``head_split``): query heads are cut into u contiguous ranges of floor(Hq/u) or ceil(Hq/u)
-heads, so no head count has to divide u; the slowest rank computes ceil(Hq/u) heads, the price of
-an uneven split (Hq/u * ceil(Hq/u) / (Hq/u) over the mean). Rank i receives exactly the K/V heads
+heads, so no head count has to divide u; the slowest rank computes ceil(Hq/u) heads, so the price
+of an uneven split is ceil(Hq/u) / (Hq/u) of the even work (``HeadSplit.imbalance``: 1.14 for
+Hq=28 at u=8, 1.33 for Hq=12 at u=8; benchmarks/balance.py lists it). Rank i receives exactly the K/V heads
 its query heads use: a K/V head goes to more than one rank only when its query heads are split
 across ranks, and it is never expanded to Hq. Among the splits with those sizes it takes the one
 with the fewest K/V heads on the busiest rank, then the fewest K/V heads in all, then the fewest
@@ -57,6 +58,13 @@ class HeadSplit:
     @property
     def size(self) -> int:
         return len(self.bounds) - 1
+
+    @property
+    def imbalance(self) -> float:
+        """Query heads of the busiest rank over the mean Hq / size: what an uneven split costs
+        the slowest rank (1.0 when size divides Hq)."""
+        busiest = max(b - a for a, b in zip(self.bounds, self.bounds[1:]))
+        return busiest * self.size / self.q_heads
 
     def q_range(self, i: int) -> tuple[int, int]:
         return self.bounds[i], self.bounds[i + 1]

@@ -75,6 +75,8 @@ def test_head_split_is_the_best_split_with_balanced_sizes():
         assert (max(kv), sum(kv)) == best, (hq, hkv, size)
     assert head_split(6, 2, 4).bounds == (0, 1, 3, 4, 6)  # one K/V head per rank, not two
     assert head_split(2, 1, 4).bounds == (0, 0, 0, 1, 2)  # two ranks without query heads
+    # The price of an uneven split: the busiest rank's heads over the mean.
+    assert head_split(28, 4, 8).imbalance == 4 / 3.5 and head_split(32, 8, 8).imbalance == 1.0
 
 
 def _bad_ulysses_size(rank, world_size):
