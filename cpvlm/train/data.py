@@ -34,7 +34,7 @@ state that checkpoints save.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -53,19 +53,33 @@ SAMPLE_KEYS = ("input_ids", "labels", "attention_mask", *VISION_KEYS, "mm_token_
 
 @dataclass(frozen=True)
 class TokenIds:
-    """The ids and sizes the packer needs from a model config."""
+    """The ids and sizes the packer needs from a model config, and its family's token-type rule
+    (GLM-4V writes video frames with image tokens: only the rule tells them apart)."""
 
     image: int
     video: int
     merge: int
+    types: Callable[[torch.Tensor], torch.Tensor] | None = field(
+        default=None, compare=False, repr=False
+    )
 
     @classmethod
     def from_config(cls, model_config) -> TokenIds:
+        from cpvlm.integrations.hf import adapter_for
+
+        adapter = adapter_for(model_config)
         return cls(
-            image=model_config.image_token_id,
-            video=model_config.video_token_id,
-            merge=model_config.vision_config.spatial_merge_size,
+            image=adapter.image_token_id,
+            video=adapter.video_token_id,
+            merge=adapter.merge_size,
+            types=adapter.mm_token_type_ids,
         )
+
+    def mm_token_type_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """1 at image placeholders, 2 at video placeholders, 0 elsewhere."""
+        if self.types is not None:
+            return self.types(input_ids)
+        return (input_ids == self.image).long() + 2 * (input_ids == self.video).long()
 
 
 @dataclass
@@ -105,7 +119,7 @@ class PackedRow:
     def batch(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """The keyword arguments of ``ContextParallelVLM`` for this row (without ``doc_lens``)."""
         ids = self.input_ids.view(1, -1)
-        mm_types = (ids == self.ids.image).long() + 2 * (ids == self.ids.video).long()
+        mm_types = self.ids.mm_token_type_ids(ids)
         out = {"input_ids": ids, "labels": self.labels.view(1, -1), "mm_token_type_ids": mm_types}
         out.update(self.vision)
         return {k: v.to(device) for k, v in out.items()}
@@ -133,7 +147,7 @@ def normalize_sample(raw: Mapping, ids: TokenIds, index: int) -> Sample:
     if "input_ids" not in raw:
         raise ValueError(f"sample {index}: input_ids is missing")
     input_ids = _as_1d_long("input_ids", raw["input_ids"], index)
-    placeholder = (input_ids == ids.image) | (input_ids == ids.video)
+    placeholder = ids.mm_token_type_ids(input_ids) != 0
     if raw.get("labels") is None:
         labels = input_ids.masked_fill(placeholder, IGNORE_INDEX)
     else:
@@ -151,11 +165,12 @@ def normalize_sample(raw: Mapping, ids: TokenIds, index: int) -> Sample:
     if input_ids.numel() == 0:
         raise ValueError(f"sample {index}: no tokens")
     vision = {}
-    for kind, token, pix_key, grid_key in (
-        ("image", ids.image, "pixel_values", "image_grid_thw"),
-        ("video", ids.video, "pixel_values_videos", "video_grid_thw"),
+    types = ids.mm_token_type_ids(input_ids)
+    for kind, type_id, token, pix_key, grid_key in (
+        ("image", 1, ids.image, "pixel_values", "image_grid_thw"),
+        ("video", 2, ids.video, "pixel_values_videos", "video_grid_thw"),
     ):
-        n_tokens = int((input_ids == token).sum())
+        n_tokens = int((types == type_id).sum())
         grid, pixels = raw.get(grid_key), raw.get(pix_key)
         if grid is None and pixels is None and n_tokens == 0:
             continue
