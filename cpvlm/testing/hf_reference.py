@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from cpvlm.constants import IGNORE_INDEX
 from cpvlm.integrations.hf.registry import adapter_for
+from cpvlm.testing.moe_reference import switch_load_balancing_loss
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -36,29 +37,6 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torc
     labels_flat = labels[..., 1:].reshape(-1).to(logits.device)
     total = F.cross_entropy(logits_flat, labels_flat, ignore_index=IGNORE_INDEX, reduction="sum")
     return total, int((labels_flat != IGNORE_INDEX).sum())
-
-
-def switch_load_balancing_loss(
-    router_logits: Sequence[torch.Tensor], keep: torch.Tensor | None, num_experts: int, top_k: int
-) -> torch.Tensor:
-    """transformers' ``load_balancing_loss_func``, in the logits' dtype: per layer the softmax,
-    its top-k one-hot counts and probability sums over the kept tokens, pooled over layers, then
-    ``num_experts * sum(tokens_per_expert * prob_per_expert)``."""
-    dtype = router_logits[0].dtype
-    tokens = torch.zeros(num_experts, dtype=dtype)
-    probs = torch.zeros(num_experts, dtype=dtype)
-    rows = 0.0
-    for layer in router_logits:
-        weights = torch.softmax(layer, dim=-1)
-        chosen = torch.topk(weights, top_k, dim=-1).indices
-        mask = (
-            torch.ones(layer.shape[0], dtype=dtype) if keep is None else keep.reshape(-1).to(dtype)
-        )
-        one_hot = F.one_hot(chosen, num_experts).to(dtype).sum(1)  # [n, E]
-        tokens = tokens + (one_hot * mask[:, None]).sum(0)
-        probs = probs + (weights * mask[:, None]).sum(0)
-        rows += float(mask.sum())
-    return num_experts * torch.sum((tokens / rows) * (probs / rows))
 
 
 def _forward(model, inputs: Mapping, router: bool):

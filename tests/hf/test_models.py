@@ -120,7 +120,8 @@ def model_inputs(batch):
 
 
 def embed_multimodal(model, batch):
-    """inputs_embeds, visual_pos_masks, deepstack_visual_embeds as Qwen*Model.forward builds them."""
+    """inputs_embeds, visual_pos_masks, deepstack_visual_embeds as the model's forward builds
+    them."""
     base, ids = model.model, batch["input_ids"]
     embeds = base.get_input_embeddings()(ids)
     types = adapter_for(model).mm_token_type_ids(ids)

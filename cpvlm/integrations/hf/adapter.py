@@ -8,8 +8,9 @@ loss. An adapter answers the family's questions:
 
 - tokens: how the processor writes an image or a video into the sequence (``item_tokens``),
   which token type each placeholder has (``mm_token_type_ids``: 0 text, 1 image, 2 video);
-- modules: where the text model, embeddings, lm head and vision tower are, which modules are FSDP
-  units, what stays trainable when the encoder is frozen, the module groups ``cpvlm verify`` reports;
+- modules: where the text model, embeddings, lm head and vision tower are, which modules are
+  FSDP units, what stays trainable when the encoder is frozen, the module groups that
+  ``cpvlm verify`` reports;
 - vision: how the tower is called and what it returns (``encode``: rows, or rows and deepstack
   levels), whether video frames are independent units, the per-unit cost model (``vision_cost``);
 - positions: ``rope_index`` per document (M-RoPE families: the model's own ``get_rope_index``;
@@ -23,8 +24,8 @@ from ``model.model.get_rope_index``, no extra keywords or losses. A family overr
 
 Adding a family is one file plus its tests:
 1. ``cpvlm/integrations/hf/families/<family>.py``: a ``VLMAdapter`` subclass decorated with
-   ``@register``, naming ``family``, ``model_classes`` (the transformers ``*ForConditionalGeneration``
-   class names it serves), ``model_types`` (their ``config.model_type``), ``tiny_configs`` (a tiny
+   ``@register``, naming ``family``, ``model_classes`` (the transformers
+   ``*ForConditionalGeneration`` class names it serves), ``model_types`` (their ``config.model_type``), ``tiny_configs`` (a tiny
    config built from the real config class, under a ``<family>-tiny`` name), and the overrides.
    Import the module in ``families/__init__.py``.
 2. ``tests/hf/``: add the tiny name to ``FAMILIES`` in ``tests/hf/hf_families.py`` (the shared
@@ -45,7 +46,8 @@ from torch import nn
 from cpvlm.router_loss import load_balancing_loss_share
 
 VisionRows = torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]
-"""What ``encode`` returns: ``[R, D]`` rows, or ``([R, D], [[R, D_l], ...])`` with deepstack levels."""
+"""What ``encode`` returns: ``[R, D]`` rows, or ``([R, D], [[R, D_l], ...])`` with deepstack
+levels."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ class RouterLoss:
 
 @dataclass(frozen=True)
 class ExtraLoss:
-    """One extra loss term: ``weight * share``; the shares of all CP ranks sum to the batch's loss."""
+    """One extra loss term, ``weight * share``; the CP ranks' shares sum to the batch's loss."""
 
     share: torch.Tensor
     weight: float
@@ -80,9 +82,9 @@ class VLMAdapter:
     model_types: ClassVar[tuple[str, ...]] = ()
     tiny_configs: ClassVar[dict[str, Callable[..., Any]]] = {}
     video_keys: ClassVar[tuple[str, ...]] = ()
-    """Batch keys with one entry per video besides pixels and grid (Qwen2.5-VL: second_per_grid_ts)."""
+    """Batch keys with one entry per video besides pixels and grid (second_per_grid_ts)."""
     split_frames: ClassVar[bool] = True
-    """The tower treats the temporal frames of a video independently: each frame is a vision unit."""
+    """The tower treats a video's temporal frames independently: each frame is a vision unit."""
     projector: ClassVar[tuple[str, ...]] = ("merger",)
     """Tower submodules (name prefixes) that stay trainable when the vision encoder is frozen."""
     mixes_images_and_videos: ClassVar[bool] = True
@@ -143,7 +145,7 @@ class VLMAdapter:
     # ---- modules --------------------------------------------------------------------------------
 
     def text_model(self, model: nn.Module) -> nn.Module:
-        """The decoder stack: ``forward(inputs_embeds=, position_ids=, ...)`` -> last_hidden_state."""
+        """The decoder: ``forward(inputs_embeds=, position_ids=, ...)`` -> last_hidden_state."""
         return model.model.language_model
 
     def decoder_layers(self, model: nn.Module) -> list[nn.Module]:
@@ -208,7 +210,8 @@ class VLMAdapter:
         video_extras: dict[str, torch.Tensor],
     ) -> torch.Tensor | None:
         """``[3, B, S]`` M-RoPE positions of one document with vision items, from the model's own
-        ``get_rope_index``; None for 1D-RoPE families (the core then uses per-document positions)."""
+        ``get_rope_index``; None for 1D-RoPE families (the core then uses per-document
+        positions)."""
         position_ids, _ = model.model.get_rope_index(
             input_ids,
             mm_token_type_ids=mm_token_type_ids,

@@ -1,4 +1,4 @@
-"""The text attention of the VLM families under CP, registered with transformers' AttentionInterface.
+"""The text attention of the VLMs under CP, registered with transformers' AttentionInterface.
 
 Legend: q [B,Hq,S_loc,D], k/v [B,Hkv,S_loc,D] (GQA not expanded), output [B,S_loc,Hq,D].
 

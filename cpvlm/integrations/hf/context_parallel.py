@@ -18,8 +18,8 @@ Extra losses are defined per forward batch, as transformers defines them (its Mo
 the router loss over the rows given to one forward call). A training step of several microbatches
 and DP replicas averages them over its ``num_batches`` forward batches, so that with the token-mean
 cross-entropy the summed gradients are those of the one-device run of the same forward batches:
-``loss = CE / N + sum_f sum_extra weight * aux_f / num_batches``. (A step-wide router statistic would
-need every microbatch's forward before the first backward.)
+``loss = CE / N + sum_f sum_extra weight * aux_f / num_batches``. (A step-wide router
+statistic would need every microbatch's forward before the first backward.)
 """
 
 from __future__ import annotations

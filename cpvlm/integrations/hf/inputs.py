@@ -32,7 +32,7 @@ BASE_KEYS = (
     "pixel_values_videos",
     "video_grid_thw",
 )
-"""Batch keys a training step takes besides ``input_ids``, ``labels`` and the family's video keys."""
+"""Batch keys of a training step besides ``input_ids``, ``labels`` and the family's video keys."""
 
 OPTIONAL_KEYS = (*BASE_KEYS, "second_per_grid_ts")
 """Every optional batch key of the supported families (kept for callers of the old name)."""

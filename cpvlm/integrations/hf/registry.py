@@ -64,9 +64,10 @@ def adapter_class(model_or_config) -> type[VLMAdapter]:
             if model_type in a.model_types:
                 return a
         what = f"config model_type {model_type!r}"
+    model_types = sorted(t for a in adapters for t in a.model_types)
     raise ValueError(
         f"unsupported {what}: cpvlm supports the image-text-to-text models "
-        f"{', '.join(supported())} (model_type {', '.join(sorted(t for a in adapters for t in a.model_types))}). "
+        f"{', '.join(supported())} (model_type {', '.join(model_types)}). "
         "A family is added with one adapter file: see cpvlm/integrations/hf/adapter.py"
     )
 

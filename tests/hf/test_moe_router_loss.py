@@ -35,11 +35,8 @@ from cpvlm.loss import count_valid_labels, shift_labels  # noqa: E402
 from cpvlm.router_loss import load_balancing_loss  # noqa: E402
 from cpvlm.testing import rel_err, run_distributed  # noqa: E402
 from cpvlm.testing.hf_batches import SampleSpec, synthetic_batch  # noqa: E402
-from cpvlm.testing.hf_reference import (  # noqa: E402
-    causal_lm_loss_sum,
-    reference_loss_and_grads,
-    switch_load_balancing_loss,
-)
+from cpvlm.testing.hf_reference import causal_lm_loss_sum, reference_loss_and_grads  # noqa: E402
+from cpvlm.testing.moe_reference import switch_load_balancing_loss  # noqa: E402
 
 COEF = 0.5  # large enough that the router loss moves every gradient well above 1e-10
 CONFIGS = [("ring", "route", "scalable"), ("allgather", "allgather", "compat")]
