@@ -43,6 +43,7 @@ EXACT_CONFIGS = [
     ("ring", "allgather", "compat"),
     ("allgather", "allgather", "compat"),
 ]
+FIRST_FAMILIES = ("qwen3-vl-tiny", "qwen2.5-vl-tiny")
 ALL_CONFIGS = [
     *EXACT_CONFIGS,
     ("allgather", "allgather", "scalable"),
@@ -138,10 +139,14 @@ def _run(name, cp, kind, configs, dtype=torch.float64, islands=True):
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("name", FAMILIES)
 def test_loss_and_every_gradient_match_transformers_float64(name, cp):
-    ref_loss, ref_grads, per_rank = _run(name, cp, "mixed", ALL_CONFIGS)
+    # Every mode at cp=2; at cp=4 (for the families added after the first two, to keep the suite
+    # short) both attentions with both vision collectives: the other two modes differ from these
+    # only in which rows a rank keeps, not in how many ranks there are.
+    configs = ALL_CONFIGS if cp == 2 or name in FIRST_FAMILIES else EXACT_CONFIGS
+    ref_loss, ref_grads, per_rank = _run(name, cp, "mixed", configs)
     if name in ("qwen3-vl-tiny", "qwen3-vl-moe-tiny"):
         assert any(n.startswith("model.visual.deepstack_merger_list") for n in ref_grads)
-    for i, config in enumerate(ALL_CONFIGS):
+    for i, config in enumerate(configs):
         # "replicate": every rank encodes every unit and back-propagates only its own rows, so the
         # tower's gradient is a sum of cp partial gradients, each rounded where the model casts to
         # float32 (vision rotary, RMSNorm); measured <= 8e-10, float32 round-off is 6e-8.
@@ -185,7 +190,9 @@ def test_packed_documents_match_each_document_run_alone(name, cp):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_float32_within_1e_5(name):
-    ref_loss, ref_grads, per_rank = _run(name, 2, "mixed", EXACT_CONFIGS, dtype=torch.float32)
+    # both attentions and both vision collectives (all four pairs for the first two families)
+    configs = EXACT_CONFIGS if name in FIRST_FAMILIES else [EXACT_CONFIGS[0], EXACT_CONFIGS[3]]
+    ref_loss, ref_grads, per_rank = _run(name, 2, "mixed", configs, dtype=torch.float32)
     # float32: different summation orders (blockwise softmax, summed shares) give ~1e-7 relative
     # differences per value; 1e-5 leaves room for the accumulation over layers.
     for result in per_rank[0]:
