@@ -28,10 +28,11 @@ from hf_families import (  # noqa: E402
     FLOAT32_TOL,
     cached_model,
     mixed_batch,
+    mixes,
     packed_documents,
 )
 
-from cpvlm.integrations.hf import ContextParallelVLM, prepare_batch  # noqa: E402
+from cpvlm.integrations.hf import ContextParallelVLM, prepare_batch, vision_cost  # noqa: E402
 from cpvlm.testing import DistributedTestError, rel_err, run_distributed  # noqa: E402
 from cpvlm.testing.hf_batches import SampleSpec, synthetic_batch  # noqa: E402
 from cpvlm.testing.hf_reference import reference_loss_and_grads  # noqa: E402
@@ -84,6 +85,10 @@ def _cp_step(rank, world_size, name, dtype, kind, configs, islands=True):
     """Run every config on this rank; rank 0 returns the summed losses and gradients."""
     base = _model(name, dtype, islands)
     batch, doc_lens = _batch(base, dtype, kind)
+    return _cp_configs(rank, base, batch, doc_lens, configs)
+
+
+def _cp_configs(rank, base, batch, doc_lens, configs):
     results = []
     for attn, vision, flow in configs:
         model = copy.deepcopy(base)
@@ -275,3 +280,50 @@ def test_bad_input_raises_on_every_rank_before_any_collective():
         DistributedTestError, match=r"unexpected batch keys \['second_per_grid_ts'\]"
     ):
         run_distributed(_cp_step_expect_error, 3, "qwen3-vl-tiny", second)
+
+
+def _local_pixels(rank, world_size, batch, merge, cost):
+    """This rank's share of the pixel rows, as a loader that decodes only its units gives it
+    (units balanced by the tower's modelled cost, as ``ContextParallelVLM`` assigns them)."""
+    from cpvlm.vision import assign_vision_units, vision_units
+
+    grids = [batch[k] for k in ("image_grid_thw", "video_grid_thw") if k in batch]
+    units = vision_units(torch.cat(grids), merge)
+    mine = assign_vision_units(cost.unit_costs(units), world_size)[rank]
+    pixels = torch.cat([batch[k] for k in ("pixel_values", "pixel_values_videos") if k in batch])
+    rows = pixels[units.pixel_index(mine)]
+    n_image_items = len(batch["image_grid_thw"]) if "image_grid_thw" in batch else 0
+    n_images = sum(units.pixel_counts[u] for u in mine if units.items[u] < n_image_items)
+    local = {**batch, "local_pixels": True}
+    if "pixel_values" in batch:
+        local["pixel_values"] = rows[:n_images]
+    if "pixel_values_videos" in batch:
+        local["pixel_values_videos"] = rows[n_images:]
+    return local, len(mine)
+
+
+def _cp_step_local(rank, world_size, name, dtype, kind, configs):
+    base = _model(name, dtype)
+    batch, doc_lens = _batch(base, dtype, kind)
+    # The cost model from the model_type table, not through ContextParallelVLM's adapter.
+    local, n_units = _local_pixels(
+        rank, world_size, batch, base.config.vision_config.spatial_merge_size, vision_cost(base)
+    )
+    results = _cp_configs(rank, base, local, doc_lens, configs)
+    assert all(r["encoded_units"] == n_units for r in results)
+    return results
+
+
+@pytest.mark.parametrize("name", ["qwen3-vl-tiny", "glm4v-tiny"])
+def test_local_pixels_match_transformers_float64(name):
+    """Each rank passes only the pixel rows of the units it encodes (images and video frames);
+    loss and every gradient equal the one-process model's (float64, 1e-10) at cp 2, in the
+    scalable flow (rows routed) and the compat flow (rows all-gathered). The single small image
+    leaves one rank with no unit and an empty [0, C] pixel tensor. GLM-4V's forward cannot mix
+    images and videos: its video frames come from the packed documents."""
+    configs = [("ring", "route", "scalable"), ("ring", "allgather", "compat")]
+    for kind in ("mixed" if mixes(name) else "packed", "single"):
+        ref_loss, ref_grads = _reference(name, torch.float64, kind)
+        per_rank = run_distributed(_cp_step_local, 2, name, torch.float64, kind, configs)
+        for i in range(len(configs)):
+            _assert_close(name, per_rank[0][i], ref_loss, ref_grads, 1e-10)

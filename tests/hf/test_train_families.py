@@ -31,7 +31,7 @@ def test_train_runs_on_every_family(tmp_path, name):
     config = TrainConfig().replace(
         model={"name": name},
         parallel={"cp": 2},
-        data={"seq_len": 160},
+        data={"seq_len": 160, "num_workers": 0},  # the pooled ranks are daemons
         run={"steps": 2, "out": str(tmp_path)},
     )
     config = launcher.prepare(config, world_size=2)
@@ -49,3 +49,26 @@ def test_train_command_on_an_moe_family(tmp_path):
     assert train_main(["--out", str(tmp_path), *flags]) == 0
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2 and all(r["tokens"] > 0 for r in records)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_synthetic_samples_pass_the_data_path_of_every_family(name):
+    """The data path counts placeholders by the family's token-type rule: GLM-4V's video frames
+    are image tokens inside video markers, which an id-only rule would reject as bad samples."""
+    from cpvlm.data import check_tokens, plan_tokenized
+    from cpvlm.integrations.hf import TINY_MODELS
+    from cpvlm.train.loader import token_ids
+    from cpvlm.train.synthetic import SyntheticVLMData
+
+    config = TINY_MODELS[name]()
+    source, ids = SyntheticVLMData(config, seed=0), token_ids(config)
+    videos = 0
+    for i in range(40):
+        raw = source[i]
+        plan = plan_tokenized(raw, ids, i, "synthetic")  # raises DataError on a mismatch
+        check_tokens(plan, ids)
+        videos += len(plan.videos)
+        assert sum(it.grid[0] * it.grid[1] * it.grid[2] for it in plan.videos) == (
+            raw["pixel_values_videos"].shape[0] if plan.videos else 0
+        )
+    assert videos > 0

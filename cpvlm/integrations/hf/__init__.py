@@ -20,6 +20,7 @@ from cpvlm.integrations.hf.models import (
     tiny_qwen3_vl_config,
 )
 from cpvlm.integrations.hf.registry import adapter_for, register, supported
+from cpvlm.integrations.hf.vision_cost import vision_cost
 from cpvlm.loss import IGNORE_INDEX
 
 _MOVED = {
@@ -61,5 +62,6 @@ __all__ = [
     "supported",
     "tiny_qwen2_5_vl_config",
     "tiny_qwen3_vl_config",
+    "vision_cost",
     *_MOVED,
 ]

@@ -44,6 +44,9 @@ import torch.distributed as dist
 from torch import nn
 
 from cpvlm.router_loss import load_balancing_loss_share
+from cpvlm.vision.cost import VisionCost
+
+from .vision_cost import qwen2_vl_vision_cost
 
 VisionRows = torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]
 """What ``encode`` returns: ``[R, D]`` rows, or ``([R, D], [[R, D_l], ...])`` with deepstack
@@ -94,6 +97,8 @@ class VLMAdapter:
     in a float64 model; float64 checks hold them to float32 round-off. ``("*",)``: every group and
     the loss (a float32 part in the forward, such as GLM-4.5V's router)."""
     float64_load_kwargs: ClassVar[dict[str, str]] = {}
+    cost_model: ClassVar[Callable[[Any], VisionCost]] = staticmethod(qwen2_vl_vision_cost)
+    """The tower's cost model from its ``vision_config`` (``cpvlm.integrations.hf.vision_cost``)."""
     """Loading keywords a float64 model needs (MoE: eager experts; grouped_mm rejects float64)."""
 
     def __init__(self, config):
@@ -192,10 +197,10 @@ class VLMAdapter:
         per merged token, in item order (and the deepstack levels, for families that have them)."""
         return tower(pixel_values, grid_thw=grid_thw, return_dict=True).pooler_output
 
-    def vision_cost(self) -> object | None:
-        """The per-unit cost model of this family's tower for balancing vision units; None: units
-        are balanced by patch count."""
-        return None
+    def vision_cost(self) -> VisionCost:
+        """The per-unit cost model of this family's tower, by which vision units are balanced
+        over the CP ranks (VisionDataParallel and a loader that decodes local pixels use it)."""
+        return self.cost_model(self.config.vision_config)
 
     # ---- positions ------------------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ from torch import nn
 from cpvlm.constants import ATTN_IMPLS, FLOWS, IGNORE_INDEX, VISION_MODES
 from cpvlm.distributed.shard_plan import pad_and_shard
 from cpvlm.loss import token_mean_loss
-from cpvlm.vision import VisionDataParallel
+from cpvlm.vision import VisionDataParallel, VisionUnits
 
 from .adapter import LossContext, VLMAdapter
 from .attention import CP_ATTENTION, CPAttentionContext
@@ -91,7 +91,10 @@ class ContextParallelVLM(nn.Module):
         attn_options: extra keywords for ``cp_attention``, passed through unchanged.
 
     ``forward(**batch)`` takes the same full batch on every CP rank and returns a
-    ``ContextParallelOutput`` whose ``loss`` is this rank's share.
+    ``ContextParallelOutput`` whose ``loss`` is this rank's share. With ``local_pixels=True``
+    the pixel values (images, then videos) hold only the rows of the units this rank encodes,
+    ``vision_assignment(units)[cp_rank]``, in unit order: a loader then decodes each image and
+    frame once per CP group (not with ``vision="replicate"``, which encodes every unit).
     """
 
     def __init__(
@@ -129,6 +132,7 @@ class ContextParallelVLM(nn.Module):
         self.cp_rank = dist.get_rank(cp_group)
         self.adapter.text_model(model).set_attn_implementation(CP_ATTENTION)
         self.encode = TowerCall(self.adapter, self.adapter.vision_tower(model))
+        self.vision_cost = self.adapter.vision_cost()  # units balanced by the tower's cost
         # "replicate" with no units at all runs the same dummy frame as the other modes.
         self.vision_dp = VisionDataParallel(
             self.encode,
@@ -136,6 +140,7 @@ class ContextParallelVLM(nn.Module):
             mode="allgather" if vision == "replicate" else vision,
             merge_size=self.adapter.merge_size,
             split_frames=self.adapter.split_frames,
+            cost=self.vision_cost,
         )
         self.batch_keys = (*BASE_KEYS, *self.adapter.video_keys)
 
@@ -147,6 +152,7 @@ class ContextParallelVLM(nn.Module):
         num_valid: int | None = None,
         doc_lens=None,
         num_batches: int = 1,
+        local_pixels: bool = False,
         **batch,
     ) -> ContextParallelOutput:
         """One forward batch. ``num_valid``: the step's global count of valid shifted labels
@@ -162,6 +168,11 @@ class ContextParallelVLM(nn.Module):
             raise ValueError(
                 f"ContextParallelVLM: num_batches must be an int >= 1, got {num_batches!r}"
             )
+        if local_pixels and self.vision == "replicate":
+            raise ValueError(
+                "ContextParallelVLM: vision='replicate' encodes every unit on every rank and "
+                "needs every pixel row; pass the full pixel values (local_pixels=False)"
+            )
         prep = prepare_batch(
             self.model,
             {"input_ids": input_ids, "labels": labels, **batch},
@@ -169,6 +180,7 @@ class ContextParallelVLM(nn.Module):
             doc_lens=doc_lens,
             num_valid=num_valid,
             adapter=self.adapter,
+            local_pixels=local_pixels,
         )
         local = pad_and_shard(
             {
@@ -211,6 +223,11 @@ class ContextParallelVLM(nn.Module):
             extra_losses={name: term.share for name, term in extras.items()},
         )
 
+    def vision_assignment(self, units: VisionUnits) -> list[list[int]]:
+        """The units each CP rank encodes: ``VisionDataParallel``'s assignment, balanced by the
+        tower's modelled cost (a loader that decodes only this rank's units must use this one)."""
+        return self.vision_dp.assignment(units)
+
     def _local_embeddings(self, prep: PreparedBatch, ids_loc, visual_mask_loc):
         """``(inputs_embeds [B, L, D], deepstack rows of the local visual positions, units)``.
 
@@ -249,6 +266,7 @@ class ContextParallelVLM(nn.Module):
             out, encoded = self.vision_dp(
                 pixel_values,
                 prep.grid_thw,
+                local_pixels=prep.local_pixels,
                 with_unit_count=True,
                 **(route if self.vision == "route" else {}),
             )

@@ -58,6 +58,7 @@ class PreparedBatch:
     grid_thw: torch.Tensor  # [items, 3] images then videos ([0, 3] for text only)
     row_positions: torch.Tensor  # [R] b * P + p of each visual row, tower order
     pixel_width: int  # C of a pixel row
+    local_pixels: bool = False  # pixel_parts hold only this CP rank's units (see prepare_batch)
 
     def pixel_values(self, dtype: torch.dtype) -> torch.Tensor:
         """``[patches, C]`` images then videos in ``dtype``. Build it only where it is used: it
@@ -96,7 +97,9 @@ def _check_text(batch: Mapping) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return ids, labels, attention_mask
 
 
-def _check_vision(kind, n_tokens, token_id, pixels, grid_thw, merge) -> list[tuple[int, int, int]]:
+def _check_vision(
+    kind: str, n_tokens: int, token_id: int, pixels, grid_thw, merge: int, local: bool
+) -> list[tuple[int, int, int]]:
     if grid_thw is None:
         if pixels is not None:
             raise ValueError(f"pixel values for {kind}s were given without {kind}_grid_thw")
@@ -112,7 +115,7 @@ def _check_vision(kind, n_tokens, token_id, pixels, grid_thw, merge) -> list[tup
     if pixels is None:
         raise ValueError(f"{kind}_grid_thw was given without its pixel values")
     patches = sum(t * h * w for t, h, w in grids)
-    if pixels.dim() != 2 or pixels.shape[0] != patches:
+    if pixels.dim() != 2 or (pixels.shape[0] != patches and not local):
         raise ValueError(
             f"{kind} pixel values have shape {tuple(pixels.shape)} but {kind}_grid_thw needs "
             f"{patches} patch rows (sum of t*h*w)"
@@ -217,6 +220,7 @@ def prepare_batch(
     doc_lens: Sequence[int] | torch.Tensor | None = None,
     num_valid: int | None = None,
     adapter: VLMAdapter | None = None,
+    local_pixels: bool = False,
 ) -> PreparedBatch:
     """Validate a full training batch and derive the replicated inputs of a CP step.
 
@@ -225,6 +229,8 @@ def prepare_batch(
     ``pixel_values``/``image_grid_thw``, ``pixel_values_videos``/``video_grid_thw`` and the
     family's per-video keys (Qwen2.5-VL: ``second_per_grid_ts``). ``doc_lens`` packs one row into
     documents (positions restart, no attention across documents, labels shifted per document).
+    ``local_pixels``: the pixel values hold only the rows of the units this CP rank encodes
+    (``VisionDataParallel`` checks their count).
     """
     adapter = adapter or adapter_for(model)
     ids, labels, attention_mask = _check_text(batch)
@@ -240,7 +246,13 @@ def prepare_batch(
     token_ids = (adapter.image_token_id, adapter.video_token_id)
     grids = tuple(
         _check_vision(
-            kind, int((types == t).sum()), tok, batch.get(pix), batch.get(grid), adapter.merge_size
+            kind,
+            int((types == t).sum()),
+            tok,
+            batch.get(pix),
+            batch.get(grid),
+            adapter.merge_size,
+            local_pixels,
         )
         for (kind, t, pix, grid), tok in zip(_KINDS, token_ids, strict=True)
     )
@@ -273,4 +285,5 @@ def prepare_batch(
         grid_thw=torch.tensor(grids[0] + grids[1], dtype=torch.long).reshape(-1, 3),
         row_positions=_row_positions(types, plan),
         pixel_width=adapter.pixel_width,
+        local_pixels=local_pixels,
     )

@@ -33,6 +33,7 @@ from ..tiny import (
     split_overrides,
     with_overrides,
 )
+from ..vision_cost import glm4v_vision_cost
 
 TIMESTAMP_TOKENS = 1
 """Text tokens of the timestamp the processor writes after every video frame (``int(seconds)``)."""
@@ -101,6 +102,7 @@ def tiny_glm4v_moe_config(**overrides) -> Glm4vMoeConfig:
 
 class _GlmLayout(VLMAdapter):
     projector = ("downsample", "merger")
+    cost_model = staticmethod(glm4v_vision_cost)
     mixes_images_and_videos = False
     # The position table is resampled by a float32 bicubic grid_sample: its gradient is a float32
     # sum over the patches of one tower call (docs/hf_internals.md section 8).

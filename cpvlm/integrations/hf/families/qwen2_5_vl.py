@@ -11,6 +11,7 @@ from transformers import Qwen2_5_VLConfig
 from ..adapter import VLMAdapter
 from ..registry import register
 from ..tiny import QWEN_SPECIAL_TOKEN_IDS, TEXT, VISION, split_overrides, with_overrides
+from ..vision_cost import qwen2_5_vl_vision_cost
 
 
 def tiny_qwen2_5_vl_config(**overrides) -> Qwen2_5_VLConfig:
@@ -53,3 +54,4 @@ class Qwen2_5_VLAdapter(VLMAdapter):
     model_types = ("qwen2_5_vl",)
     tiny_configs = {"qwen2.5-vl-tiny": tiny_qwen2_5_vl_config}
     video_keys = ("second_per_grid_ts",)
+    cost_model = staticmethod(qwen2_5_vl_vision_cost)

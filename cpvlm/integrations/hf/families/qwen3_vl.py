@@ -17,6 +17,7 @@ from transformers import Qwen3VLConfig
 from ..adapter import VLMAdapter
 from ..registry import register
 from ..tiny import QWEN_SPECIAL_TOKEN_IDS, TEXT, VISION, split_overrides, with_overrides
+from ..vision_cost import qwen3_vl_vision_cost
 
 TIMESTAMP_TOKENS = 3
 """Text tokens of the timestamp the processor writes before every video frame ("<0.5 seconds>")."""
@@ -64,6 +65,7 @@ class Qwen3VLAdapter(VLMAdapter):
     model_types = ("qwen3_vl",)
     tiny_configs = {"qwen3-vl-tiny": tiny_qwen3_vl_config}
     projector = ("merger", "deepstack_merger_list")
+    cost_model = staticmethod(qwen3_vl_vision_cost)
 
     def item_tokens(self, kind, grid, text):
         if kind == "image":
