@@ -1,4 +1,4 @@
-"""The text attention of Qwen-VL models under CP, registered with transformers' AttentionInterface.
+"""The text attention of the VLMs under CP, registered with transformers' AttentionInterface.
 
 Legend: q [B,Hq,S_loc,D], k/v [B,Hkv,S_loc,D] (GQA not expanded), output [B,S_loc,Hq,D].
 
@@ -11,7 +11,9 @@ and the mask function registered under the same name is sdpa's, so the model sta
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,13 +31,13 @@ treatment such as unpadding)."""
 
 @dataclass(frozen=True)
 class CPAttentionContext:
-    """What the attention of one CP forward needs besides q, k, v."""
+    """What the attention of one CP forward needs besides q, k, v: the plan, the CP group, and the
+    ``cp_attention`` implementation with its options, passed through as they are."""
 
     plan: ShardPlan
-    cp_rank: int
     group: dist.ProcessGroup | None
     impl: str = "ring"
-    ulysses_size: int | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
     ran: set[str] = field(default_factory=set, compare=False)
     """Filled by the attention calls: the implementations they ran (``impl="auto"``: its picks)."""
 
@@ -65,19 +67,21 @@ def context_parallel_attention(
     # The plan's causal per-document mask replaces attention_mask (None here unless transformers
     # built one from a 2-D mask, which ContextParallelVLM never passes).
     plan = cpvlm_cp.plan
-    impl, ulysses_size = resolve_impl(cpvlm_cp.impl, plan, True, query, key, cpvlm_cp.ulysses_size)
-    cpvlm_cp.ran.add(impl_label(impl, ulysses_size, plan.cp_size))
+    options = dict(cpvlm_cp.options)
+    impl, options["ulysses_size"] = resolve_impl(
+        cpvlm_cp.impl, plan, True, query, key, options.get("ulysses_size")
+    )
+    cpvlm_cp.ran.add(impl_label(impl, options["ulysses_size"], plan.cp_size))
     out = cp_attention(
         query,
         key,
         value,
         plan=plan,
-        cp_rank=cpvlm_cp.cp_rank,
         group=cpvlm_cp.group,
         impl=impl,
         causal=True,
         scale=scaling,
-        ulysses_size=ulysses_size,
+        **options,
     )
     return out.transpose(1, 2).contiguous(), None
 
