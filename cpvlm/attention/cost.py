@@ -31,9 +31,10 @@ fused CPU flash kernel 1.3e-10 s per (pair x head x D) forward at D=64, backward
 ~100 us fixed per call (the slicing and log-sum-exp merge around the kernel: an 8 x 8 block took
 0.65 ms forward under a load average of 30, the kernel alone ~20 us on a quiet machine); gloo
 ~0.5 GB/s per rank for p2p and all-to-all, ~1 ms per message. With these, ``auto`` came within 15%
-of the fastest measured implementation (CPU seconds) in 17 of the 24 configurations of
-``benchmarks/attention.py`` at S 4096 and 8192 (the others are within the run-to-run noise of a
-loaded machine, or packed rows where it picked Ulysses/hybrid and the ring was faster). For CUDA/NCCL
+of the fastest measured implementation (CPU seconds) in 28 of the 36 configurations of
+``benchmarks/attention.py`` (S 4096 to 16384, cp 2 and 4, one sequence and 64 packed documents;
+load average 9 to 34): the misses are balanced-layout packed rows at cp 4, where it picked hybrid
+and the ring was 1.3-1.4 x faster, and a few within the noise of a loaded machine. For CUDA/NCCL
 they are published figures, not measured here (no GPU in this project's CI): FlashAttention-2 on
 an H100, ~350 TFLOP/s = 4 D flops per pair and head in 1.1e-14 s per (pair x head x D), ~10 us per
 call, NVLink ~200 GB/s per GPU achieved in all-to-all, ~20 us per message. On CPU the kernels
