@@ -70,6 +70,8 @@ def _check(cases, cp, tol):
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
 def test_float64_ulysses_and_balanced_layout_match_one_process(cp):
     cases = _cases(cp, "ulysses") + _balanced_ring_and_allgather(cp)
+    if cp == 1:  # one rank: no all-to-all, and both layouts hold everything; keep one layout
+        cases = [c for c in cases if c["impl"] != "ulysses" or c["layout"] == "head_tail"]
     if cp >= 3:
         # Fewer query heads than ranks: some ranks get none and still join every all-to-all.
         cases.append(case([5 * cp + 2, 3], "ulysses", True, 2, 1, 32, seed=98))
@@ -98,8 +100,8 @@ LOWPREC = [  # (docs, causal, (Hq, Hkv), layout)
 
 
 def _lowprec(dtype):
-    """Ulysses at cp 2 and 3 and hybrid 2x2, each over LOWPREC, in one run per grid."""
-    for cp, impl, u in ((2, "ulysses", None), (3, "ulysses", None), (4, "hybrid", 2)):
+    """Ulysses at cp 3 (uneven splits) and hybrid 2x2, each over LOWPREC, in one run per grid."""
+    for cp, impl, u in ((3, "ulysses", None), (4, "hybrid", 2)):
         cases = [
             case(docs, impl, causal, hq, hkv, 64, dtype=dtype, ulysses_size=u, layout=lay, seed=i)
             for i, (docs, causal, (hq, hkv), lay) in enumerate(LOWPREC)
