@@ -9,6 +9,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from cpvlm.attention.allgather import allgather_attention
 from cpvlm.attention.ring import ring_attention
@@ -58,7 +59,8 @@ def cp_attention(
     # others; grad mode is the same everywhere, so it decides.
     q, k, v = (ensure_requires_grad_for_cp_collective(t) for t in (q, k, v))
     schedule = attention_schedule(plan, bool(causal))
-    return IMPLS[impl](q, k, v, schedule=schedule, cp_rank=cp_rank, group=group, scale=scale)
+    with record_function("cpvlm.attention"):
+        return IMPLS[impl](q, k, v, schedule=schedule, cp_rank=cp_rank, group=group, scale=scale)
 
 
 def _check(q, k, v, plan, cp_rank, group, impl, causal, scale) -> None:

@@ -38,6 +38,7 @@ class CPAttentionContext:
     group: dist.ProcessGroup | None
     impl: str = "ring"
     options: Mapping[str, Any] = field(default_factory=dict)
+    cp_rank: int | None = None  # default: this process's rank in ``group`` (checked if given)
 
 
 def context_parallel_attention(
@@ -70,6 +71,7 @@ def context_parallel_attention(
         value,
         plan=cpvlm_cp.plan,
         group=cpvlm_cp.group,
+        cp_rank=cpvlm_cp.cp_rank,
         impl=cpvlm_cp.impl,
         causal=True,
         scale=scaling,
