@@ -11,6 +11,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from cpvlm.attention.allgather import allgather_attention
 from cpvlm.attention.cost import Shapes, choose_impl
@@ -72,11 +73,12 @@ def cp_attention(
     # the others; grad mode is the same everywhere, so it decides.
     q, k, v = (ensure_requires_grad_for_cp_collective(t) for t in (q, k, v))
     kw = dict(cp_rank=cp_rank, group=group, scale=scale)
-    if impl in _BY_SCHEDULE:
-        return _BY_SCHEDULE[impl](q, k, v, schedule=attention_schedule(plan, causal), **kw)
-    if impl == "ulysses":
-        return ulysses_attention(q, k, v, plan=plan, causal=causal, **kw)
-    return hybrid_attention(q, k, v, plan=plan, causal=causal, ulysses_size=ulysses_size, **kw)
+    with record_function("cpvlm.attention"):
+        if impl in _BY_SCHEDULE:
+            return _BY_SCHEDULE[impl](q, k, v, schedule=attention_schedule(plan, causal), **kw)
+        if impl == "ulysses":
+            return ulysses_attention(q, k, v, plan=plan, causal=causal, **kw)
+        return hybrid_attention(q, k, v, plan=plan, causal=causal, ulysses_size=ulysses_size, **kw)
 
 
 def resolve_impl(

@@ -40,6 +40,7 @@ class CPAttentionContext:
     options: Mapping[str, Any] = field(default_factory=dict)
     ran: set[str] = field(default_factory=set, compare=False)
     """Filled by the attention calls: the implementations they ran (``impl="auto"``: its picks)."""
+    cp_rank: int | None = None  # default: this process's rank in ``group`` (checked if given)
 
 
 def context_parallel_attention(
@@ -78,6 +79,7 @@ def context_parallel_attention(
         value,
         plan=plan,
         group=cpvlm_cp.group,
+        cp_rank=cpvlm_cp.cp_rank,
         impl=impl,
         causal=True,
         scale=scaling,

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 from cpvlm.attention import hybrid_groups
 from cpvlm.attention.api import check_ulysses_size
@@ -176,6 +177,66 @@ class ContextParallelVLM(nn.Module):
         """One forward batch. ``num_valid``: the step's global count of valid shifted labels
         (default: this batch's); ``num_batches``: the step's forward batches (microbatches x DP
         replicas) that per-batch extra losses are averaged over."""
+        self._check_call(batch, num_batches, local_pixels)
+        # The record_function ranges name the phases in a torch.profiler trace (nothing when
+        # no profiler runs): benchmarks/train_profile.py reads them.
+        with record_function("cpvlm.prepare"):
+            prep = prepare_batch(
+                self.model,
+                {"input_ids": input_ids, "labels": labels, **batch},
+                self.cp_size,
+                doc_lens=doc_lens,
+                num_valid=num_valid,
+                layout=self.layout,
+                adapter=self.adapter,
+                local_pixels=local_pixels,
+            )
+            local = pad_and_shard(
+                {
+                    "input_ids": prep.input_ids,
+                    "labels": prep.labels,
+                    "position_ids": prep.position_ids,
+                    "visual_mask": prep.visual_mask,
+                    "real_mask": prep.real_mask,
+                },
+                prep.plan,
+                self.cp_rank,
+                seq_dims={"visual_mask": 1, "real_mask": 1},
+            )
+        visual_mask_loc = local["visual_mask"]
+        x_loc, deepstack, encoded = self._local_embeddings(
+            prep, local["input_ids"], visual_mask_loc
+        )
+        context = CPAttentionContext(prep.plan, self.cp_group, self.attn, self.attn_options)
+        with record_function("cpvlm.decoder"):
+            decoder_out = self.adapter.text_model(self.model)(
+                inputs_embeds=x_loc,
+                position_ids=local["position_ids"],
+                attention_mask=None,
+                use_cache=False,
+                cpvlm_cp=context,
+                **self.adapter.decoder_kwargs(visual_mask_loc, deepstack),
+            )
+            logits = self.adapter.lm_head(self.model)(decoder_out.last_hidden_state)
+        with record_function("cpvlm.loss"):
+            loss = token_mean_loss(logits, local["labels"], prep.num_valid)
+            extras = self.adapter.extra_losses(
+                decoder_out, LossContext(group=self.cp_group, real_mask=local["real_mask"])
+            )
+            for term in extras.values():
+                loss = loss + term.share * (term.weight / num_batches)
+        return ContextParallelOutput(
+            loss=loss,
+            num_valid=prep.num_valid,
+            local_labels=int((local["labels"] != IGNORE_INDEX).sum()),
+            local_visual_tokens=int(visual_mask_loc.sum()),
+            encoded_units=encoded,
+            attn_impl=",".join(sorted(context.ran)),
+            extra_losses={name: term.share for name, term in extras.items()},
+        )
+
+    def _check_call(self, batch, num_batches, local_pixels) -> None:
+        """The forward's own arguments (the batch itself is checked by ``prepare_batch``)."""
         unknown = set(batch) - set(self.batch_keys)
         if unknown:
             raise ValueError(
@@ -191,57 +252,6 @@ class ContextParallelVLM(nn.Module):
                 "ContextParallelVLM: vision='replicate' encodes every unit on every rank and "
                 "needs every pixel row; pass the full pixel values (local_pixels=False)"
             )
-        prep = prepare_batch(
-            self.model,
-            {"input_ids": input_ids, "labels": labels, **batch},
-            self.cp_size,
-            doc_lens=doc_lens,
-            num_valid=num_valid,
-            layout=self.layout,
-            adapter=self.adapter,
-            local_pixels=local_pixels,
-        )
-        local = pad_and_shard(
-            {
-                "input_ids": prep.input_ids,
-                "labels": prep.labels,
-                "position_ids": prep.position_ids,
-                "visual_mask": prep.visual_mask,
-                "real_mask": prep.real_mask,
-            },
-            prep.plan,
-            self.cp_rank,
-            seq_dims={"visual_mask": 1, "real_mask": 1},
-        )
-        visual_mask_loc = local["visual_mask"]
-        x_loc, deepstack, encoded = self._local_embeddings(
-            prep, local["input_ids"], visual_mask_loc
-        )
-        context = CPAttentionContext(prep.plan, self.cp_group, self.attn, self.attn_options)
-        decoder_out = self.adapter.text_model(self.model)(
-            inputs_embeds=x_loc,
-            position_ids=local["position_ids"],
-            attention_mask=None,
-            use_cache=False,
-            cpvlm_cp=context,
-            **self.adapter.decoder_kwargs(visual_mask_loc, deepstack),
-        )
-        logits = self.adapter.lm_head(self.model)(decoder_out.last_hidden_state)
-        loss = token_mean_loss(logits, local["labels"], prep.num_valid)
-        extras = self.adapter.extra_losses(
-            decoder_out, LossContext(group=self.cp_group, real_mask=local["real_mask"])
-        )
-        for term in extras.values():
-            loss = loss + term.share * (term.weight / num_batches)
-        return ContextParallelOutput(
-            loss=loss,
-            num_valid=prep.num_valid,
-            local_labels=int((local["labels"] != IGNORE_INDEX).sum()),
-            local_visual_tokens=int(visual_mask_loc.sum()),
-            encoded_units=encoded,
-            attn_impl=",".join(sorted(context.ran)),
-            extra_losses={name: term.share for name, term in extras.items()},
-        )
 
     def vision_assignment(self, units: VisionUnits) -> list[list[int]]:
         """The units each CP rank encodes: ``VisionDataParallel``'s assignment, balanced by the
@@ -254,7 +264,8 @@ class ContextParallelVLM(nn.Module):
         In a method so that the compat flow's full-length tensors die when it returns, before the
         decoder runs (autograd keeps only their indices).
         """
-        rows, encoded = self._vision_rows(prep)
+        with record_function("cpvlm.vision"):
+            rows, encoded = self._vision_rows(prep)
         embed = self.adapter.embed_tokens(self.model)
         if self.flow == "scalable":
             x_loc = embed(ids_loc)

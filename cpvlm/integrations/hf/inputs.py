@@ -182,10 +182,16 @@ def _positions(adapter, model, ids, types, attention_mask, grids, extras, plan, 
         return _document_positions(adapter, model, ids, types, attention_mask, grids, extras)
     bounds = torch.tensor([0, *plan.doc_lens]).cumsum(0).tolist()
     spans = list(zip(bounds[:-1], bounds[1:], strict=True))
+    ends = torch.tensor(bounds)
+
+    def tokens_per_doc(type_id: int) -> list[int]:
+        # One cumulative count for the row, not one reduction per document (every rank does this
+        # for every document of every step).
+        seen = torch.cat([types.new_zeros(1), (types[0] == type_id).long().cumsum(0)])
+        return (seen[ends[1:]] - seen[ends[:-1]]).tolist()
+
     per_kind = [
-        _split_by_document(
-            g, [int((types[0, a:b] == t).sum()) for a, b in spans], adapter.merge_size, k
-        )
+        _split_by_document(g, tokens_per_doc(t), adapter.merge_size, k)
         for g, (k, t, *_) in zip(grids, _KINDS, strict=True)
     ]
     parts, v0 = [], 0
