@@ -13,7 +13,11 @@ import torch.distributed as dist
 from cpvlm.attention.allgather import allgather_attention
 from cpvlm.attention.ring import ring_attention
 from cpvlm.attention.schedule import attention_schedule
-from cpvlm.distributed.collectives import ensure_requires_grad_for_cp_collective
+from cpvlm.distributed.collectives import (
+    StepAgreement,
+    agree,
+    ensure_requires_grad_for_cp_collective,
+)
 from cpvlm.distributed.shard_plan import ShardPlan
 
 IMPLS = {"ring": ring_attention, "allgather": allgather_attention}
@@ -30,6 +34,7 @@ def cp_attention(
     impl: str = "ring",
     causal: bool = True,
     scale: float | None = None,
+    step: StepAgreement | None = None,
 ) -> torch.Tensor:
     """Exact attention of this rank's shard of queries over the whole (sharded) sequence.
 
@@ -45,13 +50,20 @@ def cp_attention(
         impl: ``"ring"`` (K/V passed around, overlapped with compute) or ``"allgather"``.
         causal: causal mask within each document, else bidirectional within each document.
         scale: score scale, default ``D ** -0.5``.
+        step: the CP step of a model forward (see ``StepAgreement``): once its first collective
+            agreed on the plan, the decoder layers' calls skip their own agreement.
 
     Every rank of the group must call this with the same plan, impl, causal, shapes and dtype,
-    forward and backward: the collectives are matched rank to rank.
+    forward and backward: the collectives are matched rank to rank. The ranks check that first
+    (one small all-reduce), so a rank with other inputs makes every rank raise the same error.
     """
     if cp_rank is None:
         cp_rank = dist.get_rank(group)
-    _check(q, k, v, plan, cp_rank, group, impl, causal, scale)
+    try:
+        facts, error = _check(q, k, v, plan, cp_rank, group, impl, causal, scale), None
+    except ValueError as err:
+        facts, error = {}, str(err)
+    agree("cp_attention", group, facts, error=error, step=step, follows_from_step=True)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     # A rank whose inputs happen not to require grad would skip the backward ring and hang the
@@ -61,7 +73,8 @@ def cp_attention(
     return IMPLS[impl](q, k, v, schedule=schedule, cp_rank=cp_rank, group=group, scale=scale)
 
 
-def _check(q, k, v, plan, cp_rank, group, impl, causal, scale) -> None:
+def _check(q, k, v, plan, cp_rank, group, impl, causal, scale) -> dict:
+    """Raise ValueError naming what is wrong; else the facts every rank must share."""
     if impl not in IMPLS:
         raise ValueError(f"cp_attention: impl must be one of {sorted(IMPLS)}, got {impl!r}")
     if not isinstance(plan, ShardPlan):
@@ -117,3 +130,12 @@ def _check(q, k, v, plan, cp_rank, group, impl, causal, scale) -> None:
             f"cp_attention: q has {s} and k {sk} positions but {plan!r} gives each rank "
             f"local_len={plan.local_len} (pad and shard with the plan first)"
         )
+    return {
+        "plan": (plan.cp_size, plan.doc_lens),
+        "impl": impl,
+        "causal": causal,
+        "scale": scale,
+        "q shape": tuple(q.shape),
+        "k shape": tuple(k.shape),
+        "dtype": q.dtype,
+    }

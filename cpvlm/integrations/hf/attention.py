@@ -20,6 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from cpvlm.attention import cp_attention
+from cpvlm.distributed.collectives import StepAgreement
 from cpvlm.distributed.shard_plan import ShardPlan
 
 CP_ATTENTION = "cpvlm_context_parallel"
@@ -35,6 +36,7 @@ class CPAttentionContext:
     cp_rank: int
     group: dist.ProcessGroup | None
     impl: str = "ring"
+    step: StepAgreement | None = None  # the forward's agreement: layers after the first skip it
 
 
 def context_parallel_attention(
@@ -71,6 +73,7 @@ def context_parallel_attention(
         impl=cpvlm_cp.impl,
         causal=True,
         scale=scaling,
+        step=cpvlm_cp.step,
     )
     return out.transpose(1, 2).contiguous(), None
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cpvlm.constants import ATTN_IMPLS, FLOWS, VISION_MODES
+from cpvlm.distributed.collectives import StepAgreement, fingerprint
 from cpvlm.distributed.shard_plan import pad_and_shard
 from cpvlm.loss import IGNORE_INDEX, token_mean_loss
 from cpvlm.vision import VisionDataParallel
@@ -142,13 +143,21 @@ class ContextParallelVLM(nn.Module):
             seq_dims={"visual_mask": 1},
         )
         visual_mask_loc = local["visual_mask"]
+        # What every collective of this forward depends on, agreed by the first of them (one
+        # small all-reduce): CP ranks that were handed different batches raise, not hang.
+        step = StepAgreement(
+            {
+                "plan": (prep.plan.cp_size, prep.plan.doc_lens),
+                "batch": fingerprint(prep.input_ids, prep.labels, prep.grid_thw, prep.num_valid),
+            }
+        )
         x_loc, deepstack, encoded = self._local_embeddings(
-            prep, local["input_ids"], visual_mask_loc
+            prep, local["input_ids"], visual_mask_loc, step
         )
         lm_kwargs = {}
         if self.family == "qwen3_vl":
             lm_kwargs = {"visual_pos_masks": visual_mask_loc, "deepstack_visual_embeds": deepstack}
-        context = CPAttentionContext(prep.plan, self.cp_rank, self.cp_group, self.attn)
+        context = CPAttentionContext(prep.plan, self.cp_rank, self.cp_group, self.attn, step)
         hidden = self.model.model.language_model(
             inputs_embeds=x_loc,
             position_ids=local["position_ids"],
@@ -167,13 +176,13 @@ class ContextParallelVLM(nn.Module):
             encoded_units=encoded,
         )
 
-    def _local_embeddings(self, prep: PreparedBatch, ids_loc, visual_mask_loc):
+    def _local_embeddings(self, prep: PreparedBatch, ids_loc, visual_mask_loc, step):
         """``(inputs_embeds [B, L, D], deepstack rows of the local visual positions, units)``.
 
         In a method so that the compat flow's full-length tensors die when it returns, before the
         decoder runs (autograd keeps only their indices).
         """
-        rows, encoded = self._vision_rows(prep)
+        rows, encoded = self._vision_rows(prep, step)
         embed = self.model.get_input_embeddings()
         if self.flow == "scalable":
             x_loc = embed(ids_loc)
@@ -189,7 +198,7 @@ class ContextParallelVLM(nn.Module):
         deepstack = [t.index_select(0, mine) for t in rows[1:]]
         return prep.plan.shard(prep.plan.pad(x_full), self.cp_rank), deepstack, encoded
 
-    def _vision_rows(self, prep: PreparedBatch) -> tuple[list[torch.Tensor], int]:
+    def _vision_rows(self, prep: PreparedBatch, step) -> tuple[list[torch.Tensor], int]:
         """This rank's visual rows (scalable flow) or all of them (compat), main then deepstack.
 
         The tower runs on every rank even without images (VisionDataParallel then encodes a dummy
@@ -216,9 +225,10 @@ class ContextParallelVLM(nn.Module):
                     prep.grid_thw,
                     plan=prep.plan,
                     row_positions=prep.row_positions,
+                    step=step,
                 )
             else:
-                out = vdp(pixel_values, prep.grid_thw)
+                out = vdp(pixel_values, prep.grid_thw, step=step)
         rows = [out[0], *out[1]] if isinstance(out, tuple) else [out]
         if self.flow == "scalable" and self.vision != "route":
             mine = _local_row_order(prep, self.cp_rank).to(rows[0].device)
