@@ -23,12 +23,18 @@ on every ``iter()`` (a list, a dataset object; not a one-shot generator), cycled
 --data pkg.module:function`` calls ``function(model_config=<the model's HF config>, seed=<--seed>)``
 on every rank and uses what it returns.
 
-Data parallelism: sample i goes to DP rank i % dp; all CP ranks of a DP replica read the same
-samples. Packing: samples are concatenated into rows of at most seq_len tokens, one document each.
-A text-only sample that does not fit is split (its head fills the row, the rest starts the next
-row); a sample with images or videos moves whole to the next row, and one longer than seq_len is
-an error. The position in the stream (next sample index, tokens of it already used) is the data
-state that checkpoints save.
+Packing: samples, in order, are concatenated into rows of at most seq_len tokens, one document
+each. A text-only sample that does not fit is split (its head fills the row, the rest starts the
+next row); a sample with images or videos moves whole to the next row, and one longer than
+seq_len is an error.
+
+One global stream. Every rank packs the same rows from all samples, so the order of the data is
+a fact about samples, not about ranks: a step takes the next ``rows_per_step`` rows of the
+stream (the global batch), and DP rank d of dp trains on rows ``d * R .. d * R + R - 1`` of them
+(R = rows_per_step / dp; the CP ranks of a DP replica share its rows; see ``step_rows``). The
+stream position (next sample index, tokens of it already used) is the whole data state: it is
+the same on every rank, checkpoints save it once, and a run resumed with another dp or cp
+continues the same sequence of global batches.
 """
 
 from __future__ import annotations
@@ -179,28 +185,27 @@ def normalize_sample(raw: Mapping, ids: TokenIds, index: int) -> Sample:
     return Sample(input_ids, labels, vision)
 
 
-def _stream(source, start: int, dp_rank: int, dp_size: int) -> Iterator[tuple[int, object]]:
-    """``(global index, raw sample)`` for the indices >= start that belong to ``dp_rank``."""
-    first = start + (dp_rank - start) % dp_size
+def _stream(source, start: int) -> Iterator[tuple[int, object]]:
+    """``(global index, raw sample)`` for the indices >= start, cycling finite sources."""
     if hasattr(source, "__getitem__") and not hasattr(source, "__len__"):
-        i = first
+        i = start
         while True:
             yield i, source[i]
-            i += dp_size
+            i += 1
     if hasattr(source, "__getitem__") and hasattr(source, "__len__"):
         n = len(source)
         if n == 0:
             raise ValueError("the data source is empty")
-        i = first
+        i = start
         while True:
             yield i, source[i % n]
-            i += dp_size
+            i += 1
     i = 0
     while True:
         seen = False
         for raw in source:
             seen = True
-            if i >= first and (i - first) % dp_size == 0:
+            if i >= start:
                 yield i, raw
             i += 1
         if not seen:
@@ -211,7 +216,7 @@ def _stream(source, start: int, dp_rank: int, dp_size: int) -> Iterator[tuple[in
 
 
 class RowPacker:
-    """Packs this DP rank's samples into rows of at most ``seq_len`` tokens, deterministically.
+    """Packs the samples of a source into rows of at most ``seq_len`` tokens, deterministically.
 
     ``state_dict()`` / the ``state`` argument: ``{"next_index", "offset"}``, the global index of
     the next sample to use and how many of its tokens earlier rows already took.
@@ -223,19 +228,12 @@ class RowPacker:
         seq_len: int,
         ids: TokenIds,
         *,
-        dp_rank: int = 0,
-        dp_size: int = 1,
         state: Mapping[str, int] | None = None,
     ):
         self.seq_len, self.ids = seq_len, ids
-        state = dict(state or {"next_index": dp_rank, "offset": 0})
-        if state["next_index"] % dp_size != dp_rank:
-            raise ValueError(
-                f"data state {state} does not belong to DP rank {dp_rank} of {dp_size}"
-            )
+        state = dict(state or {"next_index": 0, "offset": 0})
         self._next_index, self._offset = int(state["next_index"]), int(state["offset"])
-        self._stream = _stream(source, self._next_index, dp_rank, dp_size)
-        self._dp_size = dp_size
+        self._stream = _stream(source, self._next_index)
         self._pending: Sample | None = None
 
     def state_dict(self) -> dict[str, int]:
@@ -251,7 +249,7 @@ class RowPacker:
 
     def _advance(self) -> None:
         self._pending, self._offset = None, 0
-        self._next_index += self._dp_size
+        self._next_index += 1
 
     def next_row(self) -> PackedRow:
         ids_parts, label_parts, doc_lens, vision_parts = [], [], [], []
@@ -285,6 +283,19 @@ class RowPacker:
             if parts:
                 vision[key] = torch.cat(parts)
         return PackedRow(torch.cat(ids_parts), torch.cat(label_parts), doc_lens, vision, self.ids)
+
+
+def step_rows(packer: RowPacker, rows_per_step: int, dp_rank: int, dp_size: int) -> list[PackedRow]:
+    """The rows DP rank ``dp_rank`` trains on in the next step: its contiguous share of the step.
+
+    Every rank packs all ``rows_per_step`` rows of the step (the packer advances alike on every
+    rank) and keeps rows ``dp_rank * R`` to ``dp_rank * R + R - 1``, R = rows_per_step / dp_size.
+    """
+    if rows_per_step % dp_size:
+        raise ValueError(f"{rows_per_step} rows per step do not split over {dp_size} DP ranks")
+    rows = [packer.next_row() for _ in range(rows_per_step)]
+    share = rows_per_step // dp_size
+    return rows[dp_rank * share : (dp_rank + 1) * share]
 
 
 def load_source(spec: str, model_config, seed: int):

@@ -7,7 +7,11 @@ global batch / step wall time), ``step_time_s``, ``grad_norm`` (before clipping)
 ``ranks_no_image`` / ``ranks_no_visual_tokens``: ranks that, in a step whose rows hold images or
 videos, encoded no vision unit / held no visual token in their shards; ``mem_start_mib`` /
 ``mem_peak_mib``: the memory a rank held when the step began / its peak during the step, max over
-ranks, in MiB (see ``StepMemory``).
+ranks, in MiB (see ``StepMemory``); ``skipped_nonfinite``: the step's loss or gradient norm was
+not finite and ``--skip-nonfinite`` skipped its update.
+
+The summary's ``tokens_per_s`` is the run's tokens over its steps' time (every step of this
+process, the first one's set-up included); ``tokens_per_s_after_first`` leaves the first out.
 """
 
 from __future__ import annotations
@@ -124,12 +128,28 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+def _rate(records: list[dict]) -> float:
+    seconds = sum(r["step_time_s"] for r in records)
+    return sum(r["tokens"] for r in records) / seconds if seconds > 0 else float("nan")
+
+
+def _vision_line(summary: dict, vision_steps: int, ranks: int) -> str:
+    if not vision_steps:
+        return "  vision          no step had images or videos (text-only data)"
+    return (
+        f"  vision          in {summary['steps_with_a_rank_without_images']} of "
+        f"{vision_steps} steps with images, a rank encoded none (mean "
+        f"{summary['mean_ranks_without_images']:.2f} of {ranks} ranks); in "
+        f"{summary['steps_with_a_rank_without_visual_tokens']} a rank held no visual token "
+        f"(mean {summary['mean_ranks_without_visual_tokens']:.2f})"
+    )
+
+
 def summarize(config, records: list[dict], start_step: int, log: MetricsLog) -> dict:
     """Print the summary of this run (all steps in metrics.jsonl) and write summary.json."""
     everything = log.read()
-    losses = [r["loss"] for r in everything]
+    losses = [r["loss"] for r in everything if not r.get("skipped_nonfinite")]
     k = max(1, min(3, len(losses) // 3))
-    steady = records[1:] or records  # the first step of a process pays one-time setup
     vision_steps = [r for r in everything if r["rows"] > r["rows_text_only"]]
     no_image = [r["ranks_no_image"] for r in vision_steps]
     no_tokens = [r["ranks_no_visual_tokens"] for r in vision_steps]
@@ -139,11 +159,13 @@ def summarize(config, records: list[dict], start_step: int, log: MetricsLog) -> 
         "resumed_from": start_step,
         "loss_first": _mean(losses[:k]),
         "loss_last": _mean(losses[-k:]),
-        "tokens_per_s": _mean([r["tokens_per_s"] for r in steady]),
-        "step_time_s": _mean([r["step_time_s"] for r in steady]),
+        "tokens_per_s": _rate(records),
+        "tokens_per_s_after_first": _rate(records[1:]),
+        "step_time_s": _mean([r["step_time_s"] for r in records[1:] or records]),
         "train_time_s": sum(r["step_time_s"] for r in records),
         "mem_peak_mib": max((r["mem_peak_mib"] for r in records), default=float("nan")),
         "ranks": ranks,
+        "steps_skipped_nonfinite": sum(bool(r.get("skipped_nonfinite")) for r in everything),
         "steps_with_images": len(vision_steps),
         "steps_with_a_rank_without_images": sum(n > 0 for n in no_image),
         "mean_ranks_without_images": _mean(no_image),
@@ -153,23 +175,29 @@ def summarize(config, records: list[dict], start_step: int, log: MetricsLog) -> 
     }
     with open(log.path.parent / SUMMARY, "w") as f:
         json.dump(summary, f, indent=1)
-    p = config.parallel
+    p, m = config.parallel, config.model
+    precision = f"{m.dtype} on {m.master_dtype} parameters" if m.mixed_precision else m.dtype
     lines = [
-        f"done: {summary['steps']} steps of {config.model.name} ({config.model.dtype}), "
-        f"cp {p.cp} x dp {p.dp} = {ranks} ranks, seq-len {config.data.seq_len}"
+        f"done: {summary['steps']} steps of {m.name} ({precision}), "
+        f"cp {p.cp} x dp {p.dp} = {ranks} ranks, seq-len {config.data.seq_len}, "
+        f"{config.rows_per_step} row{'s' if config.rows_per_step != 1 else ''} per step"
         + (f", resumed at step {start_step}" if start_step else ""),
         f"  loss            {summary['loss_first']:.4f} -> {summary['loss_last']:.4f} "
         f"(mean of the first / last {k} steps)",
-        f"  throughput      {summary['tokens_per_s']:,.0f} tokens/s, "
-        f"{summary['step_time_s']:.3f} s/step (after the first step)",
+        f"  throughput      {summary['tokens_per_s']:,.0f} tokens/s (tokens / time of the "
+        f"{len(records)} steps of this run; {summary['tokens_per_s_after_first']:,.0f} after "
+        f"the first), {summary['step_time_s']:.3f} s/step",
         f"  memory          peak {summary['mem_peak_mib']:,.0f} MiB on a rank (GPU: tensors; "
         "CPU: the process's resident set)",
-        f"  vision          in {summary['steps_with_a_rank_without_images']} of "
-        f"{len(vision_steps)} steps with images, a rank encoded none (mean "
-        f"{summary['mean_ranks_without_images']:.2f} of {ranks} ranks); in "
-        f"{summary['steps_with_a_rank_without_visual_tokens']} a rank held no visual token "
-        f"(mean {summary['mean_ranks_without_visual_tokens']:.2f})",
-        f"  outputs         {log.path} ; checkpoints in {Path(summary['out']) / 'checkpoints'}",
+        _vision_line(summary, len(vision_steps), ranks),
     ]
+    if summary["steps_skipped_nonfinite"]:
+        lines.append(
+            f"  skipped         {summary['steps_skipped_nonfinite']} steps with a non-finite "
+            f"loss or gradient norm (--skip-nonfinite {config.run.skip_nonfinite})"
+        )
+    lines.append(
+        f"  outputs         {log.path} ; checkpoints in {Path(summary['out']) / 'checkpoints'}"
+    )
     print("\n".join(lines), flush=True)
     return summary

@@ -6,7 +6,14 @@ import torch
 from cpvlm.integrations.hf import SampleSpec, synthetic_batch, tiny_qwen2_5_vl_config
 from cpvlm.integrations.hf import tiny_qwen3_vl_config as qwen3
 from cpvlm.loss import shift_labels
-from cpvlm.train.data import IGNORE_INDEX, RowPacker, TokenIds, check_data_fits, normalize_sample
+from cpvlm.train.data import (
+    IGNORE_INDEX,
+    RowPacker,
+    TokenIds,
+    check_data_fits,
+    normalize_sample,
+    step_rows,
+)
 from cpvlm.train.synthetic import TEXT_BASE, TEXT_VOCAB, SyntheticVLMData
 
 CONFIG = qwen3()
@@ -84,22 +91,41 @@ def test_packing_loses_and_duplicates_nothing():
     assert sum(len(r.doc_lens) for r in rows) > len(rows)  # several documents per row
 
 
-def test_packer_resumes_from_its_state_and_splits_data_over_dp():
-    data = SyntheticVLMData(CONFIG, seed=2)
-    a = RowPacker(data, 160, IDS, dp_rank=1, dp_size=2)
-    _rows(a, 4)
-    state = a.state_dict()
-    b = RowPacker(data, 160, IDS, dp_rank=1, dp_size=2, state=state)
-    for ra, rb in zip(_rows(a, 5), _rows(b, 5)):
+def _same_rows(a, b):
+    assert len(a) == len(b)
+    for ra, rb in zip(a, b):
         assert torch.equal(ra.input_ids, rb.input_ids) and ra.doc_lens == rb.doc_lens
         assert ra.vision.keys() == rb.vision.keys()
         assert all(torch.equal(ra.vision[k], rb.vision[k]) for k in ra.vision)
-    # DP rank 1 of 2 reads the odd samples only.
-    one = torch.cat(
-        [r.input_ids for r in _rows(RowPacker(data, 160, IDS, dp_rank=1, dp_size=2), 3)]
-    )
-    odd = torch.cat([data[i]["input_ids"] for i in range(1, 60, 2)])[: one.numel()]
-    assert torch.equal(one, odd)
+
+
+def test_packer_resumes_from_its_state():
+    data = SyntheticVLMData(CONFIG, seed=2)
+    a = RowPacker(data, 160, IDS)
+    _rows(a, 4)
+    b = RowPacker(data, 160, IDS, state=a.state_dict())
+    _same_rows(_rows(a, 5), _rows(b, 5))
+
+
+def test_the_global_order_is_the_same_for_every_dp_and_after_resuming_with_another():
+    """Rows per step fixed at 4: dp 1, 2 and 4 train on the same rows each step (DP rank d on
+    the d-th quarter, half, ...), and a stream saved at dp 2 continues identically at dp 4."""
+    data = SyntheticVLMData(CONFIG, seed=3)
+    one = RowPacker(data, 160, IDS)
+    steps = [step_rows(one, 4, 0, 1) for _ in range(3)]
+    for dp in (2, 4):
+        packers = [RowPacker(data, 160, IDS) for _ in range(dp)]
+        for step in steps:
+            shares = [step_rows(p, 4, d, dp) for d, p in enumerate(packers)]
+            assert all(len(s) == 4 // dp for s in shares)
+            _same_rows([r for s in shares for r in s], step)
+    saved = RowPacker(data, 160, IDS)
+    step_rows(saved, 4, 1, 2)  # one step at dp 2, on DP rank 1
+    resumed = [RowPacker(data, 160, IDS, state=saved.state_dict()) for _ in range(4)]
+    for step in steps[1:]:
+        _same_rows([r for d, p in enumerate(resumed) for r in step_rows(p, 4, d, 4)], step)
+    with pytest.raises(ValueError, match="4 rows per step do not split over 3 DP ranks"):
+        step_rows(saved, 4, 0, 3)
 
 
 def test_user_samples_in_processor_layout_from_a_list():

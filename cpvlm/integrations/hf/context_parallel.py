@@ -23,7 +23,7 @@ from torch import nn
 from cpvlm.constants import ATTN_IMPLS, FLOWS, VISION_MODES
 from cpvlm.distributed.collectives import StepAgreement, fingerprint
 from cpvlm.distributed.shard_plan import pad_and_shard
-from cpvlm.loss import IGNORE_INDEX, token_mean_loss
+from cpvlm.loss import IGNORE_INDEX, chunked_token_mean_loss, token_mean_loss
 from cpvlm.vision import VisionDataParallel
 
 from .attention import CP_ATTENTION, CPAttentionContext
@@ -75,6 +75,9 @@ class ContextParallelVLM(nn.Module):
             (each unit encoded once, every rank gets every row) or ``"replicate"`` (every rank
             encodes every unit: the simple baseline).
         flow: ``"scalable"`` or ``"compat"`` (full ``inputs_embeds`` built, then sharded).
+        loss_chunk: compute the loss ``loss_chunk`` rows at a time from the final hidden states
+            (``cpvlm.loss.chunked_token_mean_loss``: the same loss and gradients, no
+            ``[S_loc, V]`` logits); ``None``: the whole local logits at once.
 
     ``forward(**batch)`` takes the same full batch on every CP rank and returns a
     ``ContextParallelOutput`` whose ``loss`` is this rank's share.
@@ -88,6 +91,7 @@ class ContextParallelVLM(nn.Module):
         attn: str = "ring",
         vision: str = "route",
         flow: str = "scalable",
+        loss_chunk: int | None = None,
     ):
         super().__init__()
         self.family = model_family(model)
@@ -107,7 +111,14 @@ class ContextParallelVLM(nn.Module):
             )
         self.model = model
         self.cp_group = cp_group
+        if loss_chunk is not None and (
+            isinstance(loss_chunk, bool) or not isinstance(loss_chunk, int) or loss_chunk < 1
+        ):
+            raise ValueError(
+                f"ContextParallelVLM: loss_chunk must be None or an int >= 1, got {loss_chunk!r}"
+            )
         self.attn, self.vision, self.flow = attn, vision, flow
+        self.loss_chunk = loss_chunk
         self.cp_size = dist.get_world_size(cp_group)
         self.cp_rank = dist.get_rank(cp_group)
         model.model.language_model.set_attn_implementation(CP_ATTENTION)
@@ -166,8 +177,18 @@ class ContextParallelVLM(nn.Module):
             cpvlm_cp=context,
             **lm_kwargs,
         ).last_hidden_state
-        logits = self.model.lm_head(hidden)
-        loss = token_mean_loss(logits, local["labels"], prep.num_valid)
+        head = self.model.lm_head
+        if self.loss_chunk:
+            loss = chunked_token_mean_loss(
+                hidden,
+                head.weight,
+                local["labels"],
+                prep.num_valid,
+                bias=head.bias,
+                chunk_size=self.loss_chunk,
+            )
+        else:
+            loss = token_mean_loss(head(hidden), local["labels"], prep.num_valid)
         return ContextParallelOutput(
             loss=loss,
             num_valid=prep.num_valid,
