@@ -1,4 +1,4 @@
-"""The ``cpvlm`` command: ``cpvlm train`` and ``cpvlm verify``.
+"""The ``cpvlm`` command: ``cpvlm train``, ``cpvlm verify`` and ``cpvlm export``.
 
 A subcommand is a module with ``main(argv) -> exit code`` that parses its own flags; it is
 imported only when it runs, so ``cpvlm train --help`` and flag errors do not wait for torch.
@@ -19,6 +19,10 @@ SUBCOMMANDS = {
     "verify": (
         "cpvlm.verify",
         "check the CP loss and gradients of a model against the one-process run",
+    ),
+    "export": (
+        "cpvlm.export",
+        "write a trained run's checkpoint as a Hugging Face model directory",
     ),
 }
 

@@ -59,6 +59,7 @@ def cp_attention(
     """
     if cp_rank is None:
         cp_rank = dist.get_rank(group)
+    q, k, v = _autocast_inputs(q, k, v)
     try:
         facts, error = _check(q, k, v, plan, cp_rank, group, impl, causal, scale), None
     except ValueError as err:
@@ -70,7 +71,17 @@ def cp_attention(
     # others; grad mode is the same everywhere, so it decides.
     q, k, v = (ensure_requires_grad_for_cp_collective(t) for t in (q, k, v))
     schedule = attention_schedule(plan, bool(causal))
-    return IMPLS[impl](q, k, v, schedule=schedule, cp_rank=cp_rank, group=group, scale=scale)
+    with torch.autocast(q.device.type, enabled=False):  # inputs cast already, as SDPA does
+        return IMPLS[impl](q, k, v, schedule=schedule, cp_rank=cp_rank, group=group, scale=scale)
+
+
+def _autocast_inputs(q, k, v):
+    """Under ``torch.autocast``, q, k, v in its dtype, as ``scaled_dot_product_attention``
+    takes them (a model's q and k may leave their norms in float32, v its projection in bf16)."""
+    if not isinstance(q, torch.Tensor) or not torch.is_autocast_enabled(q.device.type):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(q.device.type)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
 
 
 def _check(q, k, v, plan, cp_rank, group, impl, causal, scale) -> dict:
