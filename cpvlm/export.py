@@ -92,12 +92,14 @@ def export(run: str | Path, out: str | Path, *, step: int | None = None, overwri
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from cpvlm.cli import HelpFormatter
+
     parser = argparse.ArgumentParser(
         prog="cpvlm export",
         description="Write a cpvlm train checkpoint as a Hugging Face model directory "
         "(save_pretrained: safetensors, config, and the processor files of the trained model "
         "directory), loadable with AutoModelForImageTextToText.from_pretrained.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--run", required=True, help="the run's directory (cpvlm train --out)")
     parser.add_argument(

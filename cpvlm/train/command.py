@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 
+from cpvlm.cli import HelpFormatter
 from cpvlm.train.config import (
     ATTN_IMPLS,
     DATA_PARALLEL,
@@ -202,16 +203,6 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
             device=a.device,
         ),
     )
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The description as written, and every flag's default in its help (a flag whose default
-    is derived says so in its help instead)."""
-
-    def _get_help_string(self, action):
-        if action.default is None or action.default is False:
-            return action.help
-        return super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,6 +9,9 @@ the run's tokens over its time.
 import json
 import math
 
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
 from cpvlm.train.command import main as train_main
 
 
@@ -38,9 +41,11 @@ def test_a_diverging_learning_rate_stops_at_the_step_it_breaks(tmp_path, capsys)
 
 def test_a_nan_pixel_is_skipped_with_skip_nonfinite(tmp_path):
     """Sample 2 (the row of step 3) has a NaN pixel; with --skip-nonfinite 1 step 3 is skipped
-    and training goes on with finite losses."""
+    and training goes on with finite losses. The run is mixed precision (--dtype bfloat16): its
+    checkpoint holds float32 parameters and AdamW state."""
     out = tmp_path / "run"
     flags = ["--cp", "2", "--steps", "5", "--data", "_train_sources:nan_pixels"]
+    flags += ["--dtype", "bfloat16"]
     assert _run(out, *flags, "--skip-nonfinite", "1") == 0
     records = _metrics(out)
     assert [r["skipped_nonfinite"] for r in records] == [False, False, True, False, False]
@@ -48,6 +53,11 @@ def test_a_nan_pixel_is_skipped_with_skip_nonfinite(tmp_path):
     assert all(math.isfinite(r["loss"]) for i, r in enumerate(records) if i != 2)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps_skipped_nonfinite"] == 1
+    dcp_to_torch_save(out / "checkpoints" / "step_00000005", tmp_path / "saved.pt")
+    saved = torch.load(tmp_path / "saved.pt", weights_only=False)
+    assert {t.dtype for t in saved["model"].values()} == {torch.float32}
+    moments = [s["exp_avg_sq"] for s in saved["optim"]["state"].values()]
+    assert moments and {t.dtype for t in moments} == {torch.float32}
 
 
 def test_text_only_summary_shows_no_nan_and_tokens_over_time(tmp_path, capsys):
