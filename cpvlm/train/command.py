@@ -36,8 +36,17 @@ The default is a tiny Qwen3-VL on synthetic image/video/text data, CP=4, about a
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    m, par, d, o, r = ModelConfig(), ParallelConfig(), DataConfig(), OptimConfig(), RunConfig()
-    g = p.add_argument_group("model")
+    """Every flag, in one argument group per config section."""
+    _model_flags(p.add_argument_group("model"), ModelConfig())
+    _parallel_flags(p.add_argument_group("parallelism"), ParallelConfig())
+    _data_flags(p.add_argument_group("data"), DataConfig())
+    _optim_flags(
+        p.add_argument_group("optimizer (AdamW, linear warmup then constant)"), OptimConfig()
+    )
+    _run_flags(p.add_argument_group("run"), RunConfig())
+
+
+def _model_flags(g, m: ModelConfig) -> None:
     g.add_argument(
         "--model",
         default=m.name,
@@ -72,7 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=m.loss_chunk,
         help="rows of logits at a time in the loss (recomputed in the backward); 0: all at once",
     )
-    g = p.add_argument_group("parallelism")
+
+
+def _parallel_flags(g, par: ParallelConfig) -> None:
     g.add_argument("--cp", type=int, default=par.cp, help="context-parallel ranks per sequence")
     g.add_argument(
         "--dp",
@@ -99,7 +110,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=DATA_PARALLEL,
         help="gradient sync over dp x cp (all sum)",
     )
-    g = p.add_argument_group("data")
+
+
+def _data_flags(g, d: DataConfig) -> None:
     g.add_argument(
         "--data",
         default=d.source,
@@ -119,7 +132,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="microbatches per step (default: 1; on --resume with another dp: what keeps the "
         "run's rows per step)",
     )
-    g = p.add_argument_group("optimizer (AdamW, linear warmup then constant)")
+
+
+def _optim_flags(g, o: OptimConfig) -> None:
     g.add_argument("--lr", type=float, default=o.lr, help="peak learning rate")
     g.add_argument("--weight-decay", type=float, default=o.weight_decay, help="AdamW weight decay")
     g.add_argument("--warmup-steps", type=int, default=o.warmup_steps, help="linear warmup to --lr")
@@ -129,7 +144,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=o.max_grad_norm,
         help="clip the global gradient norm (0: off)",
     )
-    g = p.add_argument_group("run")
+
+
+def _run_flags(g, r: RunConfig) -> None:
     g.add_argument(
         "--steps", type=int, default=r.steps, help="optimizer steps (in total, when resuming)"
     )
