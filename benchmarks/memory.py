@@ -49,6 +49,7 @@ the full sequence split over another dimension (the all-gather attention's K/V o
 from __future__ import annotations
 
 import argparse
+import json
 import resource
 import sys
 import time
@@ -73,7 +74,7 @@ from cpvlm.integrations.hf import (  # noqa: E402
     synthetic_batch,
     tiny_qwen3_vl_config,
 )
-from cpvlm.testing import run_distributed, shutdown_pools  # noqa: E402
+from cpvlm.testing import DistributedTestError, run_distributed, shutdown_pools  # noqa: E402
 
 MiB = 2**20
 TEXT = {
@@ -380,39 +381,54 @@ def _mib(n: float) -> float:
     return n / MiB
 
 
+def _run_with_retries(cp, attn, vocab, chunk, tries=3):
+    """run_distributed, starting the pool again when its workers were too slow to start (each
+    imports transformers; on a busy machine four of them can take longer than the pool waits)."""
+    for attempt in range(tries):
+        try:
+            return run_distributed(_worker, cp, "scalable", attn, vocab, chunk, timeout=1800)
+        except DistributedTestError as err:
+            if "could not start" not in str(err) or attempt + 1 == tries:
+                raise
+            print(f"cp={cp}: workers slow to start, trying again", flush=True)
+
+
+def _vocab_row(cp: int, name: str, ranks: list[dict]) -> dict:
+    worst = max(ranks, key=lambda r: r["peak_act"])
+    return {
+        "cp": cp,
+        "loss": name,
+        "S_loc": ranks[0]["local_len"],
+        "saved_MiB": _mib(max(sum(r["saved"].values()) for r in ranks)),
+        "peak_MiB": _mib(worst["peak_act"]),
+        "loss_at_peak_MiB": _mib(worst["at_peak"].get("loss", 0)),
+        "rss_MiB": _mib(max(r["rss"] for r in ranks)),
+        "peak_at": "/".join(sorted({r["peak_phase"] for r in ranks})),
+        "grad_MiB": _mib(ranks[0]["grad_bytes"]),
+        "seconds": max(r["seconds"] for r in ranks),
+    }
+
+
 def vocab_table(args) -> None:
-    """Whole local logits vs the chunked loss at a 152k vocabulary, cp 1/2/4 (scalable flow)."""
+    """Whole local logits vs the chunked loss at a 152k vocabulary, cp 1/2/4 (scalable flow).
+
+    Each row is printed as it is measured; rows of other cp sizes already in memory_vocab.json
+    (from a run with other --cp) are kept, so that a long table can be measured in parts.
+    """
     batch, doc_lens = packed_batch(model_config(VOCAB), VOCAB_DOCS)
     seq_len = batch["input_ids"].shape[1]
     n_visual = int((batch["mm_token_type_ids"] != 0).sum())
     print(f"vocab {VOCAB}, S={seq_len} tokens, {n_visual} visual tokens", flush=True)
-    loss_modes = {"whole": None, "chunked": LOSS_CHUNK}
-    results = {}
+    path = Path(__file__).resolve().parent / "results" / "memory_vocab.json"
+    old = json.loads(path.read_text())["rows"] if path.exists() else []
+    rows = [r for r in old if r["cp"] not in args.cp]
     for cp in args.cp:
-        for name, chunk in loss_modes.items():
-            t0 = time.perf_counter()
-            results[cp, name] = run_distributed(
-                _worker, cp, "scalable", args.attn, VOCAB, chunk, timeout=1800
-            )
+        for name, chunk in {"whole": None, "chunked": LOSS_CHUNK}.items():
+            ranks = _run_with_retries(cp, args.attn, VOCAB, chunk)
             shutdown_pools()
-            print(f"cp={cp} loss {name}: {time.perf_counter() - t0:.0f}s", flush=True)
-    rows = []
-    for (cp, name), ranks in results.items():
-        worst = max(ranks, key=lambda r: r["peak_act"])
-        rows.append(
-            {
-                "cp": cp,
-                "loss": name,
-                "S_loc": ranks[0]["local_len"],
-                "saved_MiB": _mib(max(sum(r["saved"].values()) for r in ranks)),
-                "peak_MiB": _mib(worst["peak_act"]),
-                "loss_at_peak_MiB": _mib(worst["at_peak"].get("loss", 0)),
-                "rss_MiB": _mib(max(r["rss"] for r in ranks)),
-                "peak_at": "/".join(sorted({r["peak_phase"] for r in ranks})),
-                "grad_MiB": _mib(ranks[0]["grad_bytes"]),
-                "seconds": max(r["seconds"] for r in ranks),
-            }
-        )
+            rows.append(_vocab_row(cp, name, ranks))
+            print({k: rows[-1][k] for k in ("cp", "loss", "peak_MiB", "saved_MiB")}, flush=True)
+    rows.sort(key=lambda r: (r["cp"], r["loss"] != "whole"))
     for row in rows:
         whole = next(r for r in rows if r["cp"] == row["cp"] and r["loss"] == "whole")
         for key in ("saved", "peak", "rss"):

@@ -374,7 +374,7 @@ def resolve_batch(config: TrainConfig, saved: TrainConfig | None) -> TrainConfig
                 "parallel.dp",
                 "--dp",
                 dp,
-                f"the run trains {rows} rows per step (its global batch), which {dp} DP ranks of "
+                f"the run trains {rows} row(s) per step (its global batch), which {dp} DP ranks of "
                 f"--batch-size {data.batch_size} cannot split evenly; resume with a dp that "
                 f"divides {rows // data.batch_size}",
             )
@@ -384,7 +384,7 @@ def resolve_batch(config: TrainConfig, saved: TrainConfig | None) -> TrainConfig
             "data.grad_accum",
             "--grad-accum",
             data.grad_accum,
-            f"the run trains {rows} rows per step; --dp {dp} x --batch-size {data.batch_size} x "
+            f"the run trains {rows} row(s) per step; --dp {dp} x --batch-size {data.batch_size} x "
             f"--grad-accum {data.grad_accum} = {data.rows_per_rank() * dp}; leave --grad-accum "
             "out to keep the run's global batch",
         )

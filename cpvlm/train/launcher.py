@@ -102,7 +102,10 @@ def _check_new_run(config: TrainConfig) -> None:
     if _lead():
         for name in present:
             target = out / name
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
+            if target.is_dir():
+                shutil.rmtree(target)
+            else:
+                target.unlink()
 
 
 def _resume_point(config: TrainConfig) -> tuple[TrainConfig, str, list[str]]:
@@ -298,8 +301,12 @@ class _PassOnSignals:
     def _handle(self, signum, frame):
         self.count += 1
         for proc in self.processes:
-            if proc.is_alive():
-                (proc.kill() if self.count > 1 else os.kill(proc.pid, signum))
+            if not proc.is_alive():
+                continue
+            if self.count == 1:
+                os.kill(proc.pid, signum)  # finish the step, checkpoint, stop
+            else:
+                proc.kill()
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():

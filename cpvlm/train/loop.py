@@ -197,7 +197,8 @@ def _restore(run: _Run, path: Path) -> dict:
 
 
 def _forward_backward(run: _Run, rows) -> tuple[torch.Tensor, int, int, int]:
-    """Every row of the step through the CP model; ``(loss sum, valid labels, units, tokens)``."""
+    """Every row of the step through the CP model: ``(loss sum, valid labels, units encoded,
+    visual tokens held)`` on this rank."""
     shifted = [shift_labels(r.labels.view(1, -1), doc_lens=r.doc_lens) for r in rows]
     num_valid = count_valid_labels(shifted, run.groups.dp_group)
     loss_sum = torch.zeros((), dtype=torch.float64)

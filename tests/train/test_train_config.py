@@ -112,7 +112,7 @@ def test_output_directory_rules(tmp_path, capsys):
         capsys, ["--out", str(out), "--resume", "--steps", "4"]
     )
     # Another dp keeps the global batch (1 row per step): 2 DP ranks cannot split one row.
-    assert "the run trains 1 rows per step" in _error(
+    assert "the run trains 1 row(s) per step" in _error(
         capsys, ["--out", str(out), "--resume", "--steps", "9", "--dp", "2", "--cp", "2"]
     )
 
