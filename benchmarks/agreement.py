@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForImageTextToText
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -35,11 +34,14 @@ from _common import print_table, write_json  # noqa: E402
 from memory import VOCAB_DOCS, model_config, packed_batch  # noqa: E402
 
 from cpvlm.distributed.collectives import agree  # noqa: E402
-from cpvlm.integrations.hf import ContextParallelVLM  # noqa: E402
 from cpvlm.testing import run_distributed, shutdown_pools  # noqa: E402
 
 
 def _worker(rank, world_size, calls, steps):
+    from transformers import AutoModelForImageTextToText  # here: the workers start faster
+
+    from cpvlm.integrations.hf import ContextParallelVLM
+
     torch.manual_seed(0)
     facts = {
         "plan": (world_size, (4096,)),

@@ -59,7 +59,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForImageTextToText
 
 from cpvlm.distributed.compat import TorchDispatchMode
 
@@ -68,12 +67,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import print_table, write_json  # noqa: E402
 
 from cpvlm import ShardPlan  # noqa: E402
-from cpvlm.integrations.hf import (  # noqa: E402
-    ContextParallelVLM,
-    SampleSpec,
-    synthetic_batch,
-    tiny_qwen3_vl_config,
-)
 from cpvlm.testing import DistributedTestError, run_distributed, shutdown_pools  # noqa: E402
 
 MiB = 2**20
@@ -128,13 +121,21 @@ VOCAB_DOCS = [  # 4096 tokens, 1152 of them visual
 LOSS_CHUNK = 1024
 
 
+# transformers is imported where it is used: the spawned workers import this script first, and
+# on a busy machine four of them importing transformers can outlast the worker pool's start-up.
+
+
 def model_config(vocab: int | None = None):
+    from cpvlm.integrations.hf import tiny_qwen3_vl_config
+
     text = dict(TEXT) if vocab is None else {**TEXT, "vocab_size": vocab}
     return tiny_qwen3_vl_config(text_config=text, vision_config=dict(VISION))
 
 
 def packed_batch(config, docs=DOCS) -> tuple[dict[str, torch.Tensor], list[int]]:
     """The documents ``docs`` packed into one row, as a packing collator would lay them out."""
+    from cpvlm.integrations.hf import SampleSpec, synthetic_batch
+
     parts = [
         synthetic_batch(config, [SampleSpec(*doc)], seed=100 + i) for i, doc in enumerate(docs)
     ]
@@ -332,6 +333,10 @@ def _rss_now() -> int:
 
 
 def _worker(rank, world_size, flow, attn, vocab=None, loss_chunk=None):
+    from transformers import AutoModelForImageTextToText
+
+    from cpvlm.integrations.hf import ContextParallelVLM
+
     torch.manual_seed(0)
     config = model_config(vocab)
     model = AutoModelForImageTextToText.from_config(config).train()
