@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cpvlm.data import ErrorLog, RankLoader
 from cpvlm.integrations.hf import ContextParallelVLM, build_model
 from cpvlm.loss import count_valid_labels, shift_labels
 from cpvlm.parallelize import MeshGroups, build_mesh, mesh_groups, parallelize, sync_gradients
@@ -44,7 +45,7 @@ from cpvlm.train.checkpoint import (
     step_dir,
 )
 from cpvlm.train.config import TrainConfig
-from cpvlm.train.data import RowPacker, TokenIds, load_source, step_rows
+from cpvlm.train.loader import agree_on_decode_failures, build_loader, report_planning_errors
 from cpvlm.train.metrics import MetricsLog, Progress, StepMemory, summarize
 
 VISION_TRAINABLE_PREFIXES = ("merger", "deepstack_merger_list")
@@ -53,7 +54,15 @@ VISION_TRAINABLE_PREFIXES = ("merger", "deepstack_merger_list")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 """How SLURM, Kubernetes and a terminal stop a job: finish the step, checkpoint, exit 128+sig."""
 
-_STATS = ("loss", "tokens", "rows", "rows_text_only", "ranks_no_image", "ranks_no_visual_tokens")
+_STATS = (
+    "loss",
+    "tokens",
+    "rows",
+    "rows_text_only",
+    "ranks_no_image",
+    "ranks_no_visual_tokens",
+    "rows_replaced",
+)
 
 
 class RunStopped(Exception):
@@ -110,7 +119,8 @@ class _Run:
     runner: nn.Module
     params: list[nn.Parameter]
     optimizer: torch.optim.Optimizer
-    packer: RowPacker | None
+    errors: ErrorLog
+    loader: RankLoader | None = None
     start_step: int = 0
     records: list[dict] = field(default_factory=list)
     skipped: int = 0
@@ -167,13 +177,16 @@ def _setup(config: TrainConfig, device: torch.device, resume_from: str | None) -
     optimizer = torch.optim.AdamW(
         params, lr=config.optim.lr, weight_decay=config.optim.weight_decay
     )
-    source = load_source(config.data.source, model.config, config.run.seed)
-    ids = TokenIds.from_config(model.config)
-    run = _Run(config, device, groups, cp_model, runner, params, optimizer, None)
+    if config.parallel.vision == "replicate":  # every rank encodes every unit
+        config = config.replace(data={"decode": "all"})
+    errors = ErrorLog(config.run.out if dist.get_rank() == 0 else None, strict=config.data.strict)
+    run = _Run(config, device, groups, cp_model, runner, params, optimizer, errors)
     data_state = None
     if resume_from is not None:
         data_state = _restore(run, Path(resume_from))
-    run.packer = RowPacker(source, config.data.seq_len, ids, state=data_state)
+    run.loader = build_loader(
+        config, model.config, groups, assign=cp_model.vision_assignment, state=data_state
+    )
     return run
 
 
@@ -214,7 +227,7 @@ def _forward_backward(run: _Run, rows) -> tuple[torch.Tensor, int, int, int]:
     return loss_sum, num_valid, units, visual_tokens
 
 
-def _step_stats(run: _Run, rows, loss_sum, units, visual_tokens) -> dict:
+def _step_stats(run: _Run, rows, loss_sum, units, visual_tokens, replaced) -> dict:
     """One all-reduce of the step's statistics; row facts counted once per DP replica."""
     lead = run.groups.cp_rank == 0
     with_vision = any(r.has_vision for r in rows)
@@ -226,6 +239,7 @@ def _step_stats(run: _Run, rows, loss_sum, units, visual_tokens) -> dict:
             sum(not r.has_vision for r in rows) if lead else 0,
             with_vision and units == 0,
             with_vision and visual_tokens == 0,
+            replaced if lead else 0,
         ],
         dtype=torch.float64,
         device=run.device,
@@ -258,10 +272,15 @@ def _train_step(run: _Run, step: int, memory: StepMemory, stops: _StopRequests) 
     config = run.config
     mem_start = memory.start()
     t0 = time.perf_counter()
-    rows = step_rows(run.packer, config.rows_per_step, run.groups.dp_rank, config.parallel.dp)
+    rows = run.loader.next_step()
+    bad = report_planning_errors(rows, run.errors, step + 1)
+    rows, replaced = agree_on_decode_failures(
+        rows, run.groups, config.parallel.dp, run.device, run.errors, step + 1
+    )
+    data_s = time.perf_counter() - t0  # waiting for rows: what the loader did not hide
     loss_sum, num_valid, units, visual_tokens = _forward_backward(run, rows)
     grad_norm = global_grad_norm(run.params)
-    stats = _step_stats(run, rows, loss_sum, units, visual_tokens)
+    stats = _step_stats(run, rows, loss_sum, units, visual_tokens, replaced)
     problem = _nonfinite(stats["loss"], float(grad_norm))
     skipped = problem is not None
     if skipped:
@@ -283,6 +302,7 @@ def _train_step(run: _Run, step: int, memory: StepMemory, stops: _StopRequests) 
         "loss": stats["loss"],
         "tokens_per_s": stats["tokens"] / seconds,
         "step_time_s": seconds,
+        "data_time_s": data_s,
         "grad_norm": float(grad_norm),
         "lr": lr,
         "tokens": int(stats["tokens"]),
@@ -292,6 +312,9 @@ def _train_step(run: _Run, step: int, memory: StepMemory, stops: _StopRequests) 
         "ranks": config.parallel.world_size,
         "ranks_no_image": int(stats["ranks_no_image"]),
         "ranks_no_visual_tokens": int(stats["ranks_no_visual_tokens"]),
+        "bad_samples": bad,
+        "rows_replaced": int(stats["rows_replaced"]),
+        "truncated": sum(r.truncated for r in rows),
         "mem_start_mib": mem_start,
         "mem_peak_mib": mem_peak,
         "skipped_nonfinite": skipped,
@@ -319,7 +342,7 @@ def _save(run: _Run, step: int) -> None:
     meta = {
         "config": run.config.to_dict(),
         "world_size": run.config.parallel.world_size,
-        "data": run.packer.state_dict(),
+        "data": run.loader.state_dict(),
     }
     run.last_checkpoint = save_checkpoint(
         run.config.run.out,
@@ -360,11 +383,12 @@ def train_rank(
                 if signum and not last:
                     raise RunStopped(_stop_message(step + 1, config, signum), 128 + signum)
         finally:
+            run.loader.close()
             if progress is not None:
                 progress.close()
     if not run.lead:
         return None
-    return summarize(config, run.records, run.start_step, log)
+    return summarize(config, run.records, run.start_step, log, run.errors)
 
 
 def _stop_message(step: int, config: TrainConfig, signum: int) -> str:

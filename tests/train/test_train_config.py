@@ -54,7 +54,7 @@ def _error(capsys, argv) -> str:
         (["--model", "/no/such/dir"], "neither a tiny model"),
         (["--data", "no_such_module:samples"], "cannot import 'no_such_module'"),
         (["--data", "json:no_such_function"], "json has no function 'no_such_function'"),
-        (["--data", "data.jsonl"], "use 'synthetic' or 'package.module:function'"),
+        (["--data", "data.jsonl"], "data.jsonl' (--data): no such file or folder"),
         (["--resume"], "--resume continues the run in --out DIR"),
     ],
 )
@@ -91,7 +91,7 @@ def _fake_checkpoint(out, step, config):
     path.mkdir(parents=True)
     (path / "__0_0.distcp").write_bytes(b"0123456789")
     (path / "manifest.json").write_text(json.dumps({"files": {"__0_0.distcp": 10}}))
-    meta = {"step": step, "config": config.to_dict(), "data": {"next_index": 0, "offset": 0}}
+    meta = {"step": step, "config": config.to_dict(), "data": {"window": 0, "row": 0}}
     (path / "meta.json").write_text(json.dumps(meta))
     return path
 

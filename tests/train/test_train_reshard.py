@@ -3,11 +3,14 @@ and at dp 1 x cp 2 with the losses of uninterrupted runs at those topologies; it
 exported with ``cpvlm export`` loads with ``AutoModelForImageTextToText.from_pretrained`` and
 holds exactly the trained weights.
 
-Every topology trains on the same global batch (2 packed rows per step: dp 2 x 1 row, or dp 1 x
-grad-accum 2) in the same global order, so the runs differ only in how the same sums are split
-over ranks. float64, 1e-10 relative: observed ~1e-15 per step (round-off of reordered sums,
-carried through AdamW over four steps). The model is a local checkpoint directory with a
-processor's files beside the weights, which the export must carry along.
+The data is real: a tiny checkpoint directory with its processor (tokenizer, chat template,
+image and video processor), PNG images, frame folders and a JSONL of conversations, so the
+checkpoint carries the position of the global row stream that the real-data loader reads (each
+rank decoding only its own units' pixels). Every topology trains on the same global batch (2
+packed rows per step: dp 2 x 1 row, or dp 1 x grad-accum 2) in the same global order, so the
+runs differ only in how the same sums are split over ranks. float64, 1e-10 relative: observed
+~1e-15 per step (round-off of reordered sums, carried through AdamW over four steps). The export
+must carry the processor files along.
 """
 
 import json
@@ -20,24 +23,25 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from cpvlm.export import main as export_main
 from cpvlm.train.command import main as train_main
 
+from cpvlm.testing.tiny_processor import example_records, make_tiny_checkpoint, write_jsonl
+
 TOL = 1e-10
-PROCESSOR_FILES = {"tokenizer_config.json": "{}", "chat_template.jinja": "{{ messages }}"}
+PROCESSOR_FILES = ("chat_template.jinja", "processor_config.json", "tokenizer_config.json")
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from cpvlm.integrations.hf import build_model
-
-    path = tmp_path_factory.mktemp("model") / "tiny-qwen3-vl"
-    build_model("qwen3-vl-tiny").save_pretrained(path)
-    for name, text in PROCESSOR_FILES.items():
-        (path / name).write_text(text)
-    return path
+    root = tmp_path_factory.mktemp("reshard")
+    ckpt = make_tiny_checkpoint(root / "ckpt", "qwen3_vl")
+    jsonl = write_jsonl(root / "data" / "train.jsonl", example_records(root / "data", 16, seed=3))
+    return ckpt, jsonl
 
 
 def _train(out, model_dir, *flags):
-    argv = ["--out", str(out), "--model", str(model_dir), "--dtype", "float64"]
-    argv += ["--seq-len", "160", "--ckpt-every", "2", *flags]
+    ckpt, jsonl = model_dir
+    argv = ["--out", str(out), "--model", str(ckpt), "--data", str(jsonl), "--dtype", "float64"]
+    argv += ["--seq-len", "160", "--pack-window", "8", "--num-workers", "0", "--ckpt-every", "2"]
+    argv += list(flags)
     assert train_main(argv) == 0
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -63,6 +67,7 @@ def test_resume_on_another_topology_then_export(tmp_path, model_dir, capsys):
             tmp_path / f"to_cp{cp}", model_dir, "--cp", str(cp), "--steps", "4", "--resume"
         )
         _close(resumed[2:], uninterrupted[2:])
+        assert all(r["rows"] > r["rows_text_only"] for r in resumed[2:])  # images in each step
         out = capsys.readouterr().out
         assert (
             f"cpvlm train: resharded: dp 2 x cp 2 -> dp 1 x cp {cp}; grad-accum 1 -> 2 keeps "
@@ -71,9 +76,10 @@ def test_resume_on_another_topology_then_export(tmp_path, model_dir, capsys):
 
     run, hf = tmp_path / "to_cp4", tmp_path / "hf"
     assert export_main(["--run", str(run), "--out", str(hf)]) == 0
-    assert "copied chat_template.jinja, tokenizer_config.json" in capsys.readouterr().out
-    for name, text in PROCESSOR_FILES.items():
-        assert (hf / name).read_text() == text
+    copied = capsys.readouterr().out
+    for name in PROCESSOR_FILES:
+        assert name in copied, copied
+        assert (hf / name).read_bytes() == (model_dir[0] / name).read_bytes()
     from transformers import AutoModelForImageTextToText
 
     exported = AutoModelForImageTextToText.from_pretrained(hf).state_dict()
