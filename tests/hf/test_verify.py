@@ -59,7 +59,7 @@ class _LocalSliceGather(torch.autograd.Function):
 
 
 class _BuggyVisionGatherVLM(ContextParallelVLM):
-    def _vision_rows(self, prep):
+    def _vision_rows(self, prep, step=None):
         visual = self.model.model.visual
         tower = _Tower(visual, deepstack=self.family == "qwen3_vl")
         units = vision_units(prep.grid_thw, visual.spatial_merge_size)
