@@ -183,3 +183,58 @@ def test_an_error_recorded_before_the_first_collective_is_raised_everywhere():
     results = run_distributed(_step_agreement_carries_a_local_error, 2)
     assert [r[0] for r in results] == ["rank 1 of 2: the tower returned 3 rows, expected 4"] * 2
     assert [r[1] for r in results] == [False, False]
+
+
+def _divergent_batches(rank, world_size):
+    """ContextParallelVLM under FSDP2 (tower and decoder layers as units, sharded over the CP
+    ranks), one case per vision mode: the last rank alone is handed a batch with one pixel row
+    too few (it finds it before the tower runs, while the others enter the tower's parameter
+    all-gather); in replicate mode also a tower that returns one row too few on that rank."""
+    from cpvlm.integrations.hf import ContextParallelVLM, SampleSpec, build_model, synthetic_batch
+    from cpvlm.parallelize import build_mesh, mesh_groups, parallelize
+
+    bad = world_size - 1
+    mesh = build_mesh(dp_shard=1, cp=world_size)
+    groups = mesh_groups(mesh)
+    out = {}
+    for case in ("route", "allgather", "replicate", "replicate: the tower returns a row too few"):
+        vision = case.split(":")[0]
+        model = build_model("qwen3-vl-tiny", dtype=torch.float64)
+        cp_model = ContextParallelVLM(model, groups.cp_group, vision=vision)
+        units = [*model.model.language_model.layers, model.model.visual]
+        runner = parallelize(cp_model, mesh, groups=groups, fsdp_units=units)
+        spec = SampleSpec(images=((4, 4), (2, 4)), text_len=30)
+        batch = synthetic_batch(model.config, [spec], dtype=torch.float64)
+        if ":" in case:
+            if rank == bad:
+                model.model.visual.register_forward_hook(_drop_a_row)
+        elif rank == bad:
+            batch["pixel_values"] = batch["pixel_values"][:-1]
+        start = time.monotonic()
+        try:
+            runner(**batch).loss.backward()
+            out[case] = (None, time.monotonic() - start)
+        except ValueError as err:
+            out[case] = (str(err), time.monotonic() - start)
+    return out
+
+
+def _drop_a_row(module, args, output):
+    output.pooler_output = output.pooler_output[:-1]
+    return output
+
+
+def test_a_batch_invalid_on_one_cp_rank_raises_everywhere_under_fsdp():
+    world = 2
+    per_rank = run_distributed(_divergent_batches, world, timeout=180)
+    for case in per_rank[0]:
+        messages = [r[case][0] for r in per_rank]
+        assert messages[0] is not None, f"{case}: no error"
+        assert all(m == messages[0] for m in messages), (case, messages)
+        if "tower" in case:
+            want = f"rank {world - 1} of {world}: ContextParallelVLM: the vision tower returned"
+        else:
+            want = f"rank {world - 1} of {world}: image pixel values have shape"
+        assert messages[0].startswith(want), (case, messages[0])
+        slowest = max(r[case][1] for r in per_rank)
+        assert slowest < LIMIT_S, (case, slowest)

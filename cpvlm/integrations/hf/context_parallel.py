@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cpvlm.constants import ATTN_IMPLS, FLOWS, VISION_MODES
-from cpvlm.distributed.collectives import StepAgreement, fingerprint
+from cpvlm.distributed.collectives import StepAgreement, agree, fingerprint
 from cpvlm.distributed.shard_plan import pad_and_shard
 from cpvlm.loss import IGNORE_INDEX, chunked_token_mean_loss, token_mean_loss
 from cpvlm.vision import VisionDataParallel, VisionUnits, assign_vision_units
@@ -146,14 +146,18 @@ class ContextParallelVLM(nn.Module):
                 "ContextParallelVLM: vision='replicate' encodes every unit on every rank and "
                 "needs every pixel row; pass the full pixel values (local_pixels=False)"
             )
-        prep = prepare_batch(
-            self.model,
-            {"input_ids": input_ids, "labels": labels, **batch},
-            self.cp_size,
-            doc_lens=doc_lens,
-            num_valid=num_valid,
-            local_pixels=local_pixels,
-        )
+        try:
+            prep = prepare_batch(
+                self.model,
+                {"input_ids": input_ids, "labels": labels, **batch},
+                self.cp_size,
+                doc_lens=doc_lens,
+                num_valid=num_valid,
+                local_pixels=local_pixels,
+            )
+        except ValueError as err:
+            self._join_failed_step(str(err))
+            raise
         local = pad_and_shard(
             {
                 "input_ids": prep.input_ids,
@@ -209,6 +213,29 @@ class ContextParallelVLM(nn.Module):
             encoded_units=encoded,
         )
 
+    def _join_failed_step(self, error: str) -> None:
+        """Raise ``error`` on every CP rank, from a rank whose batch alone was invalid.
+
+        CP ranks handed different batches find the problem on some ranks only, and the others go
+        on into the tower (under FSDP2: its parameter all-gather) and the step's agreement. This
+        rank follows them as far as that agreement with a text-only stand-in batch, whose path
+        makes the same collectives in the same order: the tower once, on a dummy frame, then the
+        agreement, which carries the error to every rank.
+        """
+        step = StepAgreement()
+        step.fail(error)
+        config, n = self.model.config, 2 * self.cp_size
+        text = next(t for t in range(3) if t not in (config.image_token_id, config.video_token_id))
+        stand_in = prepare_batch(
+            self.model,
+            {
+                "input_ids": torch.full((1, n), text, dtype=torch.long),
+                "labels": torch.full((1, n), IGNORE_INDEX, dtype=torch.long),
+            },
+            self.cp_size,
+        )
+        self._vision_rows(stand_in, step)
+
     def vision_assignment(self, units: VisionUnits) -> list[list[int]]:
         """The units each CP rank encodes: ``VisionDataParallel``'s assignment, balanced by the
         tower's modelled cost (a loader that decodes only this rank's units must use this one)."""
@@ -250,6 +277,17 @@ class ContextParallelVLM(nn.Module):
         if self.vision == "replicate" and len(prep.grid_thw):
             out = tower(pixel_values, prep.grid_thw)
             encoded = int(prep.grid_thw[:, 0].sum())
+            # The step's agreement right after the tower, as in the other modes (their rows'
+            # collective): a rank whose tower output or batch is wrong raises everywhere.
+            main = out[0] if isinstance(out, tuple) else out
+            need = int(prep.visual_mask.sum())
+            wrong = (
+                f"ContextParallelVLM: the vision tower returned {main.shape[0]} rows, the grids "
+                f"need {need}"
+                if main.shape[0] != need
+                else None
+            )
+            agree("ContextParallelVLM vision", self.cp_group, {}, error=wrong, step=step)
         else:
             # With no units at all, "replicate" runs the same dummy frame as the other modes.
             mode = "allgather" if self.vision == "replicate" else self.vision
