@@ -60,7 +60,7 @@ def _lead() -> bool:
 
 def model_config(name: str):
     """The HF config of ``--model`` (a tiny name or a local checkpoint directory with weights)."""
-    from cpvlm.integrations.hf.models import TINY_MODELS, model_family
+    from cpvlm.integrations.hf import TINY_MODELS, adapter_for
 
     if name in TINY_MODELS:
         return TINY_MODELS[name]()
@@ -78,7 +78,7 @@ def model_config(name: str):
     except (OSError, ValueError, KeyError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"{where}: its config.json cannot be read: {first}") from None
-    model_family(config)
+    adapter_for(config)
     if not any((path / f).is_file() for f in WEIGHT_FILES) and not any(
         path.glob("model-*.safetensors")
     ):

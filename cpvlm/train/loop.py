@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cpvlm.data import ErrorLog, RankLoader
-from cpvlm.integrations.hf import ContextParallelVLM, build_model
+from cpvlm.integrations.hf import ContextParallelVLM, adapter_for, build_model
 from cpvlm.loss import count_valid_labels, shift_labels
 from cpvlm.parallelize import MeshGroups, build_mesh, mesh_groups, parallelize, sync_gradients
 from cpvlm.train.checkpoint import (
@@ -47,9 +47,6 @@ from cpvlm.train.checkpoint import (
 from cpvlm.train.config import TrainConfig
 from cpvlm.train.loader import agree_on_decode_failures, build_loader, report_planning_errors
 from cpvlm.train.metrics import MetricsLog, Progress, StepMemory, summarize
-
-VISION_TRAINABLE_PREFIXES = ("merger", "deepstack_merger_list")
-"""Parts of the vision tower that ``--freeze-vision`` leaves trainable: the projectors."""
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 """How SLURM, Kubernetes and a terminal stop a job: finish the step, checkpoint, exit 128+sig."""
@@ -74,9 +71,9 @@ class RunStopped(Exception):
 
 
 def freeze_vision_encoder(model: nn.Module) -> None:
-    for name, p in model.model.visual.named_parameters():
-        if not name.startswith(VISION_TRAINABLE_PREFIXES):
-            p.requires_grad_(False)
+    """``--freeze-vision``: the tower is frozen except its projector (the family's adapter says
+    which modules those are: Qwen's mergers, GLM's downsample and merger)."""
+    adapter_for(model).freeze_vision_encoder(model)
 
 
 def global_grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
@@ -153,10 +150,11 @@ def _setup_model(config: TrainConfig, device: torch.device, groups, mesh):
         flow=p.flow,
         loss_chunk=m.loss_chunk or None,
     )
-    # FSDP2 units: each decoder layer and the vision tower (the root keeps embeddings, head, norm).
-    # The tower is a safe unit because ContextParallelVLM calls it exactly once per forward on
-    # every rank, at the same point, with a dummy frame where there is nothing to encode.
-    units = [*model.model.language_model.layers, model.model.visual]
+    # FSDP2 units from the adapter: each decoder layer and the vision tower (the root keeps
+    # embeddings, head, norm). The tower is a safe unit because ContextParallelVLM calls it exactly
+    # once per forward on every rank, at the same point, with a dummy frame where there is nothing
+    # to encode.
+    units = adapter_for(model).fsdp_units(model)
     runner = parallelize(
         cp_model,
         mesh,
@@ -217,7 +215,12 @@ def _forward_backward(run: _Run, rows) -> tuple[torch.Tensor, int, int, int]:
     loss_sum = torch.zeros((), dtype=torch.float64)
     units = visual_tokens = 0
     for row in rows:
-        out = run.runner(**row.batch(run.device), doc_lens=row.doc_lens, num_valid=num_valid)
+        out = run.runner(
+            **row.batch(run.device),
+            doc_lens=row.doc_lens,
+            num_valid=num_valid,
+            num_batches=len(rows) * run.config.parallel.dp,  # per-row losses (MoE router) average
+        )
         out.loss.backward()
         loss_sum += out.loss.detach().double().cpu()
         units += out.encoded_units

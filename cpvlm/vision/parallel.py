@@ -136,6 +136,7 @@ class VisionDataParallel(nn.Module):
         row_positions: torch.Tensor | None = None,
         local_pixels: bool = False,
         step: StepAgreement | None = None,
+        with_unit_count: bool = False,
     ):
         """Encode this rank's units and return what the unwrapped tower would.
 
@@ -148,6 +149,7 @@ class VisionDataParallel(nn.Module):
         output row g in the padded batch, ``b * plan.padded_len + p`` (see ``cpvlm.vision.route``);
         the result holds this rank's visual rows sorted by local index in its ``[B, S_loc]`` shard.
         ``step``: the CP step this belongs to (see ``cpvlm.distributed.collectives.StepAgreement``).
+        ``with_unit_count``: return ``(result, units this rank encoded)``.
 
         A problem found on one rank only (its tower returned the wrong number of rows) is raised
         on every rank, through the agreement that precedes the rows' collective.
@@ -174,7 +176,8 @@ class VisionDataParallel(nn.Module):
             gathered_rows = torch.cat([units.row_index(a) for a in assignment])
             back = torch.argsort(gathered_rows).to(gathered[0].device)
             moved = [t.index_select(0, back) for t in gathered]
-        return _join_output(moved, has_deepstack)
+        out = _join_output(moved, has_deepstack)
+        return (out, len(assignment[dist.get_rank(self.group)])) if with_unit_count else out
 
     def _encode_local(self, pixel_values, grid_thw, plan, row_positions, local_pixels):
         """``(units, assignment, route plan or None, this rank's rows, has_deepstack)``."""
