@@ -33,7 +33,7 @@ from cpvlm.train.config import TrainConfig, resolve_batch, resolve_world
 GRACE_S = 1.0
 _PRELOAD = ["cpvlm.train.loop"]  # imported once by the fork server, not once per rank
 _STATUS = "status.json"
-RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoints")
+RUN_FILES = ("metrics.jsonl", "summary.json", "data_errors.jsonl", "checkpoints")
 """What makes a directory a run's (``--overwrite`` removes exactly these)."""
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 

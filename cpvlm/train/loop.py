@@ -116,7 +116,7 @@ class _Run:
     runner: nn.Module
     params: list[nn.Parameter]
     optimizer: torch.optim.Optimizer
-    errors: ErrorLog
+    errors: ErrorLog | None
     loader: RankLoader | None = None
     start_step: int = 0
     records: list[dict] = field(default_factory=list)
@@ -177,11 +177,12 @@ def _setup(config: TrainConfig, device: torch.device, resume_from: str | None) -
     )
     if config.parallel.vision == "replicate":  # every rank encodes every unit
         config = config.replace(data={"decode": "all"})
-    errors = ErrorLog(config.run.out if dist.get_rank() == 0 else None, strict=config.data.strict)
-    run = _Run(config, device, groups, cp_model, runner, params, optimizer, errors)
+    run = _Run(config, device, groups, cp_model, runner, params, optimizer, None)
     data_state = None
     if resume_from is not None:
         data_state = _restore(run, Path(resume_from))
+    out = config.run.out if dist.get_rank() == 0 else None
+    run.errors = ErrorLog(out, strict=config.data.strict, start_step=run.start_step)
     run.loader = build_loader(
         config, model.config, groups, assign=cp_model.vision_assignment, state=data_state
     )
