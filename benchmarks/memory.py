@@ -1,6 +1,14 @@
 """Per-rank memory of one ContextParallelVLM forward+backward on a long packed row, CP 1, 2, 4.
 
-    python benchmarks/memory.py        # S = 16472; 3 CPU-minutes, 3-5 minutes on 2 busy cores
+    python benchmarks/memory.py                 # S = 16472; 3 CPU-minutes, 3-5 minutes on 2 cores
+    python benchmarks/memory.py --table vocab   # vocabulary 152064, S = 4096, loss chunked or not
+
+--table vocab: the same model with a real vocabulary (152064, Qwen's) on a text-heavy row of
+4096 tokens (4 documents, 1152 visual tokens), each CP size twice: the loss from the whole local
+logits (``loss_chunk=None``: ``lm_head`` makes [S_loc, V] logits, the loss copies their valid
+rows and takes a log-softmax of them) and chunked (``loss_chunk=1024``: at most 1024 rows of
+logits exist at once, recomputed in the backward). Same measurements; "chunk/whole" is the
+chunked over the whole-logits figure at one cp. Writes memory_vocab.json.
 
 Model: Qwen3-VL (deepstack on), random weights, float32; text hidden 256, MLP 768, 4 layers, 8/2
 query/key heads of 32, vocab 4096; vision hidden 128, MLP 512, depth 2, patch 8, merge 2.
@@ -41,6 +49,7 @@ the full sequence split over another dimension (the all-gather attention's K/V o
 from __future__ import annotations
 
 import argparse
+import json
 import resource
 import sys
 import time
@@ -50,7 +59,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForImageTextToText
 
 from cpvlm.distributed.compat import TorchDispatchMode
 
@@ -59,13 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import print_table, write_json  # noqa: E402
 
 from cpvlm import ShardPlan  # noqa: E402
-from cpvlm.integrations.hf import (  # noqa: E402
-    ContextParallelVLM,
-    SampleSpec,
-    synthetic_batch,
-    tiny_qwen3_vl_config,
-)
-from cpvlm.testing import run_distributed, shutdown_pools  # noqa: E402
+from cpvlm.testing import DistributedTestError, run_distributed, shutdown_pools  # noqa: E402
 
 MiB = 2**20
 TEXT = {
@@ -109,22 +111,41 @@ DOCS = [
     (((64, 32),), (), 900),
 ]
 FLOWS = {"scalable": ("route", "scalable"), "compat": ("allgather", "compat")}
+VOCAB = 152064  # Qwen2.5-VL / Qwen3-VL
+VOCAB_DOCS = [  # 4096 tokens, 1152 of them visual
+    (((32, 32),), (), 700),
+    (((48, 48),), (), 900),
+    (((16, 16), (32, 32)), (), 1000),
+    ((), (), 336),
+]
+LOSS_CHUNK = 1024
 
 
-def model_config():
-    return tiny_qwen3_vl_config(text_config=dict(TEXT), vision_config=dict(VISION))
+# transformers is imported where it is used: the spawned workers import this script first, and
+# on a busy machine four of them importing transformers can outlast the worker pool's start-up.
 
 
-def packed_batch(config) -> tuple[dict[str, torch.Tensor], list[int]]:
-    """The documents of DOCS packed into one row, as a packing collator would lay them out."""
+def model_config(vocab: int | None = None):
+    from cpvlm.integrations.hf import tiny_qwen3_vl_config
+
+    text = dict(TEXT) if vocab is None else {**TEXT, "vocab_size": vocab}
+    return tiny_qwen3_vl_config(text_config=text, vision_config=dict(VISION))
+
+
+def packed_batch(config, docs=DOCS) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """The documents ``docs`` packed into one row, as a packing collator would lay them out."""
+    from cpvlm.integrations.hf import SampleSpec, synthetic_batch
+
     parts = [
-        synthetic_batch(config, [SampleSpec(*doc)], seed=100 + i) for i, doc in enumerate(DOCS)
+        synthetic_batch(config, [SampleSpec(*doc)], seed=100 + i) for i, doc in enumerate(docs)
     ]
     batch = {}
     for key in ("input_ids", "labels", "mm_token_type_ids"):
         batch[key] = torch.cat([p[key] for p in parts], dim=1)
     for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
-        batch[key] = torch.cat([p[key] for p in parts if key in p])
+        present = [p[key] for p in parts if key in p]
+        if present:
+            batch[key] = torch.cat(present)
     return batch, [p["input_ids"].shape[1] for p in parts]
 
 
@@ -286,7 +307,8 @@ def _label(model, tracker: StepMemory) -> None:
     modules.update({"norm": inner.language_model.norm, "lm_head": model.lm_head})
 
     def hooks(name):
-        after = "loss" if name == "lm_head" else "glue"
+        # After the final norm comes the head and the loss (the chunked loss calls no lm_head).
+        after = "loss" if name in ("lm_head", "norm") else "glue"
 
         def enter(module, args):
             tracker.where = name
@@ -310,13 +332,19 @@ def _rss_now() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status (this script reads Linux process memory)")
 
 
-def _worker(rank, world_size, flow, attn):
+def _worker(rank, world_size, flow, attn, vocab=None, loss_chunk=None):
+    from transformers import AutoModelForImageTextToText
+
+    from cpvlm.integrations.hf import ContextParallelVLM
+
     torch.manual_seed(0)
-    config = model_config()
+    config = model_config(vocab)
     model = AutoModelForImageTextToText.from_config(config).train()
-    batch, doc_lens = packed_batch(config)
+    batch, doc_lens = packed_batch(config, DOCS if vocab is None else VOCAB_DOCS)
     vision, flow_name = FLOWS[flow]
-    cp_model = ContextParallelVLM(model, dist.group.WORLD, attn=attn, vision=vision, flow=flow_name)
+    cp_model = ContextParallelVLM(
+        model, dist.group.WORLD, attn=attn, vision=vision, flow=flow_name, loss_chunk=loss_chunk
+    )
     plan = ShardPlan(batch["input_ids"].shape[1], world_size, doc_lens=doc_lens)
     # At CP=1 the local length is the full length: nothing to flag.
     tracker = StepMemory(model, {plan.seq_len, plan.padded_len} if world_size > 1 else set())
@@ -358,11 +386,92 @@ def _mib(n: float) -> float:
     return n / MiB
 
 
+def _run_with_retries(cp, attn, vocab, chunk, tries=3):
+    """run_distributed, starting the pool again when its workers were too slow to start (each
+    imports transformers; on a busy machine four of them can take longer than the pool waits)."""
+    for attempt in range(tries):
+        try:
+            return run_distributed(_worker, cp, "scalable", attn, vocab, chunk, timeout=1800)
+        except DistributedTestError as err:
+            if "could not start" not in str(err) or attempt + 1 == tries:
+                raise
+            print(f"cp={cp}: workers slow to start, trying again", flush=True)
+
+
+def _vocab_row(cp: int, name: str, ranks: list[dict]) -> dict:
+    worst = max(ranks, key=lambda r: r["peak_act"])
+    return {
+        "cp": cp,
+        "loss": name,
+        "S_loc": ranks[0]["local_len"],
+        "saved_MiB": _mib(max(sum(r["saved"].values()) for r in ranks)),
+        "peak_MiB": _mib(worst["peak_act"]),
+        "loss_at_peak_MiB": _mib(worst["at_peak"].get("loss", 0)),
+        "rss_MiB": _mib(max(r["rss"] for r in ranks)),
+        "peak_at": "/".join(sorted({r["peak_phase"] for r in ranks})),
+        "grad_MiB": _mib(ranks[0]["grad_bytes"]),
+        "seconds": max(r["seconds"] for r in ranks),
+    }
+
+
+def vocab_table(args) -> None:
+    """Whole local logits vs the chunked loss at a 152k vocabulary, cp 1/2/4 (scalable flow).
+
+    Each row is printed as it is measured; rows of other cp sizes already in memory_vocab.json
+    (from a run with other --cp) are kept, so that a long table can be measured in parts.
+    """
+    batch, doc_lens = packed_batch(model_config(VOCAB), VOCAB_DOCS)
+    seq_len = batch["input_ids"].shape[1]
+    n_visual = int((batch["mm_token_type_ids"] != 0).sum())
+    print(f"vocab {VOCAB}, S={seq_len} tokens, {n_visual} visual tokens", flush=True)
+    path = Path(__file__).resolve().parent / "results" / "memory_vocab.json"
+    old = json.loads(path.read_text())["rows"] if path.exists() else []
+    rows = [r for r in old if r["cp"] not in args.cp]
+    for cp in args.cp:
+        for name, chunk in {"whole": None, "chunked": LOSS_CHUNK}.items():
+            ranks = _run_with_retries(cp, args.attn, VOCAB, chunk)
+            shutdown_pools()
+            rows.append(_vocab_row(cp, name, ranks))
+            print({k: rows[-1][k] for k in ("cp", "loss", "peak_MiB", "saved_MiB")}, flush=True)
+    rows.sort(key=lambda r: (r["cp"], r["loss"] != "whole"))
+    for row in rows:
+        whole = next(r for r in rows if r["cp"] == row["cp"] and r["loss"] == "whole")
+        for key in ("saved", "peak", "rss"):
+            row[f"{key} chunk/whole"] = row[f"{key}_MiB"] / whole[f"{key}_MiB"]
+    print()
+    print_table(
+        rows,
+        ["cp", "loss", "S_loc", "saved_MiB", "peak_MiB", "loss_at_peak_MiB", "rss_MiB",
+         "peak_at", "peak chunk/whole", "rss chunk/whole", "seconds"],
+        title=f"per-rank memory, vocab {VOCAB}, S={seq_len}, float32, loss chunk {LOSS_CHUNK} "
+        "rows (max over ranks)",
+    )  # fmt: skip
+    write_json(
+        "memory_vocab",
+        {
+            "config": {
+                "text": {**TEXT, "vocab_size": VOCAB},
+                "vision": VISION,
+                "seq_len": seq_len,
+                "visual_tokens": n_visual,
+                "loss_chunk": LOSS_CHUNK,
+                "attn": args.attn,
+                "statistic": "max over ranks of one forward+backward in fresh processes",
+            },
+            "rows": rows,
+        },
+    )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--attn", default="ring", choices=["ring", "allgather"])
+    parser.add_argument("--table", default="sequence", choices=["sequence", "vocab"])
     args = parser.parse_args()
+    if args.table == "vocab":
+        vocab_table(args)
+        return
     batch, doc_lens = packed_batch(model_config())
     seq_len = batch["input_ids"].shape[1]
     n_visual = int((batch["mm_token_type_ids"] != 0).sum())

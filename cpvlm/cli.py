@@ -1,4 +1,4 @@
-"""The ``cpvlm`` command: ``cpvlm train`` and ``cpvlm verify``.
+"""The ``cpvlm`` command: ``cpvlm train``, ``cpvlm verify`` and ``cpvlm export``.
 
 A subcommand is a module with ``main(argv) -> exit code`` that parses its own flags; it is
 imported only when it runs, so ``cpvlm train --help`` and flag errors do not wait for torch.
@@ -20,7 +20,21 @@ SUBCOMMANDS = {
         "cpvlm.verify",
         "check the CP loss and gradients of a model against the one-process run",
     ),
+    "export": (
+        "cpvlm.export",
+        "write a trained run's checkpoint as a Hugging Face model directory",
+    ),
 }
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The subcommands' help: the description as written, and every flag's default (a flag
+    whose default is derived says so in its own help instead)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -17,6 +17,13 @@ how many labels happen to sit on its rank, and is 0/0 on a rank that holds none.
 
 A rank whose share has no valid label still returns a tensor connected to its logits (value 0,
 gradient 0): the backward of the model's collectives (attention, vision routing) must run there too.
+
+At a real vocabulary the logits dominate memory (S_loc x V: 4 GiB per rank at 4k local tokens and
+V = 152k in float32, and as much again for their gradient). ``chunked_token_mean_loss`` takes the
+hidden states and the output projection instead and never holds more than one chunk of rows'
+logits: the forward keeps only each row's log-sum-exp, the backward recomputes a chunk's logits,
+turns them into the gradient (softmax - one-hot) and folds it into the hidden states' and the
+weight's gradients before the next chunk. The same loss and gradients as the unchunked loss.
 """
 
 from __future__ import annotations
@@ -28,6 +35,36 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from cpvlm.constants import IGNORE_INDEX
+
+
+def _check_logits_and_labels(op: str, logits_loc, labels_loc, num_valid, ignore_index):
+    """Validate the common arguments; returns ``(num_valid as int, valid-label mask)``."""
+    if not isinstance(logits_loc, torch.Tensor) or not logits_loc.is_floating_point():
+        raise ValueError(f"{op}: logits_loc must be a floating-point tensor")
+    return _check_labels(op, tuple(logits_loc.shape), labels_loc, num_valid, ignore_index)
+
+
+def _check_labels(op: str, logits_shape: tuple, labels_loc, num_valid, ignore_index):
+    _check_int_labels(f"{op}: labels_loc", labels_loc)
+    if len(logits_shape) < 1 or logits_shape[:-1] != tuple(labels_loc.shape):
+        raise ValueError(
+            f"{op}: logits of shape {logits_shape} need labels of shape {logits_shape[:-1]} "
+            f"(every dim but the vocabulary), got {tuple(labels_loc.shape)}"
+        )
+    if isinstance(num_valid, torch.Tensor):
+        num_valid = int(num_valid.item())
+    if isinstance(num_valid, bool) or not isinstance(num_valid, int) or num_valid < 0:
+        raise ValueError(
+            f"{op}: num_valid must be an int >= 0 (from count_valid_labels), got {num_valid!r}"
+        )
+    valid = labels_loc != ignore_index
+    if num_valid == 0 and bool(valid.any()):
+        raise ValueError(
+            f"{op}: num_valid is 0 but this rank holds {int(valid.sum())} valid labels; "
+            "count_valid_labels must see the labels of every microbatch of the step, summed over "
+            "the DP group"
+        )
+    return num_valid, valid
 
 
 def _check_int_labels(name: str, labels: object) -> torch.Tensor:
@@ -158,32 +195,112 @@ def token_mean_loss(
     Returns:
         A 0-d tensor in the compute dtype.
     """
-    _check_int_labels("token_mean_loss: labels_loc", labels_loc)
-    if not isinstance(logits_loc, torch.Tensor) or not logits_loc.is_floating_point():
-        raise ValueError("token_mean_loss: logits_loc must be a floating-point tensor")
-    if logits_loc.dim() < 1 or logits_loc.shape[:-1] != labels_loc.shape:
-        raise ValueError(
-            f"token_mean_loss: logits of shape {tuple(logits_loc.shape)} need labels of shape "
-            f"{tuple(logits_loc.shape[:-1])} (every dim but the vocabulary), got "
-            f"{tuple(labels_loc.shape)}"
-        )
-    if isinstance(num_valid, torch.Tensor):
-        num_valid = int(num_valid.item())
-    if isinstance(num_valid, bool) or not isinstance(num_valid, int) or num_valid < 0:
-        raise ValueError(
-            f"token_mean_loss: num_valid must be an int >= 0 (from count_valid_labels), got "
-            f"{num_valid!r}"
-        )
-    valid = labels_loc != ignore_index
-    if num_valid == 0 and bool(valid.any()):
-        raise ValueError(
-            f"token_mean_loss: num_valid is 0 but this rank holds {int(valid.sum())} valid labels; "
-            "count_valid_labels must see the labels of every microbatch of the step, summed over "
-            "the DP group"
-        )
+    num_valid, valid = _check_logits_and_labels(
+        "token_mean_loss", logits_loc, labels_loc, num_valid, ignore_index
+    )
     dtype = torch.promote_types(logits_loc.dtype, torch.float32)
     # Only the valid rows reach the softmax: ignored rows (padding, image tokens) cost no copy,
     # and a non-finite logit there cannot turn into a NaN gradient. With no valid row this is a
     # sum over nothing: 0, still connected to logits_loc.
     ce_sum = F.cross_entropy(logits_loc[valid].to(dtype), labels_loc[valid].long(), reduction="sum")
+    return ce_sum / max(num_valid, 1)
+
+
+# ---- chunked: the logits of one chunk of rows at a time -----------------------------------------
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Sum of CE over the rows of ``h_ND`` (all valid), ``chunk`` rows of logits at a time.
+
+    The logits of a chunk are computed as ``F.linear`` computes them in the caller's context (in
+    autocast: in its dtype) and the softmax in float32 at least; the backward recomputes them in
+    the same context and runs its matmuls in the logits' dtype, as autograd would.
+    """
+
+    @staticmethod
+    def forward(ctx, h_ND, weight_VD, bias_V, labels_N, chunk):
+        acc = torch.promote_types(h_ND.dtype, torch.float32)
+        device = h_ND.device.type
+        ctx.autocast = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
+        lse_N = h_ND.new_empty(h_ND.shape[0], dtype=acc)
+        total = torch.zeros((), dtype=acc, device=h_ND.device)
+        for start in range(0, h_ND.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            logits_CV = F.linear(h_ND[rows], weight_VD, bias_V).to(acc)
+            lse_N[rows] = torch.logsumexp(logits_CV, dim=-1)
+            picked = logits_CV.gather(1, labels_N[rows, None]).squeeze(1)
+            total += (lse_N[rows] - picked).sum()
+        ctx.save_for_backward(h_ND, weight_VD, bias_V, labels_N, lse_N)
+        ctx.chunk = chunk
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        h_ND, weight_VD, bias_V, labels_N, lse_N = ctx.saved_tensors
+        acc = lse_N.dtype
+        grad_h = torch.empty_like(h_ND) if ctx.needs_input_grad[0] else None
+        # Weight and bias gradients add up over chunks in the accumulation dtype, rounded once.
+        grad_w = torch.zeros_like(weight_VD, dtype=acc) if ctx.needs_input_grad[1] else None
+        need_b = bias_V is not None and ctx.needs_input_grad[2]
+        grad_b = torch.zeros_like(bias_V, dtype=acc) if need_b else None
+        enabled, autocast_dtype = ctx.autocast
+        for start in range(0, h_ND.shape[0], ctx.chunk):
+            rows = slice(start, start + ctx.chunk)
+            h_CD = h_ND[rows]
+            with torch.autocast(h_ND.device.type, dtype=autocast_dtype, enabled=enabled):
+                logits_CV = F.linear(h_CD, weight_VD, bias_V)
+            compute = logits_CV.dtype
+            # d CE / d logits = softmax - one-hot, times the upstream gradient.
+            d_CV = torch.exp(logits_CV.to(acc) - lse_N[rows, None])
+            d_CV.scatter_add_(1, labels_N[rows, None], d_CV.new_full((h_CD.shape[0], 1), -1.0))
+            d_CV = (d_CV * grad_total).to(compute)
+            if grad_h is not None:
+                grad_h[rows] = d_CV @ weight_VD.to(compute)
+            if grad_w is not None:
+                grad_w += (d_CV.t() @ h_CD.to(compute)).to(acc)
+            if grad_b is not None:
+                grad_b += d_CV.sum(0).to(acc)
+        grad_w = None if grad_w is None else grad_w.to(weight_VD.dtype)
+        grad_b = None if grad_b is None else grad_b.to(bias_V.dtype)
+        return grad_h, grad_w, grad_b, None, None
+
+
+def chunked_token_mean_loss(
+    hidden_loc: torch.Tensor,
+    weight: torch.Tensor,
+    labels_loc: torch.Tensor,
+    num_valid: int,
+    *,
+    bias: torch.Tensor | None = None,
+    chunk_size: int = 1024,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """``token_mean_loss(hidden_loc @ weight.T + bias, labels_loc, num_valid)`` without the logits.
+
+    Only the valid rows are projected, ``chunk_size`` at a time; no ``[rows, V]`` tensor outlives
+    its chunk, in the forward or the backward (which recomputes the chunk's logits). The loss and
+    the gradients of ``hidden_loc``, ``weight`` and ``bias`` are those of the unchunked loss (the
+    same terms; only the order of the sums over rows differs). Logits are computed in the hidden
+    states' dtype and the softmax in float32 at least, as ``token_mean_loss`` does.
+
+    Args:
+        hidden_loc: ``[..., D]`` final hidden states of this rank's positions.
+        weight: ``[V, D]`` output projection (``lm_head.weight``); ``bias``: ``[V]`` or None.
+        labels_loc, num_valid, ignore_index: as for ``token_mean_loss``.
+        chunk_size: rows per chunk: the peak holds about 3 x chunk_size x V floats.
+    """
+    op = "chunked_token_mean_loss"
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"{op}: chunk_size must be an int >= 1, got {chunk_size!r}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"{op}: weight must be a [V, D] tensor")
+    if not isinstance(hidden_loc, torch.Tensor) or hidden_loc.shape[-1:] != weight.shape[1:]:
+        raise ValueError(
+            f"{op}: hidden states of shape {tuple(getattr(hidden_loc, 'shape', ()))} do not fit "
+            f"a weight of shape {tuple(weight.shape)} (the last dims must agree)"
+        )
+    logits_shape = (*hidden_loc.shape[:-1], weight.shape[0])
+    num_valid, valid = _check_labels(op, logits_shape, labels_loc, num_valid, ignore_index)
+    h_ND = hidden_loc[valid]
+    ce_sum = _ChunkedCrossEntropy.apply(h_ND, weight, bias, labels_loc[valid].long(), chunk_size)
     return ce_sum / max(num_valid, 1)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -25,8 +26,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from cpvlm.constants import ATTN_IMPLS
+from cpvlm.constants import ATTN_IMPLS, FLOWS, VISION_MODES
 
+CHECKED_IMPLS = tuple(a for a in ATTN_IMPLS if a != "auto")  # auto picks one of these
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 TOLERANCES = {
     # Round-off only: the CP run sums the same terms in another order.
@@ -235,6 +237,15 @@ def run_verify(
     present = {group_of(n, groups) for n in refs["mixed"][1]}
     labels = ["loss"] + [g for g, _ in groups if g in present]
 
+    skipped = [
+        f"flow={f} vision={v}" for f in flows for v in visions if f == "compat" and v == "route"
+    ]
+    if len(skipped) == len(flows) * len(visions):
+        raise ValueError("run_verify: flow='compat' needs vision='allgather' or 'replicate'")
+    for combination in skipped:
+        print(
+            f"skipped {combination}: the compat flow needs every visual row on every rank", file=out
+        )
     rows, failures = [], []
     for cp in cps:
         cases = [
@@ -312,12 +323,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a tiny model (<family>-tiny: qwen2-vl, qwen2.5-vl, qwen3-vl, qwen3-vl-moe, glm4v, "
         "glm46v, glm4v-moe) or a local checkpoint directory",
     )
-    parser.add_argument("--cp", type=_csv(int), default=[2, 4], help="CP sizes, e.g. 2,4")
     parser.add_argument(
-        "--attn",
-        type=_csv(str, [a for a in ATTN_IMPLS if a != "auto"]),
-        default=[a for a in ATTN_IMPLS if a != "auto"],
-        help="CP attention implementations to check (default: all)",
+        "--cp", type=_csv(int), default="2,4", help="CP sizes to check, comma-separated"
     )
     parser.add_argument(
         "--ulysses-size",
@@ -327,22 +334,74 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: the smallest divisor above 1 of each)",
     )
     parser.add_argument(
-        "--vision", type=_csv(str, ("route", "allgather", "replicate")), default=["route"]
+        "--attn",
+        type=_csv(str, CHECKED_IMPLS),
+        default=",".join(CHECKED_IMPLS),
+        help=f"CP attentions to check, comma-separated ({', '.join(CHECKED_IMPLS)}; default: all)",
     )
-    parser.add_argument("--flow", type=_csv(str, ("scalable", "compat")), default=["scalable"])
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float64")
-    parser.add_argument("--tol", type=float, default=None, help="override the dtype's tolerance")
+    parser.add_argument(
+        "--vision",
+        type=_csv(str, VISION_MODES),
+        default="route",
+        help=f"vision modes to check, comma-separated ({', '.join(VISION_MODES)})",
+    )
+    parser.add_argument(
+        "--flow",
+        type=_csv(str, FLOWS),
+        default="scalable",
+        help="flows to check, comma-separated (scalable; compat: the full input embeddings built "
+        "then sharded, with --vision allgather or replicate)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="float64",
+        help="model and compute dtype; tolerance float64 1e-10, float32 1e-5, bfloat16 5e-2",
+    )
+    parser.add_argument(
+        "--tol",
+        type=float,
+        default=None,
+        help="relative error allowed, a finite number > 0 (default: the dtype's)",
+    )
+
+
+def _check_args(args) -> str | None:
+    """The first problem with the flags, or None."""
+    if any(c < 1 for c in args.cp):
+        return f"--cp sizes must be >= 1, got {args.cp}"
+    u = args.ulysses_size
+    if u is not None and (u < 1 or any(c % u for c in args.cp)):
+        return f"--ulysses-size {u} must divide every --cp size, got {args.cp}"
+    if args.tol is not None and not (math.isfinite(args.tol) and args.tol > 0):
+        return f"--tol must be a finite number > 0, got {args.tol}"
+    if all(f == "compat" and v == "route" for f in args.flow for v in args.vision):
+        return (
+            "--flow compat builds the full input embeddings, which needs every visual row on "
+            "every rank: check it with --vision allgather or --vision replicate"
+        )
+    try:
+        from cpvlm.train.launcher import model_config
+
+        model_config(args.model)
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="cpvlm verify", description=__doc__.split("\n\n")[0])
+    from cpvlm.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(
+        prog="cpvlm verify",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=HelpFormatter,
+    )
     add_arguments(parser)
     args = parser.parse_args(argv)
-    if any(c < 1 for c in args.cp):
-        parser.error(f"--cp sizes must be >= 1, got {args.cp}")
-    u = args.ulysses_size
-    if u is not None and (u < 1 or any(c % u for c in args.cp)):
-        parser.error(f"--ulysses-size {u} must divide every --cp size, got {args.cp}")
+    problem = _check_args(args)
+    if problem is not None:
+        parser.error(problem)
     torch.set_num_threads(1)
     ok = run_verify(
         args.model,
@@ -352,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.flow,
         args.dtype,
         args.tol,
-        ulysses_size=u,
+        ulysses_size=args.ulysses_size,
     )
     return 0 if ok else 1
 

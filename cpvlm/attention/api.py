@@ -20,7 +20,11 @@ from cpvlm.attention.ring import ring_attention
 from cpvlm.attention.schedule import attention_schedule
 from cpvlm.attention.ulysses import ulysses_attention
 from cpvlm.constants import ATTN_IMPLS
-from cpvlm.distributed.collectives import ensure_requires_grad_for_cp_collective
+from cpvlm.distributed.collectives import (
+    StepAgreement,
+    agree,
+    ensure_requires_grad_for_cp_collective,
+)
 from cpvlm.distributed.shard_plan import ShardPlan
 
 _BY_SCHEDULE = {"ring": ring_attention, "allgather": allgather_attention}
@@ -38,6 +42,7 @@ def cp_attention(
     causal: bool = True,
     scale: float | None = None,
     ulysses_size: int | None = None,
+    step: StepAgreement | None = None,
 ) -> torch.Tensor:
     """Exact attention of this rank's shard of queries over the whole (sharded) sequence.
 
@@ -58,14 +63,23 @@ def cp_attention(
         causal: causal mask within each document, else bidirectional within each document.
         scale: score scale, default ``D ** -0.5``.
         ulysses_size: ``"hybrid"`` only: ranks per Ulysses group, a divisor of the group size.
+        step: the CP step of a model forward (see ``StepAgreement``): once its first collective
+            agreed on the plan, the decoder layers' calls skip their own agreement.
 
     Every rank of the group must call this with the same plan, impl, causal, shapes and dtype,
-    forward and backward: the collectives are matched rank to rank.
+    forward and backward: the collectives are matched rank to rank. The ranks check that first
+    (one small all-reduce), so a rank with other inputs makes every rank raise the same error.
     """
     if cp_rank is None:
         cp_rank = dist.get_rank(group)
-    _check(q, k, v, plan, cp_rank, group, impl, causal, scale)
-    check_ulysses_size(impl, ulysses_size, plan.cp_size)
+    q, k, v = _autocast_inputs(q, k, v)
+    try:
+        facts, error = _check(q, k, v, plan, cp_rank, group, impl, causal, scale), None
+        check_ulysses_size(impl, ulysses_size, plan.cp_size)
+        facts["ulysses_size"] = ulysses_size
+    except ValueError as err:
+        facts, error = {}, str(err)
+    agree("cp_attention", group, facts, error=error, step=step, follows_from_step=True)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     impl, ulysses_size = resolve_impl(impl, plan, causal, q, k, ulysses_size)
@@ -73,7 +87,8 @@ def cp_attention(
     # the others; grad mode is the same everywhere, so it decides.
     q, k, v = (ensure_requires_grad_for_cp_collective(t) for t in (q, k, v))
     kw = dict(cp_rank=cp_rank, group=group, scale=scale)
-    with record_function("cpvlm.attention"):
+    # Inputs are cast already (``_autocast_inputs``), as SDPA takes them.
+    with record_function("cpvlm.attention"), torch.autocast(q.device.type, enabled=False):
         if impl in _BY_SCHEDULE:
             return _BY_SCHEDULE[impl](q, k, v, schedule=attention_schedule(plan, causal), **kw)
         if impl == "ulysses":
@@ -125,7 +140,17 @@ def check_ulysses_size(impl: str, ulysses_size, cp_size: int, where: str = "cp_a
         )
 
 
-def _check(q, k, v, plan, cp_rank, group, impl, causal, scale) -> None:
+def _autocast_inputs(q, k, v):
+    """Under ``torch.autocast``, q, k, v in its dtype, as ``scaled_dot_product_attention``
+    takes them (a model's q and k may leave their norms in float32, v its projection in bf16)."""
+    if not isinstance(q, torch.Tensor) or not torch.is_autocast_enabled(q.device.type):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(q.device.type)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
+
+
+def _check(q, k, v, plan, cp_rank, group, impl, causal, scale) -> dict:
+    """Raise ValueError naming what is wrong; else the facts every rank must share."""
     if impl not in ATTN_IMPLS:
         raise ValueError(f"cp_attention: impl must be one of {list(ATTN_IMPLS)}, got {impl!r}")
     if not isinstance(plan, ShardPlan):
@@ -181,3 +206,12 @@ def _check(q, k, v, plan, cp_rank, group, impl, causal, scale) -> None:
             f"cp_attention: q has {s} and k {sk} positions but {plan!r} gives each rank "
             f"local_len={plan.local_len} (pad and shard with the plan first)"
         )
+    return {
+        "plan": (plan.cp_size, plan.doc_lens),
+        "impl": impl,
+        "causal": causal,
+        "scale": scale,
+        "q shape": tuple(q.shape),
+        "k shape": tuple(k.shape),
+        "dtype": q.dtype,
+    }

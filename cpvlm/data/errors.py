@@ -57,10 +57,20 @@ class ErrorLog:
     counts without writing (the ranks other than the one that writes).
     """
 
-    def __init__(self, out: str | Path | None, *, strict: bool = False):
+    def __init__(self, out: str | Path | None, *, strict: bool = False, start_step: int = 0):
+        """``start_step``: a resumed run's checkpoint step; the file keeps (and the counts start
+        from) the errors of the steps up to it, the later ones are found again."""
         self.path = Path(out) / ERRORS_FILE if out else None
         self.strict = strict
         self.counts: Counter[str] = Counter()
+        if self.path is not None and self.path.exists():
+            kept = []
+            if start_step:
+                lines = self.path.read_text().splitlines()
+                kept = [json.loads(line) for line in lines if line.strip()]
+                kept = [r for r in kept if r.get("step") is not None and r["step"] <= start_step]
+            self.counts.update(r["reason"] for r in kept)
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
     def add(self, err: DataError, step: int | None = None) -> None:
         if self.strict:

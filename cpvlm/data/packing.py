@@ -9,6 +9,15 @@ without communicating.
 - ``dp_split``: a step takes the next ``R * dp`` rows of the global row stream; they are dealt to
   DP ranks longest first, each to the rank with the fewest tokens that still has room for a row
   (ties: the lower rank), R rows each, every rank's rows in stream order.
+
+This is the one DP rule of ``cpvlm train``, for synthetic, function and file sources alike. It
+keeps resume exact and the step the same at any dp x cp because a step is defined by its rows,
+not by who trains them: the set of the step's rows is the next ``R * dp`` of the stream whatever
+dp is (a resumed run with another dp keeps ``R * dp`` by its grad accumulation), the loss is the
+step's global token mean and the gradients are summed over dp x cp, so which rank trains which
+row changes only the order of a sum. The stream position after the step is the data state, the
+same on every rank. A contiguous split would be as exact; the token-balanced deal also keeps the
+DP ranks' work even when rows are not full.
 """
 
 from __future__ import annotations

@@ -472,3 +472,21 @@ def _set_torch_rotate(cp, rotate: str) -> None:
     if rotate not in ("alltoall", "allgather"):
         raise ValueError(f"rotate must be 'alltoall' or 'allgather', got {rotate!r}")
     cp.set_rotate_method(rotate)
+
+
+# ---- DCP checkpoint metadata -------------------------------------------------------------------
+
+
+def dcp_file_extents(path) -> dict[str, int]:
+    """``{file name: bytes DCP wrote into it}`` of a DCP checkpoint directory, from its metadata.
+
+    ``Metadata.storage_data`` maps every saved item to a private ``_StorageInfo`` (file, offset,
+    length); read through ``getattr`` here so that a change of that class is fixed in one place.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    needed: dict[str, int] = {}
+    for info in FileSystemReader(str(path)).read_metadata().storage_data.values():
+        name = str(info.relative_path)
+        needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+    return needed

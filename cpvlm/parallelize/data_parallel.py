@@ -41,6 +41,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from cpvlm.parallelize.mesh import MeshGroups, mesh_groups, mesh_sizes
+from cpvlm.parallelize.precision import Autocast, fsdp_policy, param_dtype_of
 
 DATA_PARALLEL = ("fsdp", "hsdp", "ddp", "none")
 
@@ -125,6 +126,7 @@ def parallelize(
     fsdp_units: FsdpUnits | None = None,
     groups: MeshGroups | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
+    compute_dtype: torch.dtype | None = None,
     reshard_after_forward: bool | int | None = None,
     ddp_kwargs: dict[str, Any] | None = None,
 ) -> nn.Module:
@@ -152,14 +154,23 @@ def parallelize(
         groups: ``mesh_groups(mesh)`` if already built (it creates process groups).
         mp_policy: FSDP2 mixed precision, e.g. ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
             reduce_dtype=torch.float32)`` (compute in bf16, sum gradients in float32).
+        compute_dtype: mixed precision for every mode (see ``cpvlm.parallelize.precision``):
+            compute in this dtype, keep parameters, gradients and optimizer state in the model's.
+            FSDP2: the policy above; DDP and "none": the forward under ``torch.autocast``.
         reshard_after_forward: passed to ``fully_shard``.
         ddp_kwargs: passed to ``DistributedDataParallel``.
 
     Returns:
-        The model (FSDP2: the same object, now an ``FSDPModule``; DDP: the wrapper).
+        The model (FSDP2: the same object, now an ``FSDPModule``; DDP: the wrapper; with a
+        ``compute_dtype`` under DDP or "none": an ``Autocast`` wrapper around it).
     """
     _check_mode(data_parallel, mesh)
     units = _resolve_units(model, fsdp_units)
+    param_dtype = param_dtype_of(model)
+    if compute_dtype == param_dtype:
+        compute_dtype = None
+    if compute_dtype is not None and mp_policy is not None:
+        raise ValueError("parallelize: pass mp_policy or compute_dtype, not both")
     if groups is None:
         groups = mesh_groups(mesh)
     elif groups.mesh is not mesh:
@@ -170,6 +181,8 @@ def parallelize(
             "mesh": groups.dp_cp_mesh if data_parallel == "fsdp" else groups.hsdp_mesh,
             "reshard_after_forward": reshard_after_forward,
         }
+        if compute_dtype is not None:
+            mp_policy = fsdp_policy(compute_dtype, param_dtype)
         if mp_policy is not None:
             kwargs["mp_policy"] = mp_policy
         for unit in units:
@@ -186,10 +199,10 @@ def parallelize(
             for p in model.parameters():
                 if p.requires_grad:
                     p.register_hook(_scale_grad_hook(world))
-        return DistributedDataParallel(
+        model = DistributedDataParallel(
             model, process_group=groups.grad_sync_group, **(ddp_kwargs or {})
         )
-    return model
+    return model if compute_dtype is None else Autocast(model, compute_dtype)
 
 
 def sync_gradients(model: nn.Module, groups: MeshGroups | dist.ProcessGroup) -> None:

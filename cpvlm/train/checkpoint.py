@@ -2,18 +2,24 @@
 
 Layout under ``--out DIR``:
 
-    checkpoints/step_00000010/   a complete checkpoint: DCP files + meta.json (written last)
+    checkpoints/step_00000010/   a complete checkpoint: DCP files, manifest.json, meta.json (last)
     checkpoints/.tmp-step_...    one being written; never read
 
 Atomicity: every rank writes its DCP shards into the temporary directory; after a barrier rank 0
-writes ``meta.json`` into it and renames the directory to its final name (an atomic rename on one
-file system). Older checkpoints are deleted only after that rename, so a run killed at any moment
-leaves the last complete checkpoint intact, and a directory without ``meta.json`` never counts.
-Every rank must see the same ``--out`` (one machine, or a shared file system).
+checks what DCP says it wrote (every item of its metadata lies within a file on disk), writes
+``manifest.json`` (every file and its size) and ``meta.json``, and renames the directory to its
+final name (an atomic rename on one file system). Older checkpoints are deleted only after that
+rename, so a run killed at any moment leaves the last complete checkpoint intact. A checkpoint
+counts only if it is *intact*: its meta.json and manifest.json parse, and every file of the
+manifest is there with its size (a truncated or lost file shows). Every rank must see the same
+``--out`` (one machine, or a shared file system).
 
 Model and optimizer states come from ``get_state_dict`` (sharded DTensors under FSDP2: every rank
-writes its own shard). The data position (per DP rank) and the RNG states (per rank) are stored
-under the key ``rank<r>``, so each rank reads back exactly its own.
+writes its own shard); DCP stores each tensor whole, in the file layout of the ranks that wrote
+it, and loads it into whatever sharding the loading ranks have, so a run may resume with another
+dp and cp. The data position is the same on every rank (one global stream) and lives in
+meta.json; the RNG states are per rank (key ``rank<r>``) and are restored when the ranks are laid
+out as when they were saved.
 """
 
 from __future__ import annotations
@@ -31,8 +37,11 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from cpvlm.distributed import compat
+
 CHECKPOINTS = "checkpoints"
 META = "meta.json"
+MANIFEST = "manifest.json"
 KEEP = 2  # complete checkpoints kept; older ones are deleted after a new one is complete
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -42,7 +51,7 @@ def step_dir(out: str | Path, step: int) -> Path:
 
 
 def complete_checkpoints(out: str | Path) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every complete checkpoint under ``out``, oldest first."""
+    """``(step, path)`` of every checkpoint directory with a meta.json under ``out``, oldest first."""
     root = Path(out) / CHECKPOINTS
     if not root.is_dir():
         return []
@@ -54,9 +63,37 @@ def complete_checkpoints(out: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def latest_checkpoint(out: str | Path) -> Path | None:
-    found = complete_checkpoints(out)
-    return found[-1][1] if found else None
+def problem(path: str | Path) -> str | None:
+    """Why the checkpoint at ``path`` cannot be used, or None when it is intact."""
+    path = Path(path)
+    try:
+        meta = read_meta(path)
+        if not isinstance(meta.get("step"), int) or "config" not in meta:
+            return f"{META} lacks its step or config"
+    except (OSError, ValueError) as err:
+        return f"{META} is unreadable ({err})"
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as err:
+        return f"{MANIFEST} is missing or unreadable ({err})"
+    for name, size in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} has {file.stat().st_size} bytes, the manifest says {size} (truncated?)"
+    return None
+
+
+def newest_intact(out: str | Path) -> tuple[Path | None, list[str]]:
+    """The newest intact checkpoint (or None) and one line per newer one skipped, saying why."""
+    skipped = []
+    for _, path in reversed(complete_checkpoints(out)):
+        why = problem(path)
+        if why is None:
+            return path, skipped
+        skipped.append(f"skipping checkpoint {path.name}: {why}")
+    return None, skipped
 
 
 def read_meta(path: str | Path) -> dict:
@@ -89,6 +126,25 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _write_json(path: Path, value: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _verify_and_describe(tmp: Path) -> dict:
+    """Check the files DCP wrote against its own metadata; the manifest of the directory."""
+    files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+    for name, needed in compat.dcp_file_extents(tmp).items():
+        if files.get(name, -1) < needed:
+            raise OSError(
+                f"checkpoint {tmp.name}: {name} holds {files.get(name, 0)} bytes but DCP wrote "
+                f"{needed} into it (disk full, or another process writing to --out?)"
+            )
+    return {"files": files}
+
+
 def save_checkpoint(
     out: str | Path,
     step: int,
@@ -98,7 +154,10 @@ def save_checkpoint(
     rank_state: dict,
     meta: dict,
 ) -> Path:
-    """Save step ``step``. Collective: every rank calls it with its own ``rank_state``."""
+    """Save step ``step``. Collective: every rank calls it with its own ``rank_state``.
+
+    Raises OSError on every rank when the written files do not hold what DCP wrote.
+    """
     rank = dist.get_rank()
     final = step_dir(out, step)
     tmp = final.with_name(".tmp-" + final.name)
@@ -110,19 +169,23 @@ def save_checkpoint(
     state = {"model": model_sd, "optim": optim_sd, f"rank{rank}": rank_state}
     dcp.save(state, checkpoint_id=str(tmp))
     dist.barrier()
+    error = [None]
     if rank == 0:
-        with open(tmp / META, "w") as f:
-            json.dump({**meta, "step": step}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(final.parent)
-        for _, old in complete_checkpoints(out)[:-KEEP]:
-            shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+        try:
+            _write_json(tmp / MANIFEST, _verify_and_describe(tmp))
+            _write_json(tmp / META, {**meta, "step": step})
+            _fsync_dir(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(final.parent)
+            for _, old in complete_checkpoints(out)[:-KEEP]:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError as err:
+            error = [str(err)]
+    dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise OSError(error[0])
     return final
 
 
@@ -131,15 +194,20 @@ def load_checkpoint(
     *,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    rank_state_template: dict,
-) -> dict:
-    """Load model and optimizer in place; return this rank's ``rank_state``. Collective."""
-    rank = dist.get_rank()
+    rank_state_template: dict | None,
+) -> dict | None:
+    """Load model and optimizer in place (resharded to this run's layout). Collective.
+
+    Returns this rank's ``rank_state`` when ``rank_state_template`` is given (the ranks are laid
+    out as when the checkpoint was saved), else None.
+    """
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    key = f"rank{rank}"
-    state = {"model": model_sd, "optim": optim_sd, key: rank_state_template}
+    state = {"model": model_sd, "optim": optim_sd}
+    key = f"rank{dist.get_rank()}"
+    if rank_state_template is not None:
+        state[key] = rank_state_template
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
-    return state[key]
+    return state.get(key)

@@ -1,4 +1,8 @@
-"""``cpvlm train``: flags -> TrainConfig -> launch. Flag defaults are the dataclass defaults."""
+"""``cpvlm train``: flags -> TrainConfig -> launch. Flag defaults are the dataclass defaults.
+
+Exit codes: 0 done; 1 a rank failed or a step was not finite; 2 a bad configuration (nothing
+started); 128 + N stopped by signal N (SIGTERM: 143, SIGINT: 130) after checkpointing.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import argparse
 import os
 import sys
 
+from cpvlm.cli import HelpFormatter
 from cpvlm.train.config import (
     ATTN_IMPLS,
     DATA_PARALLEL,
@@ -34,21 +39,55 @@ The default is a tiny Qwen3-VL on synthetic image/video/text data, CP=4, about a
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    m, par, d, o, r = ModelConfig(), ParallelConfig(), DataConfig(), OptimConfig(), RunConfig()
-    g = p.add_argument_group("model")
+    """Every flag, in one argument group per config section."""
+    _model_flags(p.add_argument_group("model"), ModelConfig())
+    _parallel_flags(p.add_argument_group("parallelism"), ParallelConfig())
+    _data_flags(p.add_argument_group("data"), DataConfig())
+    _optim_flags(
+        p.add_argument_group("optimizer (AdamW, linear warmup then constant)"), OptimConfig()
+    )
+    _run_flags(p.add_argument_group("run"), RunConfig())
+
+
+def _model_flags(g, m: ModelConfig) -> None:
     g.add_argument(
         "--model",
         default=m.name,
         help="a tiny model (<family>-tiny: qwen2-vl, qwen2.5-vl, qwen3-vl, qwen3-vl-moe, glm4v, "
         "glm46v, glm4v-moe) or a local checkpoint directory",
     )
-    g.add_argument("--dtype", default=m.dtype, choices=DTYPES, help="parameter and compute dtype")
+    g.add_argument(
+        "--dtype",
+        default=m.dtype,
+        choices=DTYPES,
+        help="compute dtype; bfloat16 computes on float32 parameters and optimizer state",
+    )
+    g.add_argument(
+        "--param-dtype",
+        default=m.param_dtype,
+        choices=DTYPES,
+        help="parameter and optimizer-state dtype (default: float32 for --dtype bfloat16, else "
+        "--dtype); --param-dtype bfloat16 with --dtype bfloat16 is pure bf16",
+    )
     g.add_argument(
         "--freeze-vision",
         action="store_true",
         help="freeze the vision encoder (its projector, e.g. the mergers, still trains)",
     )
-    g = p.add_argument_group("parallelism")
+    g.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute the decoder layers and vision blocks in the backward (less memory)",
+    )
+    g.add_argument(
+        "--loss-chunk",
+        type=int,
+        default=m.loss_chunk,
+        help="rows of logits at a time in the loss (recomputed in the backward); 0: all at once",
+    )
+
+
+def _parallel_flags(g, par: ParallelConfig) -> None:
     g.add_argument("--cp", type=int, default=par.cp, help="context-parallel ranks per sequence")
     g.add_argument(
         "--dp",
@@ -92,7 +131,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=DATA_PARALLEL,
         help="gradient sync over dp x cp (all sum)",
     )
-    g = p.add_argument_group("data")
+
+
+def _data_flags(g, d: DataConfig) -> None:
     g.add_argument(
         "--data",
         default=d.source,
@@ -113,7 +154,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=d.batch_size,
         help="packed rows per DP rank per microbatch",
     )
-    g.add_argument("--grad-accum", type=int, default=d.grad_accum, help="microbatches per step")
+    g.add_argument(
+        "--grad-accum",
+        type=int,
+        default=d.grad_accum,
+        help="microbatches per step (default: 1; on --resume with another dp: what keeps the "
+        "run's rows per step)",
+    )
     g.add_argument(
         "--train-on",
         default=d.train_on,
@@ -161,17 +208,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="stop at the first bad sample (default: skip it, logged in data_errors.jsonl)",
     )
-    g = p.add_argument_group("optimizer (AdamW, linear warmup then constant)")
-    g.add_argument("--lr", type=float, default=o.lr)
-    g.add_argument("--weight-decay", type=float, default=o.weight_decay)
-    g.add_argument("--warmup-steps", type=int, default=o.warmup_steps)
+
+
+def _optim_flags(g, o: OptimConfig) -> None:
+    g.add_argument("--lr", type=float, default=o.lr, help="peak learning rate")
+    g.add_argument("--weight-decay", type=float, default=o.weight_decay, help="AdamW weight decay")
+    g.add_argument("--warmup-steps", type=int, default=o.warmup_steps, help="linear warmup to --lr")
     g.add_argument(
         "--max-grad-norm",
         type=float,
         default=o.max_grad_norm,
         help="clip the global gradient norm (0: off)",
     )
-    g = p.add_argument_group("run")
+
+
+def _run_flags(g, r: RunConfig) -> None:
     g.add_argument(
         "--steps", type=int, default=r.steps, help="optimizer steps (in total, when resuming)"
     )
@@ -183,10 +234,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--ckpt-every",
         type=int,
         default=r.ckpt_every,
-        help="checkpoint every N steps (0: only at the end)",
+        help="checkpoint every N steps (0: only at the end, on SIGTERM/SIGINT and the last step)",
     )
     g.add_argument(
-        "--resume", action="store_true", help="continue the run in --out from its latest checkpoint"
+        "--resume",
+        action="store_true",
+        help="continue the run in --out from its newest intact checkpoint (dp and cp may change)",
+    )
+    g.add_argument(
+        "--overwrite", action="store_true", help="replace the run already in --out, if any"
+    )
+    g.add_argument(
+        "--skip-nonfinite",
+        type=int,
+        default=r.skip_nonfinite,
+        help="skip up to N steps whose loss or gradient norm is not finite (else stop there)",
     )
     g.add_argument(
         "--device",
@@ -198,7 +260,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(a: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
-        model=ModelConfig(name=a.model, dtype=a.dtype, freeze_vision=a.freeze_vision),
+        model=ModelConfig(
+            name=a.model,
+            dtype=a.dtype,
+            param_dtype=a.param_dtype,
+            freeze_vision=a.freeze_vision,
+            activation_checkpointing=a.activation_checkpointing,
+            loss_chunk=a.loss_chunk,
+        ),
         parallel=ParallelConfig(
             cp=a.cp,
             dp=a.dp,
@@ -239,6 +308,8 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
             out=a.out or "",
             ckpt_every=a.ckpt_every,
             resume=a.resume,
+            overwrite=a.overwrite,
+            skip_nonfinite=a.skip_nonfinite,
             device=a.device,
         ),
     )
@@ -246,22 +317,22 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="cpvlm train",
-        description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="cpvlm train", description=DESCRIPTION, formatter_class=HelpFormatter
     )
     add_arguments(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``cpvlm train``: 0 on success, 2 for a bad configuration, 1 when a local rank failed.
+    """``cpvlm train``: the exit code (see the module docstring).
 
-    Under torchrun only rank 0 prints a configuration error (every rank finds the same one); an
-    error while training propagates with its traceback, and torchrun reports it.
+    Under torchrun only rank 0 prints a configuration error or the reason a run stopped (every
+    rank finds the same); an error while training propagates with its traceback, and torchrun
+    reports it.
     """
     args = build_parser().parse_args(argv)
     from cpvlm.train.launcher import ConfigError, TrainingFailed, launch
+    from cpvlm.train.loop import RunStopped
 
     try:
         try:
@@ -276,4 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingFailed as err:
         print(f"cpvlm train: {err}", file=sys.stderr)
         return 1
+    except RunStopped as stop:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"cpvlm train: {stop}", file=sys.stderr)
+        return stop.exit_code
     return 0

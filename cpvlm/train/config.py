@@ -9,6 +9,7 @@ training process starts work.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,14 @@ def _positive_int(field_name: str, flag: str, value: object, *, zero_ok: bool = 
         )
 
 
+def _finite(field_name: str, flag: str, value: object, *, positive: bool, example: str) -> None:
+    """A finite number, > 0 (``positive``) or >= 0."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (positive and value == 0):
+        need = "> 0" if positive else ">= 0"
+        _fail(field_name, flag, value, f"must be a finite number {need}, e.g. {flag} {example}")
+
+
 def _choice(field_name: str, flag: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         _fail(field_name, flag, value, f"must be one of {', '.join(choices)}")
@@ -43,22 +52,59 @@ def _choice(field_name: str, flag: str, value: object, choices: tuple[str, ...])
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Which model, in which dtype, and what is trained."""
+    """Which model, in which dtypes, what is trained, and how memory is traded for compute."""
 
     name: str = "qwen3-vl-tiny"  # "qwen3-vl-tiny", "qwen2.5-vl-tiny", or a local checkpoint dir
-    dtype: str = "float32"
+    dtype: str = "float32"  # compute dtype
+    param_dtype: str | None = None  # parameters and AdamW state; None: float32 for bfloat16
     freeze_vision: bool = False  # freeze the vision encoder; its mergers (projector) still train
+    activation_checkpointing: bool = False  # recompute decoder layers and vision blocks
+    loss_chunk: int = 1024  # loss rows per chunk (no [S_loc, V] logits); 0: whole logits
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
             _fail("model.name", "--model", self.name, "name a tiny model or a checkpoint directory")
         _choice("model.dtype", "--dtype", self.dtype, DTYPES)
+        if self.param_dtype is not None:
+            _choice("model.param_dtype", "--param-dtype", self.param_dtype, DTYPES)
+            if self.param_dtype != self.dtype and (self.dtype, self.param_dtype) != (
+                "bfloat16",
+                "float32",
+            ):
+                _fail(
+                    "model.param_dtype",
+                    "--param-dtype",
+                    self.param_dtype,
+                    f"with --dtype {self.dtype} the parameters are {self.dtype} too; a separate "
+                    "parameter dtype is for --dtype bfloat16 (float32: mixed precision, the "
+                    "default; bfloat16: pure bf16)",
+                )
+        _positive_int("model.loss_chunk", "--loss-chunk", self.loss_chunk, zero_ok=True)
+
+    @property
+    def master_dtype(self) -> str:
+        """The dtype of the parameters and the optimizer state."""
+        if self.param_dtype is not None:
+            return self.param_dtype
+        return "float32" if self.dtype == "bfloat16" else self.dtype
+
+    @property
+    def mixed_precision(self) -> bool:
+        """Compute in ``dtype`` on ``master_dtype`` parameters (bf16 on float32)."""
+        return self.master_dtype != self.dtype
 
     @property
     def torch_dtype(self):
+        """The compute dtype."""
         import torch  # lazily: flags are validated without loading torch
 
         return getattr(torch, self.dtype)
+
+    @property
+    def torch_master_dtype(self):
+        import torch
+
+        return getattr(torch, self.master_dtype)
 
 
 @dataclass(frozen=True)
@@ -125,7 +171,13 @@ def _optional_pixels(field_name: str, flag: str, value: object) -> None:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Where samples come from, how they become tokens and pixels, and how they are packed."""
+    """Where samples come from, how they become tokens and pixels, and how they are packed.
+
+    A step trains on ``rows_per_step = batch_size * grad_accum * dp`` packed rows (the global
+    batch), the next ones of one global stream of rows (see ``cpvlm.data.rows`` and
+    ``cpvlm.data.loader``). A resumed run keeps the global batch: with another dp,
+    ``grad_accum`` left unset becomes ``rows_per_step / (dp * batch_size)``.
+    """
 
     # "synthetic"; a .jsonl file, a datasets save_to_disk folder, .parquet files; or
     # "package.module:function" (see cpvlm.data.sources)
@@ -133,7 +185,7 @@ class DataConfig:
     data_args: tuple[str, ...] = ()  # key=value keyword arguments of a pkg.module:function
     seq_len: int = 512  # tokens per packed row (one row per CP forward)
     batch_size: int = 1  # packed rows per DP rank per microbatch
-    grad_accum: int = 1  # microbatches per optimizer step
+    grad_accum: int | None = None  # microbatches per step; None: 1, or what keeps a resumed run's
     train_on: str = "assistant"  # conversations: labels on the assistant turns, or on all text
     min_pixels: int | None = None  # images: the processor's min/max pixels unless given
     max_pixels: int | None = None
@@ -167,7 +219,8 @@ class DataConfig:
         if self.seq_len < MIN_SEQ_LEN:
             _fail("data.seq_len", "--seq-len", self.seq_len, f"use --seq-len {MIN_SEQ_LEN} or more")
         _positive_int("data.batch_size", "--batch-size", self.batch_size)
-        _positive_int("data.grad_accum", "--grad-accum", self.grad_accum)
+        if self.grad_accum is not None:
+            _positive_int("data.grad_accum", "--grad-accum", self.grad_accum)
         _choice("data.train_on", "--train-on", self.train_on, TRAIN_ON)
         for name in ("min_pixels", "max_pixels", "video_min_pixels", "video_max_pixels"):
             _optional_pixels(f"data.{name}", "--" + name.replace("_", "-"), getattr(self, name))
@@ -175,6 +228,10 @@ class DataConfig:
         _positive_int("data.num_workers", "--num-workers", self.num_workers, zero_ok=True)
         _positive_int("data.prefetch", "--prefetch", self.prefetch)
         _choice("data.decode", "--decode", self.decode, DECODE)
+
+    def rows_per_rank(self) -> int:
+        """Packed rows per DP rank per step (``grad_accum`` must be resolved)."""
+        return self.batch_size * self.grad_accum
 
 
 @dataclass(frozen=True)
@@ -191,13 +248,18 @@ class OptimConfig:
     max_grad_norm: float = 1.0  # 0 disables clipping (the norm is still logged)
 
     def __post_init__(self):
-        if not isinstance(self.lr, (int, float)) or not self.lr > 0:
-            _fail("optim.lr", "--lr", self.lr, "must be a number > 0, e.g. --lr 3e-3")
-        if not isinstance(self.weight_decay, (int, float)) or self.weight_decay < 0:
-            _fail("optim.weight_decay", "--weight-decay", self.weight_decay, "must be >= 0")
+        _finite("optim.lr", "--lr", self.lr, positive=True, example="3e-3")
+        _finite(
+            "optim.weight_decay", "--weight-decay", self.weight_decay, positive=False, example="0.1"
+        )
         _positive_int("optim.warmup_steps", "--warmup-steps", self.warmup_steps, zero_ok=True)
-        if not isinstance(self.max_grad_norm, (int, float)) or self.max_grad_norm < 0:
-            _fail("optim.max_grad_norm", "--max-grad-norm", self.max_grad_norm, "must be >= 0")
+        _finite(
+            "optim.max_grad_norm",
+            "--max-grad-norm",
+            self.max_grad_norm,
+            positive=False,
+            example="1.0",
+        )
 
     def lr_at(self, step: int) -> float:
         """Learning rate of step ``step`` (0-based)."""
@@ -208,13 +270,15 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """How long, where the outputs go, checkpoints, and the device."""
+    """How long, where the outputs go, checkpoints, guards, and the device."""
 
     steps: int = 30
     seed: int = 0
     out: str = ""  # "" -> runs/train-<date>-<time> (see TrainConfig.with_default_out)
-    ckpt_every: int = 0  # save every N steps; 0: only at the end. The last step always saves.
+    ckpt_every: int = 50  # save every N steps (0: only at the end); the last step always saves
     resume: bool = False
+    overwrite: bool = False  # replace the run in --out instead of refusing to
+    skip_nonfinite: int = 0  # steps with a non-finite loss or gradient norm skipped, at most
     device: str = "auto"  # auto: cuda under torchrun when available, else cpu
 
     def __post_init__(self):
@@ -226,18 +290,38 @@ class RunConfig:
         ):
             _fail("run.seed", "--seed", self.seed, "must be an integer in [0, 2**31)")
         _positive_int("run.ckpt_every", "--ckpt-every", self.ckpt_every, zero_ok=True)
+        _positive_int("run.skip_nonfinite", "--skip-nonfinite", self.skip_nonfinite, zero_ok=True)
         _choice("run.device", "--device", self.device, DEVICES)
         if self.resume and not self.out:
             _fail("run.out", "--out", self.out, "--resume continues the run in --out DIR; pass it")
+        if self.resume and self.overwrite:
+            _fail(
+                "run.overwrite",
+                "--overwrite",
+                self.overwrite,
+                "--resume continues the run in --out, --overwrite replaces it; pass one of them",
+            )
 
 
 # Fields a resumed run may change; everything else must match the checkpoint for exactness.
+# dp and cp may change (the checkpoint is resharded, the data order is global), and with them
+# grad_accum, as long as the global batch stays the same (checked in cpvlm.train.launcher).
 RESUMABLE_CHANGES = (
     "run.steps",
     "run.ckpt_every",
     "run.resume",
+    "run.overwrite",
+    "run.skip_nonfinite",
     "run.out",
     "run.device",
+    "parallel.cp",
+    "parallel.dp",
+    "parallel.attn",
+    "parallel.vision",
+    "parallel.flow",
+    "data.grad_accum",
+    "model.activation_checkpointing",
+    "model.loss_chunk",
     "data.num_workers",  # where pixels are made, not which
     "data.prefetch",
     "data.decode",
@@ -278,6 +362,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
+        """The config of ``to_dict``; fields missing from an older run take their defaults."""
         return cls(
             model=ModelConfig(**d["model"]),
             parallel=ParallelConfig(**d["parallel"]),
@@ -285,6 +370,11 @@ class TrainConfig:
             optim=OptimConfig(**d["optim"]),
             run=RunConfig(**d["run"]),
         )
+
+    @property
+    def rows_per_step(self) -> int:
+        """The global batch: packed rows per optimizer step over all DP ranks."""
+        return self.data.rows_per_rank() * self.parallel.dp
 
     def differences(self, other: TrainConfig, *, ignore=RESUMABLE_CHANGES) -> list[str]:
         """``"section.field: mine -> other"`` for every field that differs, except ``ignore``."""
@@ -324,3 +414,37 @@ def resolve_world(config: TrainConfig, world_size: int | None) -> TrainConfig:
             f"use --dp {world_size // cp} or leave --dp out",
         )
     return config.replace(parallel={"dp": world_size // cp})
+
+
+def resolve_batch(config: TrainConfig, saved: TrainConfig | None) -> TrainConfig:
+    """Fill ``data.grad_accum``: 1 for a new run; on resume, what keeps the saved global batch.
+
+    ``saved`` is the config of the checkpoint a resumed run continues (``None`` for a new run);
+    ``config.parallel.dp`` must be resolved. An explicit ``--grad-accum`` must keep the global
+    batch too: a run's steps are defined by their rows.
+    """
+    data, dp = config.data, config.parallel.dp
+    if saved is None:
+        return config if data.grad_accum is not None else config.replace(data={"grad_accum": 1})
+    rows = saved.rows_per_step
+    if data.grad_accum is None:
+        if rows % (dp * data.batch_size):
+            _fail(
+                "parallel.dp",
+                "--dp",
+                dp,
+                f"the run trains {rows} row(s) per step (its global batch), which {dp} DP ranks of "
+                f"--batch-size {data.batch_size} cannot split evenly; resume with a dp that "
+                f"divides {rows // data.batch_size}",
+            )
+        return config.replace(data={"grad_accum": rows // (dp * data.batch_size)})
+    if data.rows_per_rank() * dp != rows:
+        _fail(
+            "data.grad_accum",
+            "--grad-accum",
+            data.grad_accum,
+            f"the run trains {rows} row(s) per step; --dp {dp} x --batch-size {data.batch_size} x "
+            f"--grad-accum {data.grad_accum} = {data.rows_per_rank() * dp}; leave --grad-accum "
+            "out to keep the run's global batch",
+        )
+    return config

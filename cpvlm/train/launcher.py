@@ -2,28 +2,40 @@
 
 Under torchrun (``RANK`` and ``WORLD_SIZE`` set) every process validates the config against the
 launcher's world, joins the process group from the environment (NCCL on CUDA devices, gloo on
-CPU) and trains; torchrun supervises the ranks.
+CPU) and trains; torchrun supervises the ranks (and forwards SIGTERM to them).
 
-Without a launcher, ``launch`` validates everything it can first (flags, world, model config,
-whether the data fits the sequence length, the output directory), then starts dp * cp processes
-on this machine, joined by a file store (gloo on CPU). If any rank fails, the others are stopped
-(SIGTERM after a 1 s grace period, then SIGKILL) and ``TrainingFailed`` carries that rank's
-traceback; if the launcher itself dies, its ranks notice within a second and exit.
+Without a launcher, ``launch`` validates everything it can first (flags, world, model directory,
+whether the data fits the sequence length, the output directory, which checkpoint to resume),
+prints the output directory, then starts dp * cp processes on this machine, joined by a file
+store (gloo on CPU). SIGTERM or SIGINT to this process is passed on to the ranks, which finish
+their step, checkpoint and stop (a second signal kills them). If any rank fails, the others are
+stopped (SIGTERM after a 1 s grace period, then SIGKILL) and ``TrainingFailed`` carries that
+rank's traceback; if the launcher itself dies, its ranks notice within a second and exit.
+
+A run that stops early on every rank (a non-finite step, a stop signal) ends in ``RunStopped``
+with its exit code and one line; the local ranks hand it to the launcher through a file.
 """
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
+import shutil
+import signal
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-from cpvlm.train.config import TrainConfig, resolve_world
+from cpvlm.train.config import TrainConfig, resolve_batch, resolve_world
 
 GRACE_S = 1.0
 _PRELOAD = ["cpvlm.train.loop"]  # imported once by the fork server, not once per rank
+_STATUS = "status.json"
+RUN_FILES = ("metrics.jsonl", "summary.json", "data_errors.jsonl", "checkpoints")
+"""What makes a directory a run's (``--overwrite`` removes exactly these)."""
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
 
 class ConfigError(ValueError):
@@ -42,56 +54,96 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def _lead() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
 def model_config(name: str):
-    """The HF config of ``--model`` (a tiny name or a local checkpoint directory)."""
+    """The HF config of ``--model`` (a tiny name or a local checkpoint directory with weights)."""
     from cpvlm.integrations.hf import TINY_MODELS, adapter_for
 
     if name in TINY_MODELS:
         return TINY_MODELS[name]()
     path = Path(name)
+    where = f"model.name = {name!r} (--model)"
     if not (path / "config.json").is_file():
         raise ValueError(
-            f"model.name = {name!r} (--model): neither a tiny model ({', '.join(TINY_MODELS)}) "
-            "nor a local checkpoint directory with a config.json (hub downloads are not supported)"
+            f"{where}: neither a tiny model ({', '.join(TINY_MODELS)}) nor a local checkpoint "
+            "directory with a config.json (hub downloads are not supported)"
         )
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"{where}: its config.json cannot be read: {first}") from None
     adapter_for(config)
+    if not any((path / f).is_file() for f in WEIGHT_FILES) and not any(
+        path.glob("model-*.safetensors")
+    ):
+        raise ValueError(
+            f"{where}: the directory has a config.json but no weights ({', '.join(WEIGHT_FILES)});"
+            " point --model at a save_pretrained directory (cpvlm export writes one)"
+        )
     return config
 
 
-def _check_out(config: TrainConfig) -> None:
-    from cpvlm.train.checkpoint import latest_checkpoint, read_meta
+def _check_new_run(config: TrainConfig) -> None:
+    out = Path(config.run.out)
+    present = [f for f in RUN_FILES if (out / f).exists()]
+    if not present:
+        return
+    if not config.run.overwrite:
+        raise ValueError(
+            f"run.out = {str(out)!r} (--out) already holds a run ({', '.join(present)}); pass "
+            "--resume to continue it, --overwrite to replace it, or choose another --out"
+        )
+    if _lead():
+        for name in present:
+            target = out / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            else:
+                target.unlink()
+
+
+def _resume_point(config: TrainConfig) -> tuple[TrainConfig, str, list[str]]:
+    """``(config with grad_accum resolved, checkpoint to load, lines to show)`` for --resume."""
+    from cpvlm.train.checkpoint import newest_intact, read_meta
 
     out = config.run.out
-    latest = latest_checkpoint(out) if out else None
-    if not config.run.resume:
-        if latest is not None:
-            raise ValueError(
-                f"run.out = {out!r} (--out) already holds a run (checkpoint {latest.name}); pass "
-                "--resume to continue it, or choose another --out"
-            )
-        return
-    if latest is None:
+    path, skipped = newest_intact(out)
+    if path is None:
+        detail = "; ".join(skipped) if skipped else "none"
         raise ValueError(
-            f"run.resume (--resume): no complete checkpoint in {Path(out) / 'checkpoints'}; "
-            "check --out, or start without --resume"
+            f"run.resume (--resume): no intact checkpoint in {Path(out) / 'checkpoints'} "
+            f"({detail}); check --out, or start without --resume"
         )
-    meta = read_meta(latest)
+    meta = read_meta(path)
     saved = TrainConfig.from_dict(meta["config"])
+    config = resolve_batch(config, saved)
     diffs = saved.differences(config)
     if diffs:
         raise ValueError(
             f"run.resume (--resume): the run in {out} was trained with other settings; resume "
-            f"with the same flags (only --steps, --ckpt-every, --device may change): "
-            + "; ".join(diffs)
+            "with the same flags (only --steps, --ckpt-every, --device, --cp, --dp, --attn, "
+            "--vision, --flow and the memory flags may change): " + "; ".join(diffs)
         )
     if meta["step"] >= config.run.steps:
         raise ValueError(
             f"run.steps = {config.run.steps} (--steps): the checkpoint in {out} is already at "
             f"step {meta['step']}; pass a larger --steps to continue"
         )
+    lines = [*skipped, f"resuming from checkpoint {path.name} (step {meta['step']})"]
+    before, now = saved.parallel, config.parallel
+    if (before.dp, before.cp) != (now.dp, now.cp):
+        lines.append(
+            f"resharded: dp {before.dp} x cp {before.cp} -> dp {now.dp} x cp {now.cp}; "
+            f"grad-accum {saved.data.grad_accum} -> {config.data.grad_accum} keeps the global "
+            f"batch of {config.rows_per_step} rows per step"
+        )
+    return config, str(path), lines
 
 
 def _check_data(config: TrainConfig, mc) -> None:
@@ -130,8 +182,14 @@ def _check_data(config: TrainConfig, mc) -> None:
         )
 
 
-def prepare(config: TrainConfig, world_size: int | None = None) -> TrainConfig:
-    """Every check that needs no process group; returns the config with dp (and out) filled."""
+def prepare(
+    config: TrainConfig, world_size: int | None = None
+) -> tuple[TrainConfig, str | None, list[str]]:
+    """Every check that needs no process group.
+
+    Returns the config with dp, grad_accum (and out) filled, the checkpoint to resume from (or
+    None), and the lines to show before training (checkpoints skipped, resharding).
+    """
     import torch
 
     config = resolve_world(config, world_size)
@@ -149,11 +207,13 @@ def prepare(config: TrainConfig, world_size: int | None = None) -> TrainConfig:
             f"run.device = 'cuda' (--device): {config.parallel.world_size} ranks need as many "
             f"GPUs, this machine has {torch.cuda.device_count()}"
         )
-    mc = model_config(config.model.name)
-    _check_data(config, mc)
+    _check_data(config, model_config(config.model.name))
+    if config.run.resume:
+        return _resume_point(config)
+    config = resolve_batch(config, None)
     if config.run.out:
-        _check_out(config)
-    return config
+        _check_new_run(config)
+    return config, None, []
 
 
 def _device(config: TrainConfig, local_rank: int, launched: bool):
@@ -198,21 +258,45 @@ def _exit_when_orphaned(launcher_pid: int) -> None:
 
 
 def _local_worker(
-    index: int, config: TrainConfig, store_path: str, threads: int, launcher_pid: int
+    index: int,
+    config: TrainConfig,
+    tmpdir: str,
+    threads: int,
+    launcher_pid: int,
+    resume_from: str | None,
 ) -> None:
     import torch
     import torch.distributed as dist
 
-    from cpvlm.train.loop import train_rank
+    from cpvlm.train.loop import RunStopped, train_rank
 
     _exit_when_orphaned(launcher_pid)
     torch.set_num_threads(threads)
     world = config.parallel.world_size
     device = _device(config, index, launched=False)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    store = dist.FileStore(store_path, world)
+    store = dist.FileStore(os.path.join(tmpdir, "store"), world)
     dist.init_process_group(backend, store=store, rank=index, world_size=world)
-    train_rank(config, device)
+    try:
+        train_rank(config, device, resume_from)
+    except RunStopped as stop:  # raised alike on every rank; rank 0 tells the launcher
+        if index == 0:
+            status = {"message": str(stop), "exit_code": stop.exit_code}
+            Path(tmpdir, _STATUS).write_text(json.dumps(status))
+    _destroy_process_group()
+
+
+def _destroy_process_group() -> None:
+    """Destroy every process group before the interpreter exits.
+
+    Left to the interpreter's shutdown, a gloo process group may outlive Python's objects, and
+    its worker threads are then destroyed unjoined: the process aborts at exit with "terminate
+    called without an active exception" (now and then, not always). Only after a run that ended
+    alike on every rank (done, or ``RunStopped``): after an error, other ranks may still be in a
+    collective, and tearing the group down could wait for them; the launcher stops them instead.
+    """
+    import torch.distributed as dist
+
     dist.destroy_process_group()
 
 
@@ -223,9 +307,38 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def launch_local(config: TrainConfig) -> None:
+class _PassOnSignals:
+    """While the ranks run: SIGTERM / SIGINT go on to them; a second one kills them."""
+
+    def __init__(self, processes):
+        self.processes, self.count = processes, 0
+
+    def __enter__(self):
+        self._previous = {
+            s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)
+        }
+        return self
+
+    def _handle(self, signum, frame):
+        self.count += 1
+        for proc in self.processes:
+            if not proc.is_alive():
+                continue
+            if self.count == 1:
+                os.kill(proc.pid, signum)  # finish the step, checkpoint, stop
+            else:
+                proc.kill()
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def launch_local(config: TrainConfig, resume_from: str | None = None) -> None:
     """Run ``config`` (already ``prepare``d) on dp * cp processes of this machine."""
     import torch.multiprocessing as tmp
+
+    from cpvlm.train.loop import RunStopped
 
     world = config.parallel.world_size
     threads = max(1, _cpu_count() // world)
@@ -235,14 +348,15 @@ def launch_local(config: TrainConfig) -> None:
     with tempfile.TemporaryDirectory(prefix="cpvlm-train-") as tmpdir:
         context = tmp.start_processes(
             _local_worker,
-            args=(config, os.path.join(tmpdir, "store"), threads, os.getpid()),
+            args=(config, tmpdir, threads, os.getpid(), resume_from),
             nprocs=world,
             join=False,
             start_method=method,
         )
         try:
-            while not context.join(grace_period=GRACE_S):
-                pass
+            with _PassOnSignals(context.processes):
+                while not context.join(grace_period=GRACE_S):
+                    pass
         except tmp.ProcessRaisedException as err:
             raise TrainingFailed(err.error_index, _trim(err.msg, err.error_index, world)) from None
         except tmp.ProcessExitedException as err:
@@ -254,6 +368,10 @@ def launch_local(config: TrainConfig) -> None:
                 if proc.is_alive():
                     proc.kill()
             raise
+        status = Path(tmpdir, _STATUS)
+        if status.exists():
+            stop = json.loads(status.read_text())
+            raise RunStopped(stop["message"], stop["exit_code"])
 
 
 _DATA_ERROR = "cpvlm.data.errors.DataError: "
@@ -267,32 +385,44 @@ def _trim(msg: str, rank: int, world: int) -> str:
     return f"rank {rank} of {world} failed:\n{body}"
 
 
+def _announce(config: TrainConfig, lines: list[str]) -> None:
+    out = Path(config.run.out)
+    print(f"cpvlm train: output in {out} (metrics.jsonl, summary.json, checkpoints/)", flush=True)
+    for line in lines:
+        print(f"cpvlm train: {line}", flush=True)
+
+
 def launch(config: TrainConfig) -> None:
     """Train: under torchrun on this process's rank, else on dp * cp local processes.
 
-    Raises ``ConfigError`` for a bad config (before any rank starts work) and ``TrainingFailed``
-    when a local rank fails.
+    Raises ``ConfigError`` for a bad config (before any rank starts work), ``TrainingFailed``
+    when a local rank fails, and ``RunStopped`` when the run stopped early on every rank.
     """
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
     try:
-        config = prepare(config, world)
+        config, resume_from, lines = prepare(config, world)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     if world is None:
-        launch_local(config)
+        _announce(config, lines)
+        launch_local(config, resume_from)
         return
     import torch.distributed as dist
 
-    from cpvlm.train.loop import train_rank
+    from cpvlm.train.loop import RunStopped, train_rank
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = _device(config, local_rank, launched=True)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if not config.run.out:  # one default directory for all ranks, chosen by rank 0
+        chosen = [config.with_default_out().run.out]
+        dist.broadcast_object_list(chosen, src=0)
+        config = config.replace(run={"out": chosen[0]})
+    if dist.get_rank() == 0:
+        _announce(config, lines)
     try:
-        if not config.run.out:  # one default directory for all ranks, chosen by rank 0
-            chosen = [config.with_default_out().run.out]
-            dist.broadcast_object_list(chosen, src=0)
-            config = config.replace(run={"out": chosen[0]})
-        train_rank(config, device)
-    finally:
-        dist.destroy_process_group()
+        train_rank(config, device, resume_from)
+    except RunStopped:
+        _destroy_process_group()
+        raise
+    _destroy_process_group()

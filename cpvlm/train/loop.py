@@ -1,13 +1,18 @@
-"""The training loop of one rank: model, data parallelism, data, steps, metrics, checkpoints.
+"""The training loop of one rank: model, data parallelism, data, steps, guards, checkpoints.
 
-Legend: W world size = dp * cp; a *row* is one packed sequence (one CP forward); a step runs
-batch_size * grad_accum rows per DP rank.
+Legend: W world size = dp * cp; a *row* is one packed sequence (one CP forward); a step trains on
+``rows_per_step`` rows of the global stream, R = rows_per_step / dp of them on each DP replica.
 
 Per step every rank: takes its DP replica's rows (the same on all CP ranks), counts the valid
 (shifted) labels of the whole step over DP, runs each row through ``ContextParallelVLM`` (its
 loss is this rank's share of the step's token mean) and backward; the gradient sync sums over the
 dp x cp ranks, so the summed gradients are the one-device gradients of the step. Then the global
-gradient norm, clipping, AdamW, and one all-reduce of the step's statistics.
+gradient norm, one all-reduce of the step's statistics (its loss among them), the non-finite
+guard, clipping and AdamW, and one small all-reduce (max) of memory and of a stop request.
+
+Every decision that ends or changes a step (a non-finite loss or gradient norm, SIGTERM/SIGINT
+received by any rank) is taken from values every rank holds after those all-reduces, so all
+ranks take it together: a run stops with the same ``RunStopped`` on every rank.
 
 Every rank ends every backward with the same set of gradients: ContextParallelVLM runs the
 vision tower on every rank, on a dummy frame (kept out of the result) where a rank or a whole row
@@ -17,28 +22,35 @@ DP replicas' rows differ (one has images, another not).
 
 from __future__ import annotations
 
+import math
+import signal
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from cpvlm.data import ErrorLog
+from cpvlm.data import ErrorLog, RankLoader
 from cpvlm.integrations.hf import ContextParallelVLM, adapter_for, build_model
 from cpvlm.loss import count_valid_labels, shift_labels
-from cpvlm.parallelize import build_mesh, mesh_groups, parallelize, sync_gradients
+from cpvlm.parallelize import MeshGroups, build_mesh, mesh_groups, parallelize, sync_gradients
 from cpvlm.train.checkpoint import (
-    latest_checkpoint,
     load_checkpoint,
     read_meta,
     rng_state,
     save_checkpoint,
     set_rng_state,
+    step_dir,
 )
 from cpvlm.train.config import TrainConfig
 from cpvlm.train.loader import agree_on_decode_failures, build_loader, report_planning_errors
 from cpvlm.train.metrics import MetricsLog, Progress, StepMemory, summarize
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+"""How SLURM, Kubernetes and a terminal stop a job: finish the step, checkpoint, exit 128+sig."""
 
 _STATS = (
     "loss",
@@ -49,6 +61,14 @@ _STATS = (
     "ranks_no_visual_tokens",
     "rows_replaced",
 )
+
+
+class RunStopped(Exception):
+    """The run ended early, on every rank alike: ``exit_code`` and a one-line reason."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def freeze_vision_encoder(model: nn.Module) -> None:
@@ -66,12 +86,63 @@ def global_grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
     return norm
 
 
+class _StopRequests:
+    """SIGTERM / SIGINT set a flag instead of killing the rank mid-step (main thread only)."""
+
+    def __init__(self):
+        self.signum = 0
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.signum = self.signum or signum
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+@dataclass
+class _Run:
+    """Everything one rank's loop works with, built once by ``_setup``."""
+
+    config: TrainConfig
+    device: torch.device
+    groups: MeshGroups
+    cp_model: ContextParallelVLM
+    runner: nn.Module
+    params: list[nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    errors: ErrorLog | None
+    loader: RankLoader | None = None
+    start_step: int = 0
+    records: list[dict] = field(default_factory=list)
+    skipped: int = 0
+    last_checkpoint: Path | None = None
+
+    @property
+    def lead(self) -> bool:
+        return dist.get_rank() == 0
+
+
 def _setup_model(config: TrainConfig, device: torch.device, groups, mesh):
-    model = build_model(config.model.name, dtype=config.model.torch_dtype, seed=config.run.seed)
-    if config.model.freeze_vision:
+    m, p = config.model, config.parallel
+    model = build_model(m.name, dtype=m.torch_master_dtype, seed=config.run.seed)
+    if m.freeze_vision:
         freeze_vision_encoder(model)
+    if m.activation_checkpointing:
+        # transformers recomputes its decoder layers and vision blocks in the backward, with
+        # their module hooks (FSDP2's) outside the recomputed part.
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable({"use_reentrant": False})
     model.to(device)
-    p = config.parallel
     cp_model = ContextParallelVLM(
         model,
         groups.cp_group,
@@ -80,6 +151,7 @@ def _setup_model(config: TrainConfig, device: torch.device, groups, mesh):
         flow=p.flow,
         ulysses_size=p.ulysses_size,
         layout=p.layout,
+        loss_chunk=m.loss_chunk or None,
     )
     # FSDP2 units from the adapter: each decoder layer and the vision tower (the root keeps
     # embeddings, head, norm). The tower is a safe unit because ContextParallelVLM calls it exactly
@@ -87,37 +159,76 @@ def _setup_model(config: TrainConfig, device: torch.device, groups, mesh):
     # to encode.
     units = adapter_for(model).fsdp_units(model)
     runner = parallelize(
-        cp_model, mesh, data_parallel=p.data_parallel, groups=groups, fsdp_units=units
+        cp_model,
+        mesh,
+        data_parallel=p.data_parallel,
+        groups=groups,
+        fsdp_units=units,
+        compute_dtype=m.torch_dtype if m.mixed_precision else None,
     )
     return model, cp_model, runner
 
 
-def _restore(config: TrainConfig, cp_model, optimizer, device):
-    """``(data state, first step)``: from the latest checkpoint under ``--resume``, else fresh."""
-    if not config.run.resume:
-        return None, 0
-    path = latest_checkpoint(config.run.out)
-    template = {"data": {"window": 0, "row": 0}, "rng": rng_state(device)}
-    restored = load_checkpoint(
-        path, model=cp_model, optimizer=optimizer, rank_state_template=template
+def _setup(config: TrainConfig, device: torch.device, resume_from: str | None) -> _Run:
+    dp, cp = config.parallel.dp, config.parallel.cp
+    mesh = build_mesh(dp_replicate=1, dp_shard=dp, cp=cp, device_type=device.type)
+    groups = mesh_groups(mesh)
+    model, cp_model, runner = _setup_model(config, device, groups, mesh)
+    params = [p for p in cp_model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        params, lr=config.optim.lr, weight_decay=config.optim.weight_decay
     )
-    set_rng_state(restored["rng"], device)
-    return restored["data"], read_meta(path)["step"]
+    if config.parallel.vision == "replicate":  # every rank encodes every unit
+        config = config.replace(data={"decode": "all"})
+    run = _Run(config, device, groups, cp_model, runner, params, optimizer, None)
+    data_state = None
+    if resume_from is not None:
+        data_state = _restore(run, Path(resume_from))
+    out = config.run.out if dist.get_rank() == 0 else None
+    run.errors = ErrorLog(out, strict=config.data.strict, start_step=run.start_step)
+    run.loader = build_loader(
+        config, model.config, groups, assign=cp_model.vision_assignment, state=data_state
+    )
+    return run
 
 
-def _forward_backward(runner, rows, device, num_valid: int, num_batches: int):
-    """Forward and backward of this rank's rows: ``(loss sum, units encoded, visual tokens, the
-    CP attention the rows ran)`` (``--attn auto`` picks per row)."""
+def _restore(run: _Run, path: Path) -> dict:
+    """Load the checkpoint at ``path`` into the run; returns its data state."""
+    meta = read_meta(path)
+    saved = TrainConfig.from_dict(meta["config"])
+    # RNG states are per rank: restore them when every rank is the rank it was.
+    same_layout = (saved.parallel.dp, saved.parallel.cp) == (
+        run.config.parallel.dp,
+        run.config.parallel.cp,
+    )
+    template = {"rng": rng_state(run.device)} if same_layout else None
+    restored = load_checkpoint(
+        path, model=run.cp_model, optimizer=run.optimizer, rank_state_template=template
+    )
+    if restored is not None:
+        set_rng_state(restored["rng"], run.device)
+    run.start_step, run.last_checkpoint = meta["step"], path
+    return meta["data"]
+
+
+def _forward_backward(run: _Run, rows) -> tuple[torch.Tensor, int, int, int, set[str]]:
+    """Every row of the step through the CP model: ``(loss sum, valid labels, units encoded,
+    visual tokens held, the CP attention the rows ran)`` on this rank (``--attn auto`` picks per
+    row). The ``record_function`` ranges name the phases in a torch.profiler trace
+    (benchmarks/train_profile.py); without a profiler they cost nothing measurable."""
+    with record_function("cpvlm.labels"):
+        shifted = [shift_labels(r.labels.view(1, -1), doc_lens=r.doc_lens) for r in rows]
+        num_valid = count_valid_labels(shifted, run.groups.dp_group)
     loss_sum = torch.zeros((), dtype=torch.float64)
     units = visual_tokens = 0
     ran = set()
     for row in rows:
         with record_function("cpvlm.forward"):
-            out = runner(
-                **row.batch(device),
+            out = run.runner(
+                **row.batch(run.device),
                 doc_lens=row.doc_lens,
                 num_valid=num_valid,
-                num_batches=num_batches,  # per-row losses (MoE router) average over the rows
+                num_batches=len(rows) * run.config.parallel.dp,  # per-row losses average
             )
         with record_function("cpvlm.backward"):
             out.loss.backward()
@@ -125,28 +236,14 @@ def _forward_backward(runner, rows, device, num_valid: int, num_batches: int):
         units += out.encoded_units
         visual_tokens += out.local_visual_tokens
         ran.update(out.attn_impl.split(","))
-    return loss_sum, units, visual_tokens, ran
+    if run.config.parallel.data_parallel == "none":
+        sync_gradients(run.cp_model, run.groups)
+    return loss_sum, num_valid, units, visual_tokens, ran
 
 
-def _optimizer_step(config: TrainConfig, cp_model, groups, params, optimizer, step, num_valid):
-    """Gradient sync (without FSDP/DDP), norm, clipping, AdamW; ``(grad norm, lr)``."""
-    if config.parallel.data_parallel == "none":
-        sync_gradients(cp_model, groups)
-    grad_norm = global_grad_norm(params)
-    if config.optim.max_grad_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, config.optim.max_grad_norm, grad_norm)
-    lr = config.optim.lr_at(step)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    if num_valid > 0:  # a step without labels has zero gradients: AdamW would still move
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm, lr
-
-
-def _step_stats(rows, groups, device, loss_sum, units, visual_tokens, replaced) -> dict:
-    """One all-reduce of this step's statistics; row facts counted once per DP replica."""
-    lead = groups.cp_rank == 0
+def _step_stats(run: _Run, rows, loss_sum, units, visual_tokens, replaced) -> dict:
+    """One all-reduce of the step's statistics; row facts counted once per DP replica."""
+    lead = run.groups.cp_rank == 0
     with_vision = any(r.has_vision for r in rows)
     stats = torch.tensor(
         [
@@ -159,15 +256,66 @@ def _step_stats(rows, groups, device, loss_sum, units, visual_tokens, replaced) 
             replaced if lead else 0,
         ],
         dtype=torch.float64,
-        device=device,
+        device=run.device,
     )
     dist.all_reduce(stats)
     return dict(zip(_STATS, stats.cpu().tolist()))
 
 
-def _record(step, stats, times, grad_norm, lr, num_valid, world, bad, rows, mem) -> dict:
-    seconds, data_s = times
-    return {
+def _nonfinite(loss: float, grad_norm: float) -> str | None:
+    """What is not finite, in words, or None."""
+    values = (("loss", loss), ("gradient norm", grad_norm))
+    bad = [f"the {name} is {value}" for name, value in values if not math.isfinite(value)]
+    return " and ".join(bad) or None
+
+
+def _optimizer_step(run: _Run, step: int, grad_norm: torch.Tensor, num_valid: int) -> float:
+    optim = run.config.optim
+    if optim.max_grad_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(run.params, optim.max_grad_norm, grad_norm)
+    lr = optim.lr_at(step)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    if num_valid > 0:  # a step without labels has zero gradients: AdamW would still move
+        run.optimizer.step()
+    return lr
+
+
+def _train_step(run: _Run, step: int, memory: StepMemory, stops: _StopRequests) -> tuple[dict, int]:
+    """Step ``step`` (0-based): its metrics record and the stop signal any rank received."""
+    config = run.config
+    mem_start = memory.start()
+    t0 = time.perf_counter()
+    with record_function("cpvlm.data"):
+        rows = run.loader.next_step()
+        bad = report_planning_errors(rows, run.errors, step + 1)
+        rows, replaced = agree_on_decode_failures(
+            rows, run.groups, config.parallel.dp, run.device, run.errors, step + 1
+        )
+    data_s = time.perf_counter() - t0  # waiting for rows: what the loader did not hide
+    loss_sum, num_valid, units, visual_tokens, ran = _forward_backward(run, rows)
+    with record_function("cpvlm.optimizer"):
+        grad_norm = global_grad_norm(run.params)
+    with record_function("cpvlm.stats"):
+        stats = _step_stats(run, rows, loss_sum, units, visual_tokens, replaced)
+    problem = _nonfinite(stats["loss"], float(grad_norm))
+    skipped = problem is not None
+    if skipped:
+        if run.skipped >= config.run.skip_nonfinite:
+            raise RunStopped(_nonfinite_message(run, step, problem), 1)
+        run.skipped += 1
+        lr = config.optim.lr_at(step)
+    else:
+        with record_function("cpvlm.optimizer"):
+            lr = _optimizer_step(run, step, grad_norm, num_valid)
+    run.optimizer.zero_grad(set_to_none=True)
+    seconds = time.perf_counter() - t0
+    # Max over ranks of the memory figures and of the stop request: the same on every rank.
+    maxed = [mem_start, memory.peak(), float(stops.signum)]
+    maxed = torch.tensor(maxed, dtype=torch.float64, device=run.device)
+    dist.all_reduce(maxed, op=dist.ReduceOp.MAX)
+    mem_start, mem_peak, signum = maxed.cpu().tolist()
+    record = {
         "step": step + 1,
         "loss": stats["loss"],
         "tokens_per_s": stats["tokens"] / seconds,
@@ -179,93 +327,93 @@ def _record(step, stats, times, grad_norm, lr, num_valid, world, bad, rows, mem)
         "valid_labels": num_valid,
         "rows": int(stats["rows"]),
         "rows_text_only": int(stats["rows_text_only"]),
-        "ranks": world,
+        "ranks": config.parallel.world_size,
         "ranks_no_image": int(stats["ranks_no_image"]),
         "ranks_no_visual_tokens": int(stats["ranks_no_visual_tokens"]),
         "bad_samples": bad,
         "rows_replaced": int(stats["rows_replaced"]),
         "truncated": sum(r.truncated for r in rows),
-        "mem_start_mib": mem[0],
-        "mem_peak_mib": mem[1],
+        "mem_start_mib": mem_start,
+        "mem_peak_mib": mem_peak,
+        "skipped_nonfinite": skipped,
+        "attn_impl": ",".join(sorted(ran)),
     }
+    return record, int(signum)
 
 
-def train_rank(config: TrainConfig, device: torch.device) -> dict | None:
+def _nonfinite_message(run: _Run, step: int, problem: str) -> str:
+    last = run.last_checkpoint
+    kept = f"the last checkpoint is {last}" if last else "no checkpoint was written yet"
+    skip = (
+        f"{run.skipped} such steps were skipped already (--skip-nonfinite "
+        f"{run.config.run.skip_nonfinite})"
+        if run.skipped
+        else "--skip-nonfinite N skips up to N such steps"
+    )
+    return (
+        f"stopped at step {step + 1}: {problem}; nothing of this step was saved ({kept}); lower "
+        f"--lr or check the data; {skip}"
+    )
+
+
+def _save(run: _Run, step: int) -> None:
+    """Checkpoint after ``step`` steps (collective)."""
+    meta = {
+        "config": run.config.to_dict(),
+        "world_size": run.config.parallel.world_size,
+        "data": run.loader.state_dict(),
+    }
+    run.last_checkpoint = save_checkpoint(
+        run.config.run.out,
+        step,
+        model=run.cp_model,
+        optimizer=run.optimizer,
+        rank_state={"rng": rng_state(run.device)},
+        meta=meta,
+    )
+
+
+def train_rank(
+    config: TrainConfig, device: torch.device, resume_from: str | None = None
+) -> dict | None:
     """Train on this rank; returns the summary on rank 0. The process group must exist.
 
-    The ``record_function`` ranges ("cpvlm.step", ".data", ".forward", ...) name the phases of a
-    step in a torch.profiler trace (benchmarks/train_profile.py); without a profiler they cost
-    nothing measurable."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dp, cp = config.parallel.dp, config.parallel.cp
-    mesh = build_mesh(dp_replicate=1, dp_shard=dp, cp=cp, device_type=device.type)
-    groups = mesh_groups(mesh)
-    model, cp_model, runner = _setup_model(config, device, groups, mesh)
-    params = [p for p in cp_model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        params, lr=config.optim.lr, weight_decay=config.optim.weight_decay
-    )
-    data_state, start_step = _restore(config, cp_model, optimizer, device)
-    if config.parallel.vision == "replicate":  # every rank encodes every unit
-        config = config.replace(data={"decode": "all"})
-    loader = build_loader(
-        config, model.config, groups, assign=cp_model.vision_assignment, state=data_state
-    )
-    errors = ErrorLog(config.run.out if rank == 0 else None, strict=config.data.strict)
-
-    log = MetricsLog(config.run.out, start_step=start_step) if rank == 0 else None
-    progress = Progress(config.run.steps, start_step) if rank == 0 else None
-    meta = {"config": config.to_dict(), "world_size": world}
-    records = []
-    memory = StepMemory(device)
-    for step in range(start_step, config.run.steps):
-        mem_start = memory.start()
-        t0 = time.perf_counter()
-        with record_function("cpvlm.step"):
-            with record_function("cpvlm.data"):
-                rows = loader.next_step()
-                bad = report_planning_errors(rows, errors, step + 1)
-                rows, replaced = agree_on_decode_failures(
-                    rows, groups, dp, device, errors, step + 1
-                )
-            data_s = time.perf_counter() - t0  # waiting for rows: what the loader did not hide
-            with record_function("cpvlm.labels"):
-                shifted = [shift_labels(r.labels.view(1, -1), doc_lens=r.doc_lens) for r in rows]
-                num_valid = count_valid_labels(shifted, groups.dp_group)
-            loss_sum, units, visual_tokens, ran = _forward_backward(
-                runner, rows, device, num_valid, dp * loader.rows_per_step
-            )
-            with record_function("cpvlm.optimizer"):
-                grad_norm, lr = _optimizer_step(
-                    config, cp_model, groups, params, optimizer, step, num_valid
-                )
-            with record_function("cpvlm.stats"):
-                stats = _step_stats(rows, groups, device, loss_sum, units, visual_tokens, replaced)
-                seconds = time.perf_counter() - t0
-                mem = torch.tensor([mem_start, memory.peak()], dtype=torch.float64, device=device)
-                dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-        record = _record(
-            step, stats, (seconds, data_s), grad_norm, lr, num_valid, world, bad, rows,
-            mem.cpu().tolist(),
-        )  # fmt: skip
-        record["attn_impl"] = ",".join(sorted(ran))
-        records.append(record)
-        if rank == 0:
-            log.write(record)
-            progress.update(record)
-        every = config.run.ckpt_every
-        if (every and (step + 1) % every == 0) or step + 1 == config.run.steps:
-            rank_state = {"data": loader.state_dict(), "rng": rng_state(device)}
-            save_checkpoint(
-                config.run.out,
-                step + 1,
-                model=cp_model,
-                optimizer=optimizer,
-                rank_state=rank_state,
-                meta=meta,
-            )
-    loader.close()
-    if rank != 0:
+    ``resume_from``: the checkpoint directory to continue from (``cpvlm.train.launcher`` picks
+    the newest intact one). Raises ``RunStopped`` on every rank for a non-finite step (exit 1,
+    nothing of that step saved) or a stop signal (a checkpoint of the finished step, exit
+    128 + signal number).
+    """
+    with _StopRequests() as stops:
+        run = _setup(config, device, resume_from)
+        log = MetricsLog(config.run.out, start_step=run.start_step) if run.lead else None
+        progress = Progress(config.run.steps, run.start_step) if run.lead else None
+        memory = StepMemory(device)
+        try:
+            for step in range(run.start_step, config.run.steps):
+                with record_function("cpvlm.step"):
+                    record, signum = _train_step(run, step, memory, stops)
+                run.records.append(record)
+                if run.lead:
+                    log.write(record)
+                    progress.update(record)
+                last = step + 1 == config.run.steps
+                every = config.run.ckpt_every
+                if last or signum or (every and (step + 1) % every == 0):
+                    _save(run, step + 1)
+                if signum and not last:
+                    raise RunStopped(_stop_message(step + 1, config, signum), 128 + signum)
+        finally:
+            run.loader.close()
+            if progress is not None:
+                progress.close()
+    if not run.lead:
         return None
-    progress.close()
-    return summarize(config, records, start_step, log, errors)
+    return summarize(config, run.records, run.start_step, log, run.errors)
+
+
+def _stop_message(step: int, config: TrainConfig, signum: int) -> str:
+    return (
+        f"stopped by {signal.Signals(signum).name} after step {step} of {config.run.steps}: "
+        f"checkpoint {step_dir(config.run.out, step)} written; continue with --resume "
+        f"--out {config.run.out}"
+    )

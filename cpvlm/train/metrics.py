@@ -12,7 +12,11 @@ videos, encoded no vision unit / held no visual token in their shards; ``mem_sta
 ``mem_peak_mib``: the memory a rank held when the step began / its peak during the step, max over
 ranks, in MiB (see ``StepMemory``); ``attn_impl``: the CP attention the step's rows ran (with
 ``--attn auto``, what the cost model picked, e.g. ``"ring"`` or ``"hybrid 2x2"``; comma-separated
-when rows differ).
+when rows differ); ``skipped_nonfinite``: the step's loss or gradient norm was not finite and
+``--skip-nonfinite`` skipped its update.
+
+The summary's ``tokens_per_s`` is the run's tokens over its steps' time (every step of this
+process, the first one's set-up included); ``tokens_per_s_after_first`` leaves the first out.
 """
 
 from __future__ import annotations
@@ -137,28 +141,47 @@ def _picks(steps: dict[str, int]) -> str:
     return "picked " + ", ".join(parts)
 
 
+def _rate(records: list[dict]) -> float:
+    seconds = sum(r["step_time_s"] for r in records)
+    return sum(r["tokens"] for r in records) / seconds if seconds > 0 else float("nan")
+
+
+def _vision_line(summary: dict, vision_steps: int, ranks: int) -> str:
+    if not vision_steps:
+        return "  vision          no step had images or videos (text-only data)"
+    return (
+        f"  vision          in {summary['steps_with_a_rank_without_images']} of "
+        f"{vision_steps} steps with images, a rank encoded none (mean "
+        f"{summary['mean_ranks_without_images']:.2f} of {ranks} ranks); in "
+        f"{summary['steps_with_a_rank_without_visual_tokens']} a rank held no visual token "
+        f"(mean {summary['mean_ranks_without_visual_tokens']:.2f})"
+    )
+
+
 def summarize(config, records: list[dict], start_step: int, log: MetricsLog, errors=None) -> dict:
     """Print the summary of this run (all steps in metrics.jsonl) and write summary.json."""
     everything = log.read()
-    losses = [r["loss"] for r in everything]
+    losses = [r["loss"] for r in everything if not r.get("skipped_nonfinite")]
     k = max(1, min(3, len(losses) // 3))
-    steady = records[1:] or records  # the first step of a process pays one-time setup
     vision_steps = [r for r in everything if r["rows"] > r["rows_text_only"]]
     no_image = [r["ranks_no_image"] for r in vision_steps]
     no_tokens = [r["ranks_no_visual_tokens"] for r in vision_steps]
     ranks = records[-1]["ranks"] if records else config.parallel.world_size
+    steady = records[1:] or records  # the first step of a process pays one-time setup
     summary = {
         "steps": len(everything),
         "resumed_from": start_step,
         "loss_first": _mean(losses[:k]),
         "loss_last": _mean(losses[-k:]),
-        "tokens_per_s": _mean([r["tokens_per_s"] for r in steady]),
+        "tokens_per_s": _rate(records),
+        "tokens_per_s_after_first": _rate(records[1:]),
         "step_time_s": _mean([r["step_time_s"] for r in steady]),
         "train_time_s": sum(r["step_time_s"] for r in records),
         "data_time_share": sum(r.get("data_time_s", 0.0) for r in steady)
         / max(sum(r["step_time_s"] for r in steady), 1e-12),
         "mem_peak_mib": max((r["mem_peak_mib"] for r in records), default=float("nan")),
         "ranks": ranks,
+        "steps_skipped_nonfinite": sum(bool(r.get("skipped_nonfinite")) for r in everything),
         "steps_with_images": len(vision_steps),
         "steps_with_a_rank_without_images": sum(n > 0 for n in no_image),
         "mean_ranks_without_images": _mean(no_image),
@@ -172,36 +195,42 @@ def summarize(config, records: list[dict], start_step: int, log: MetricsLog, err
     }
     with open(log.path.parent / SUMMARY, "w") as f:
         json.dump(summary, f, indent=1)
-    p = config.parallel
+    p, m = config.parallel, config.model
+    precision = f"{m.dtype} on {m.master_dtype} parameters" if m.mixed_precision else m.dtype
     lines = [
-        f"done: {summary['steps']} steps of {config.model.name} ({config.model.dtype}), "
-        f"cp {p.cp} x dp {p.dp} = {ranks} ranks, seq-len {config.data.seq_len}, attn {p.attn}"
+        f"done: {summary['steps']} steps of {m.name} ({precision}), "
+        f"cp {p.cp} x dp {p.dp} = {ranks} ranks, seq-len {config.data.seq_len}, "
+        f"{config.rows_per_step} row{'s' if config.rows_per_step != 1 else ''} per step, "
+        f"attn {p.attn}"
         + (f" {p.ulysses_size}x{p.cp // p.ulysses_size}" if p.attn == "hybrid" else "")
         + (f" ({_picks(summary['attn_impl_steps'])})" if p.attn == "auto" else "")
         + (f", layout {p.layout}" if p.layout != "head_tail" else "")
         + (f", resumed at step {start_step}" if start_step else ""),
         f"  loss            {summary['loss_first']:.4f} -> {summary['loss_last']:.4f} "
         f"(mean of the first / last {k} steps)",
-        f"  throughput      {summary['tokens_per_s']:,.0f} tokens/s, "
-        f"{summary['step_time_s']:.3f} s/step (after the first step), "
+        f"  throughput      {summary['tokens_per_s']:,.0f} tokens/s (tokens / time of the "
+        f"{len(records)} steps of this run; {summary['tokens_per_s_after_first']:,.0f} after "
+        f"the first), {summary['step_time_s']:.3f} s/step, "
         f"{summary['data_time_share']:.0%} of it waiting for data",
         f"  memory          peak {summary['mem_peak_mib']:,.0f} MiB on a rank (GPU: tensors; "
         "CPU: the process's resident set)",
-        f"  vision          in {summary['steps_with_a_rank_without_images']} of "
-        f"{len(vision_steps)} steps with images, a rank encoded none (mean "
-        f"{summary['mean_ranks_without_images']:.2f} of {ranks} ranks); in "
-        f"{summary['steps_with_a_rank_without_visual_tokens']} a rank held no visual token "
-        f"(mean {summary['mean_ranks_without_visual_tokens']:.2f})",
-        f"  outputs         {log.path} ; checkpoints in {Path(summary['out']) / 'checkpoints'}",
+        _vision_line(summary, len(vision_steps), ranks),
     ]
+    if summary["steps_skipped_nonfinite"]:
+        lines.append(
+            f"  skipped         {summary['steps_skipped_nonfinite']} steps with a non-finite "
+            f"loss or gradient norm (--skip-nonfinite {config.run.skip_nonfinite})"
+        )
     bad = summary["bad_samples"]
     if bad or summary["truncated_samples"]:
         skipped = ", ".join(f"{n} {reason}" for reason, n in bad.items()) or "none"
-        lines.insert(
-            -1,
+        lines.append(
             f"  data            skipped {sum(bad.values())} bad samples ({skipped}; see "
             f"{Path(summary['out']) / 'data_errors.jsonl'}), {summary['rows_replaced']} rows "
-            f"replaced, {summary['truncated_samples']} text samples cut to --seq-len",
+            f"replaced, {summary['truncated_samples']} text samples cut to --seq-len"
         )
+    lines.append(
+        f"  outputs         {log.path} ; checkpoints in {Path(summary['out']) / 'checkpoints'}"
+    )
     print("\n".join(lines), flush=True)
     return summary

@@ -28,7 +28,7 @@ def check_rows(tensors: list[torch.Tensor], rows: int, op: str, who: str) -> Non
             raise ValueError(f"{op}: tensor {i} has shape {tuple(t.shape)}; expected [rows, D]")
         if t.shape[0] != rows:
             raise ValueError(
-                f"{op}: tensor {i} has {t.shape[0]} rows but {who} says {rows} on this rank"
+                f"{op}: tensor {i} has {t.shape[0]} rows but {who} says {rows} for this rank"
             )
         if t.dtype != first.dtype or t.device != first.device:
             raise ValueError(

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 from cpvlm.distributed.collectives import (
+    StepAgreement,
+    agree,
     all_gather_dim0,
     ensure_requires_grad_for_cp_collective,
     reduce_scatter_dim0,
@@ -70,6 +72,8 @@ def gather_vision_embeddings(
     x_loc: torch.Tensor | Sequence[torch.Tensor],
     counts: Sequence[int] | torch.Tensor,
     group: dist.ProcessGroup | None,
+    *,
+    step: StepAgreement | None = None,
 ) -> torch.Tensor | list[torch.Tensor]:
     """Rows of every rank in rank order, on every rank.
 
@@ -79,15 +83,24 @@ def gather_vision_embeddings(
             same rows and dtype: they travel packed in one collective.
         counts: rows of every rank, identical on every rank.
         group: the CP group.
+        step: the CP step this gather belongs to (see ``StepAgreement``), if any.
 
     Returns a tensor ``[sum(counts), D]`` (a list if ``x_loc`` was a list). In grad mode the
     backward reduce-scatter runs on every rank, whether or not ``x_loc`` requires grad here.
+    Before any row moves, the ranks agree (one small all-reduce) on the counts, widths and dtype;
+    a rank whose rows do not match ``counts`` makes every rank raise the same error.
     """
     op = "gather_vision_embeddings"
-    tensors, single = as_tensor_list(x_loc, op)
-    counts = check_counts(counts, dist.get_world_size(group), op)
-    rank = dist.get_rank(group)
-    check_rows(tensors, counts[rank], op, "counts")
+    rank, facts, error = dist.get_rank(group), {}, None
+    try:
+        tensors, single = as_tensor_list(x_loc, op)
+        counts = check_counts(counts, dist.get_world_size(group), op)
+        check_rows(tensors, counts[rank], op, "counts")
+        facts = {"counts": counts, "widths": tuple(t.shape[1] for t in tensors)}
+        facts["dtype"] = tensors[0].dtype
+    except ValueError as err:
+        error = str(err)
+    agree(op, group, facts, error=error, step=step)
     packed_nD, dims = pack_features(tensors)
     if torch.is_grad_enabled() and packed_nD.is_floating_point():
         packed_nD = ensure_requires_grad_for_cp_collective(packed_nD)

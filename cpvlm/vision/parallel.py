@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cpvlm.constants import VISION_DP_MODES
+from cpvlm.distributed.collectives import StepAgreement, agree
 from cpvlm.distributed.shard_plan import ShardPlan
 from cpvlm.vision.assign import assign_vision_units
 from cpvlm.vision.cost import VisionCost
@@ -134,6 +135,7 @@ class VisionDataParallel(nn.Module):
         plan: ShardPlan | None = None,
         row_positions: torch.Tensor | None = None,
         local_pixels: bool = False,
+        step: StepAgreement | None = None,
         with_unit_count: bool = False,
     ):
         """Encode this rank's units and return what the unwrapped tower would.
@@ -146,8 +148,39 @@ class VisionDataParallel(nn.Module):
         route mode: ``plan`` is the batch's ShardPlan and ``row_positions[g]`` the position of
         output row g in the padded batch, ``b * plan.padded_len + p`` (see ``cpvlm.vision.route``);
         the result holds this rank's visual rows sorted by local index in its ``[B, S_loc]`` shard.
+        ``step``: the CP step this belongs to (see ``cpvlm.distributed.collectives.StepAgreement``).
         ``with_unit_count``: return ``(result, units this rank encoded)``.
+
+        A problem found on one rank only (its tower returned the wrong number of rows) is raised
+        on every rank, through the agreement that precedes the rows' collective.
         """
+        if step is None:
+            step = StepAgreement()
+        try:
+            units, assignment, rp, tensors, has_deepstack = self._encode_local(
+                pixel_values, grid_thw, plan, row_positions, local_pixels
+            )
+        except ValueError as err:
+            # Found by this rank alone (a tower that returned too few rows, inputs that differ
+            # from the other ranks'): the other ranks are entering the rows' collective, whose
+            # agreement this joins, so that every rank raises it.
+            agree("VisionDataParallel", self.group, {}, error=str(err), step=step)
+            raise
+        if self.mode == "route":
+            moved = route_to_owners(tensors, rp, self.group, step=step)
+        else:
+            counts = [sum(units.row_counts[u] for u in units_r) for units_r in assignment]
+            gathered = gather_vision_embeddings(tensors, counts, self.group, step=step)
+            # Rank order -> unit order (= the tower's order): rank-order row g is unit row
+            # gathered_rows[g], so its inverse permutation puts every row back.
+            gathered_rows = torch.cat([units.row_index(a) for a in assignment])
+            back = torch.argsort(gathered_rows).to(gathered[0].device)
+            moved = [t.index_select(0, back) for t in gathered]
+        out = _join_output(moved, has_deepstack)
+        return (out, len(assignment[dist.get_rank(self.group)])) if with_unit_count else out
+
+    def _encode_local(self, pixel_values, grid_thw, plan, row_positions, local_pixels):
+        """``(units, assignment, route plan or None, this rank's rows, has_deepstack)``."""
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         units = self.units(grid_thw)
         assignment = self.assignment(units)
@@ -168,19 +201,7 @@ class VisionDataParallel(nn.Module):
             self._check_output(tensors, has_deepstack, sum(units.row_counts[u] for u in mine))
         else:
             tensors, has_deepstack = self._placeholders(pixel_values, grid_thw.device)
-
-        if self.mode == "route":
-            moved = route_to_owners(tensors, rp, self.group)
-        else:
-            counts = [sum(units.row_counts[u] for u in units_r) for units_r in assignment]
-            gathered = gather_vision_embeddings(tensors, counts, self.group)
-            # Rank order -> unit order (= the tower's order): rank-order row g is unit row
-            # gathered_rows[g], so its inverse permutation puts every row back.
-            gathered_rows = torch.cat([units.row_index(a) for a in assignment])
-            back = torch.argsort(gathered_rows).to(gathered[0].device)
-            moved = [t.index_select(0, back) for t in gathered]
-        out = _join_output(moved, has_deepstack)
-        return (out, len(mine)) if with_unit_count else out
+        return units, assignment, rp, tensors, has_deepstack
 
     # ---- pieces -------------------------------------------------------------------------------
 

@@ -24,7 +24,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from cpvlm.distributed.collectives import ensure_requires_grad_for_cp_collective, to_wire
+from cpvlm.distributed.collectives import (
+    StepAgreement,
+    agree,
+    ensure_requires_grad_for_cp_collective,
+    fingerprint,
+    to_wire,
+)
 from cpvlm.distributed.shard_plan import ShardPlan
 from cpvlm.vision._pack import as_tensor_list, check_rows, pack_features, unpack_features
 
@@ -39,6 +45,7 @@ class RoutePlan:
     recv_counts: list[int]  # [W] rows this rank receives from each rank
     out_from_arrival: torch.Tensor  # [k] arrival slot of each output row
     local_positions: torch.Tensor  # [k] local index of each output row, ascending
+    inputs: int = 0  # fingerprint of (row_ranks, row_positions, plan): equal on every rank
 
     @property
     def num_local_rows(self) -> int:
@@ -107,6 +114,7 @@ def route_plan(
         recv_counts=torch.bincount(src, minlength=w).tolist(),
         out_from_arrival=out_from_arrival,
         local_positions=local[arrival][out_from_arrival],
+        inputs=fingerprint(row_ranks, pos, plan.cp_size, plan.doc_lens),
     )
 
 
@@ -146,6 +154,8 @@ def route_to_owners(
     x_loc: torch.Tensor | Sequence[torch.Tensor],
     rp: RoutePlan,
     group: dist.ProcessGroup | None,
+    *,
+    step: StepAgreement | None = None,
 ) -> torch.Tensor | list[torch.Tensor]:
     """Send each row of ``x_loc`` to the owner of its position; return this rank's rows.
 
@@ -154,23 +164,37 @@ def route_to_owners(
             row), or a list of such tensors with the same rows and dtype (one collective).
         rp: ``route_plan(...)`` for this rank.
         group: the CP group.
+        step: the CP step this routing belongs to (see ``StepAgreement``), if any.
 
     Returns ``[k, D]`` (a list if ``x_loc`` was a list): the rows of this rank's visual positions
     sorted by local index (``rp.local_positions``). In grad mode the transposed all-to-all runs in
-    the backward on every rank, whether or not ``x_loc`` requires grad here.
+    the backward on every rank, whether or not ``x_loc`` requires grad here. Before any row moves,
+    the ranks agree (one small all-reduce) that their plans come from the same inputs and that
+    widths and dtype match; a rank whose rows do not match its plan makes every rank raise.
     """
     op = "route_to_owners"
-    tensors, single = as_tensor_list(x_loc, op)
-    if dist.get_rank(group) != rp.cp_rank:
-        raise ValueError(
-            f"{op}: the plan is for cp_rank {rp.cp_rank}, this is group rank {dist.get_rank(group)}"
-        )
-    if len(rp.send_counts) != dist.get_world_size(group):
-        raise ValueError(
-            f"{op}: the plan is for {len(rp.send_counts)} ranks, the group has "
-            f"{dist.get_world_size(group)}"
-        )
-    check_rows(tensors, int(rp.send_index.numel()), op, "the route plan")
+    facts, error = {}, None
+    try:
+        tensors, single = as_tensor_list(x_loc, op)
+        if dist.get_rank(group) != rp.cp_rank:
+            raise ValueError(
+                f"{op}: the plan is for cp_rank {rp.cp_rank}, this is group rank "
+                f"{dist.get_rank(group)}"
+            )
+        if len(rp.send_counts) != dist.get_world_size(group):
+            raise ValueError(
+                f"{op}: the plan is for {len(rp.send_counts)} ranks, the group has "
+                f"{dist.get_world_size(group)}"
+            )
+        check_rows(tensors, int(rp.send_index.numel()), op, "the route plan")
+        facts = {
+            "route inputs (row ranks, row positions, plan)": rp.inputs,
+            "widths": tuple(t.shape[1] for t in tensors),
+        }
+        facts["dtype"] = tensors[0].dtype
+    except ValueError as err:
+        error = str(err)
+    agree(op, group, facts, error=error, step=step)
     packed_nD, dims = pack_features(tensors)
     if torch.is_grad_enabled() and packed_nD.is_floating_point():
         packed_nD = ensure_requires_grad_for_cp_collective(packed_nD)

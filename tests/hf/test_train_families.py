@@ -34,7 +34,7 @@ def test_train_runs_on_every_family(tmp_path, name):
         data={"seq_len": 160, "num_workers": 0},  # the pooled ranks are daemons
         run={"steps": 2, "out": str(tmp_path)},
     )
-    config = launcher.prepare(config, world_size=2)
+    config, _, _ = launcher.prepare(config, world_size=2)  # (config, resume point, lines)
     summary = run_distributed(_train, 2, config, timeout=300)[0]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]

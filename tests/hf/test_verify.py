@@ -106,7 +106,7 @@ class _LocalSliceGather(torch.autograd.Function):
 
 
 class _BuggyVisionGatherVLM(ContextParallelVLM):
-    def _vision_rows(self, prep):
+    def _vision_rows(self, prep, step=None):
         visual = self.adapter.vision_tower(self.model)
         units = vision_units(prep.grid_thw, self.adapter.merge_size)
         assignment = assign_vision_units(units.pixel_counts, self.cp_size)

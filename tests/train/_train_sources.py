@@ -53,3 +53,7 @@ def nan_pixels(model_config, seed):
     ]
     samples[2]["pixel_values"][0, 0] = torch.nan
     return samples
+
+
+def text_only(model_config, seed):
+    return [_sample(model_config, SampleSpec(text_len=30), seed * 100 + i) for i in range(4)]

@@ -1,7 +1,10 @@
 """``cpvlm train`` at CP=1 and CP=2 from the same seed and data: the same losses, step by step.
 
 Runs go through the command users run (``cpvlm train`` flags, local gloo processes). CP=1 is the
-one-process run of the same model on the same packed rows; CP=2 splits every row over two ranks.
+one-process run of the same model on the same packed rows, with the whole logits in its loss;
+CP=2 splits every row over two ranks, and its loss takes 16 rows of logits at a time with the
+decoder layers and vision blocks recomputed in the backward (--loss-chunk 16
+--activation-checkpointing): exact too.
 Tolerances: float64 1e-10 relative (the CP run sums the same terms in another order, ~1e-16 per
 operation; observed <= 5e-16 over 3 steps); float32 1e-5 (unit round-off 6e-8, carried through
 three AdamW steps; observed ~1e-7).
@@ -23,8 +26,10 @@ def _train(out, *flags):
 @pytest.mark.parametrize("dtype, tol", [("float64", 1e-10), ("float32", 1e-5)])
 def test_cp1_and_cp2_losses_agree(tmp_path, dtype, tol):
     flags = ["--steps", "3", "--seq-len", "192", "--dtype", dtype]
-    one = _train(tmp_path / "cp1", "--cp", "1", *flags)
-    two = _train(tmp_path / "cp2", "--cp", "2", *flags)
+    one = _train(tmp_path / "cp1", "--cp", "1", "--loss-chunk", "0", *flags)
+    two = _train(
+        tmp_path / "cp2", "--cp", "2", "--loss-chunk", "16", "--activation-checkpointing", *flags
+    )
     assert [r["tokens"] for r in one] == [r["tokens"] for r in two]  # the same rows
     assert all(r["ranks"] == 2 for r in two)
     assert all(r["attn_impl"] == "ring" for r in one + two)  # the explicit default, recorded

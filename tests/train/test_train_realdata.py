@@ -148,6 +148,20 @@ def test_bad_samples_are_skipped_and_logged_or_stop_the_run_under_strict(data, c
     ]
     summary = json.loads((out / "summary.json").read_text())
     assert sum(summary["bad_samples"].values()) == 7 and summary["rows_replaced"] == 1
+
+    # Resumed to step 4, the log and the counts are those of an uninterrupted 4-step run (the
+    # second epoch's bad samples logged once, the first epoch's kept from before the stop).
+    more = [*flags[:-6], "--steps", "4", *flags[-4:]]
+    assert train_main(["--out", str(out), *more, "--resume"]) == 0
+    assert train_main(["--out", str(root / "bad4"), *more]) == 0
+    logs = [
+        sorted(tuple(e.values()) for e in map(json.loads, (d / "data_errors.jsonl").open()))
+        for d in (out, root / "bad4")
+    ]
+    assert logs[0] == logs[1] and len(logs[0]) >= 7
+    summaries = [json.loads((d / "summary.json").read_text()) for d in (out, root / "bad4")]
+    assert summaries[0]["bad_samples"] == summaries[1]["bad_samples"]
+    assert sum(summaries[0]["bad_samples"].values()) == len(logs[0])
     capsys.readouterr()
     assert train_main(["--out", str(root / "strict"), *flags, "--strict"]) == 1
     err = capsys.readouterr().err.strip().splitlines()

@@ -1,14 +1,17 @@
 """Checkpoints and ``--resume``: on CPU the resumed losses equal an uninterrupted run's, bit for bit.
 
-Three ways a run stops: at the end of ``--steps K`` (then resumed to N), and killed with SIGKILL
-mid-run (the launcher alone: its ranks must notice and exit), after which a half-written
-checkpoint is planted to check that only complete ones count. DP=2 x CP=2, so the data position
-of each DP rank and the sharded FSDP2 model and optimizer states are all exercised.
+Four ways a run stops: at the end of ``--steps K`` (then resumed to N); SIGTERM mid-run (how
+SLURM and Kubernetes preempt: every rank finishes its step and checkpoints, exit 143); killed
+with SIGKILL mid-run (the launcher alone: its ranks must notice and exit), after which a
+half-written checkpoint is planted to check that only complete ones count; and a truncated newest
+checkpoint, skipped for the one before it. DP=2 x CP=2, so the global data position and the
+sharded FSDP2 model and optimizer states are all exercised.
 """
 
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -105,3 +108,55 @@ def test_killed_run_resumes_exactly_from_its_last_complete_checkpoint(tmp_path, 
     (out / "checkpoints" / ".tmp-step_00000098" / "__0_0.distcp").write_bytes(b"partial")
     (out / "checkpoints" / "step_00000099").mkdir()
     _same(_train(out, "--steps", "8", "--resume"), reference)
+
+
+def _start(out, *flags):
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
+    )
+    cmd = [sys.executable, "-m", "cpvlm.train", "--out", str(out), *FLAGS, *flags]
+    return subprocess.Popen(
+        cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigterm_checkpoints_the_step_and_resumes_exactly(tmp_path, reference, capsys):
+    out = tmp_path / "run"
+    proc = _start(out, "--steps", "1000")
+    try:
+        deadline = time.monotonic() + 180
+        while not (out / "metrics.jsonl").exists() or len(_metrics(out)) < 3:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, "not 3 steps within 180 s"
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGTERM)  # the launcher only, as Kubernetes does
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert stdout.decode().startswith(f"cpvlm train: output in {out}"), stdout.decode()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr.decode()
+    stopped = len(_metrics(out))
+    line = stderr.decode().strip().splitlines()[-1]
+    assert line == (
+        f"cpvlm train: stopped by SIGTERM after step {stopped} of 1000: checkpoint "
+        f"{out / 'checkpoints' / f'step_{stopped:08d}'} written; continue with --resume --out {out}"
+    )
+    assert 3 <= stopped < 8
+    truncated = tmp_path / "truncated"
+    shutil.copytree(out, truncated)
+    _same(_train(out, "--steps", "8", "--resume"), reference)
+
+    # The newest checkpoint loses bytes: resume takes the one before it, and says so.
+    newest = truncated / "checkpoints" / f"step_{stopped:08d}"
+    shard = newest / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    capsys.readouterr()
+    _same(_train(truncated, "--steps", "8", "--resume"), reference)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith(
+        f"cpvlm train: skipping checkpoint {newest.name}: __1_0.distcp has 100 bytes, the "
+        "manifest says"
+    ), lines
+    assert lines[2].startswith("cpvlm train: resuming from checkpoint step_0000000"), lines

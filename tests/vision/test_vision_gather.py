@@ -137,7 +137,7 @@ def _gather_bad(rank, world_size, counts, rows):
     [
         ([1, 1, 1], 1, "got 3 counts for a group of 2 ranks"),
         ([2, -1], 2, r"counts\[1\] = -1"),
-        ([3, 3], 2, "tensor 0 has 2 rows but counts says 3 on this rank"),
+        ([3, 3], 2, "tensor 0 has 2 rows but counts says 3 for this rank"),
     ],
 )
 def test_bad_counts_raise_on_every_rank(counts, rows, message):

@@ -22,6 +22,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from cpvlm.attention import cp_attention, impl_label, resolve_impl
+from cpvlm.distributed.collectives import StepAgreement
 from cpvlm.distributed.shard_plan import ShardPlan
 
 CP_ATTENTION = "cpvlm_context_parallel"
@@ -37,6 +38,7 @@ class CPAttentionContext:
     plan: ShardPlan
     group: dist.ProcessGroup | None
     impl: str = "ring"
+    step: StepAgreement | None = None  # the forward's agreement: layers after the first skip it
     options: Mapping[str, Any] = field(default_factory=dict)
     ran: set[str] = field(default_factory=set, compare=False)
     """Filled by the attention calls: the implementations they ran (``impl="auto"``: its picks)."""
@@ -83,6 +85,7 @@ def context_parallel_attention(
         impl=impl,
         causal=True,
         scale=scaling,
+        step=cpvlm_cp.step,
         **options,
     )
     return out.transpose(1, 2).contiguous(), None

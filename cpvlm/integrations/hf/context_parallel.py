@@ -20,6 +20,12 @@ and DP replicas averages them over its ``num_batches`` forward batches, so that 
 cross-entropy the summed gradients are those of the one-device run of the same forward batches:
 ``loss = CE / N + sum_f sum_extra weight * aux_f / num_batches``. (A step-wide router
 statistic would need every microbatch's forward before the first backward.)
+
+Agreement (DESIGN section 7): what every collective of a forward depends on (the plan, a
+fingerprint of the batch) is agreed by the first of them, one small all-reduce after the vision
+tower, together with the facts only one rank knows (its tower's output rows); the decoder layers'
+``cp_attention`` then skips it. A rank that finds its own batch invalid (CP ranks handed different
+batches) follows the others through the tower to that agreement, so every rank raises its error.
 """
 
 from __future__ import annotations
@@ -34,8 +40,9 @@ from torch.profiler import record_function
 from cpvlm.attention import hybrid_groups
 from cpvlm.attention.api import check_ulysses_size
 from cpvlm.constants import ATTN_IMPLS, FLOWS, IGNORE_INDEX, LAYOUTS, VISION_MODES
+from cpvlm.distributed.collectives import StepAgreement, agree, fingerprint
 from cpvlm.distributed.shard_plan import pad_and_shard
-from cpvlm.loss import token_mean_loss
+from cpvlm.loss import chunked_token_mean_loss, token_mean_loss
 from cpvlm.vision import VisionDataParallel, VisionUnits
 
 from .adapter import LossContext, VLMAdapter
@@ -97,6 +104,9 @@ class ContextParallelVLM(nn.Module):
         layout: ``ShardPlan`` layout, ``"head_tail"`` or ``"balanced"`` (short packed documents
             whole on one rank).
         attn_options: extra keywords for ``cp_attention``, passed through unchanged.
+        loss_chunk: compute the loss ``loss_chunk`` rows at a time from the final hidden states
+            (``cpvlm.loss.chunked_token_mean_loss``: the same loss and gradients, no
+            ``[S_loc, V]`` logits); ``None``: the whole local logits at once.
 
     ``forward(**batch)`` takes the same full batch on every CP rank and returns a
     ``ContextParallelOutput`` whose ``loss`` is this rank's share. With ``local_pixels=True``
@@ -116,6 +126,7 @@ class ContextParallelVLM(nn.Module):
         ulysses_size: int | None = None,
         layout: str = "head_tail",
         attn_options: dict | None = None,
+        loss_chunk: int | None = None,
     ):
         super().__init__()
         self.adapter = adapter_for(model)
@@ -135,6 +146,13 @@ class ContextParallelVLM(nn.Module):
                 "ContextParallelVLM: flow='compat' builds the full inputs_embeds, which needs every "
                 "visual row on every rank: use vision='allgather' or 'replicate'"
             )
+        if loss_chunk is not None and (
+            isinstance(loss_chunk, bool) or not isinstance(loss_chunk, int) or loss_chunk < 1
+        ):
+            raise ValueError(
+                f"ContextParallelVLM: loss_chunk must be None or an int >= 1, got {loss_chunk!r}"
+            )
+        self.loss_chunk = loss_chunk
         self.model = model
         self.cp_group = cp_group
         self.attn, self.vision, self.flow = attn, vision, flow
@@ -181,16 +199,20 @@ class ContextParallelVLM(nn.Module):
         # The record_function ranges name the phases in a torch.profiler trace (nothing when
         # no profiler runs): benchmarks/train_profile.py reads them.
         with record_function("cpvlm.prepare"):
-            prep = prepare_batch(
-                self.model,
-                {"input_ids": input_ids, "labels": labels, **batch},
-                self.cp_size,
-                doc_lens=doc_lens,
-                num_valid=num_valid,
-                layout=self.layout,
-                adapter=self.adapter,
-                local_pixels=local_pixels,
-            )
+            try:
+                prep = prepare_batch(
+                    self.model,
+                    {"input_ids": input_ids, "labels": labels, **batch},
+                    self.cp_size,
+                    doc_lens=doc_lens,
+                    num_valid=num_valid,
+                    layout=self.layout,
+                    adapter=self.adapter,
+                    local_pixels=local_pixels,
+                )
+            except ValueError as err:
+                self._join_failed_step(str(err))
+                raise
             local = pad_and_shard(
                 {
                     "input_ids": prep.input_ids,
@@ -204,10 +226,18 @@ class ContextParallelVLM(nn.Module):
                 seq_dims={"visual_mask": 1, "real_mask": 1},
             )
         visual_mask_loc = local["visual_mask"]
-        x_loc, deepstack, encoded = self._local_embeddings(
-            prep, local["input_ids"], visual_mask_loc
+        step = StepAgreement(
+            {
+                "plan": (prep.plan.cp_size, prep.plan.doc_lens),
+                "batch": fingerprint(prep.input_ids, prep.labels, prep.grid_thw, prep.num_valid),
+            }
         )
-        context = CPAttentionContext(prep.plan, self.cp_group, self.attn, self.attn_options)
+        x_loc, deepstack, encoded = self._local_embeddings(
+            prep, local["input_ids"], visual_mask_loc, step
+        )
+        context = CPAttentionContext(
+            prep.plan, self.cp_group, self.attn, step=step, options=self.attn_options
+        )
         with record_function("cpvlm.decoder"):
             decoder_out = self.adapter.text_model(self.model)(
                 inputs_embeds=x_loc,
@@ -217,9 +247,8 @@ class ContextParallelVLM(nn.Module):
                 cpvlm_cp=context,
                 **self.adapter.decoder_kwargs(visual_mask_loc, deepstack),
             )
-            logits = self.adapter.lm_head(self.model)(decoder_out.last_hidden_state)
         with record_function("cpvlm.loss"):
-            loss = token_mean_loss(logits, local["labels"], prep.num_valid)
+            loss = self._loss(decoder_out.last_hidden_state, local["labels"], prep.num_valid)
             extras = self.adapter.extra_losses(
                 decoder_out, LossContext(group=self.cp_group, real_mask=local["real_mask"])
             )
@@ -253,19 +282,56 @@ class ContextParallelVLM(nn.Module):
                 "needs every pixel row; pass the full pixel values (local_pixels=False)"
             )
 
+    def _loss(self, hidden: torch.Tensor, labels_loc: torch.Tensor, num_valid: int):
+        head = self.adapter.lm_head(self.model)
+        if not self.loss_chunk:
+            return token_mean_loss(head(hidden), labels_loc, num_valid)
+        return chunked_token_mean_loss(
+            hidden,
+            head.weight,
+            labels_loc,
+            num_valid,
+            bias=head.bias,
+            chunk_size=self.loss_chunk,
+        )
+
+    def _join_failed_step(self, error: str) -> None:
+        """Raise ``error`` on every CP rank, from a rank whose batch alone was invalid.
+
+        CP ranks handed different batches find the problem on some ranks only, and the others go
+        on into the tower (under FSDP2: its parameter all-gather) and the step's agreement. This
+        rank follows them as far as that agreement with a text-only stand-in batch, whose path
+        makes the same collectives in the same order: the tower once, on a dummy frame, then the
+        agreement, which carries the error to every rank.
+        """
+        step = StepAgreement()
+        step.fail(error)
+        n = 2 * self.cp_size
+        text = next(t for t in range(8) if t not in self.adapter.special_token_ids)
+        stand_in = prepare_batch(
+            self.model,
+            {
+                "input_ids": torch.full((1, n), text, dtype=torch.long),
+                "labels": torch.full((1, n), IGNORE_INDEX, dtype=torch.long),
+            },
+            self.cp_size,
+            adapter=self.adapter,
+        )
+        self._vision_rows(stand_in, step)
+
     def vision_assignment(self, units: VisionUnits) -> list[list[int]]:
         """The units each CP rank encodes: ``VisionDataParallel``'s assignment, balanced by the
         tower's modelled cost (a loader that decodes only this rank's units must use this one)."""
         return self.vision_dp.assignment(units)
 
-    def _local_embeddings(self, prep: PreparedBatch, ids_loc, visual_mask_loc):
+    def _local_embeddings(self, prep: PreparedBatch, ids_loc, visual_mask_loc, step):
         """``(inputs_embeds [B, L, D], deepstack rows of the local visual positions, units)``.
 
         In a method so that the compat flow's full-length tensors die when it returns, before the
         decoder runs (autograd keeps only their indices).
         """
         with record_function("cpvlm.vision"):
-            rows, encoded = self._vision_rows(prep)
+            rows, encoded = self._vision_rows(prep, step)
         embed = self.adapter.embed_tokens(self.model)
         if self.flow == "scalable":
             x_loc = embed(ids_loc)
@@ -281,7 +347,9 @@ class ContextParallelVLM(nn.Module):
         deepstack = [t.index_select(0, mine) for t in rows[1:]]
         return prep.plan.shard(prep.plan.pad(x_full), self.cp_rank), deepstack, encoded
 
-    def _vision_rows(self, prep: PreparedBatch) -> tuple[list[torch.Tensor], int]:
+    def _vision_rows(
+        self, prep: PreparedBatch, step: StepAgreement
+    ) -> tuple[list[torch.Tensor], int]:
         """This rank's visual rows (scalable flow) or all of them (compat), main then deepstack.
 
         The tower runs on every rank even without images (VisionDataParallel then encodes a dummy
@@ -292,6 +360,16 @@ class ContextParallelVLM(nn.Module):
         if self.vision == "replicate" and len(prep.grid_thw):
             rows = _as_rows(self.encode(pixel_values, prep.grid_thw))
             encoded = self.vision_dp.units(prep.grid_thw).num_units
+            # The step's agreement right after the tower, as in the other modes (before their
+            # rows' collective): a rank whose tower output or batch is wrong raises everywhere.
+            need = int(prep.visual_mask.sum())
+            wrong = (
+                f"ContextParallelVLM: the vision tower returned {rows[0].shape[0]} rows, the "
+                f"grids need {need}"
+                if rows[0].shape[0] != need
+                else None
+            )
+            agree("ContextParallelVLM vision", self.cp_group, {}, error=wrong, step=step)
         else:
             route = {"plan": prep.plan, "row_positions": prep.row_positions}
             out, encoded = self.vision_dp(
@@ -299,6 +377,7 @@ class ContextParallelVLM(nn.Module):
                 prep.grid_thw,
                 local_pixels=prep.local_pixels,
                 with_unit_count=True,
+                step=step,
                 **(route if self.vision == "route" else {}),
             )
             rows = _as_rows(out)
