@@ -5,19 +5,19 @@ heads), K/V key/value head dims, W = cp_size, N = B * 2 * n_docs chunks on a ran
 per head. The recurrence itself is in ``kernel.py``.
 
 A chunk's recurrence is affine in its initial state: S_out = A S_in + B, with A [K, K] (dense:
-the gates and the delta rule's rank-one corrections) and B [K, V] from the chunk alone. Running
-the local kernel once with value width V + K from the initial state [0 | I] and values [v | 0]
-gives [B | A] (its columns evolve by the same linear map), so every rank gets the maps of all its
-chunks at once, in parallel. One all-gather gives every rank every chunk's map; each rank then
-scans the 2W chunks of each document in global order (from 0 at the document start) up to its
-own chunks, and runs the kernel again from those true initial states for its outputs.
+the gates and the delta rule's rank-one corrections) and B [K, V] from the chunk alone; so is
+each output, o_t = o_B,t + o_A,t S_in. One run of the local kernel per chunk with value width
+V + K, from the initial state [0 | I] and values [v | 0], gives all four ([B | A] as the final
+state, [o_B | o_A] as the output), for every chunk of every rank in parallel. One all-gather
+gives every rank every chunk's map; each rank scans the 2W chunks of each document in global
+order (from 0 at the document start) up to its own chunks, and its outputs are o_B + o_A S_in.
 
-Backward, by recomputation under autograd (nothing of the kernel passes is kept from the forward):
-the output pass from the saved initial states (as leaves) gives the input gradients of that pass
-and dS_in of every local chunk; the scan, rerun under autograd on the gathered maps, turns dS_in
-into gradients of every chunk's (A, B); a reduce-scatter sums them at the chunks' owners; the map
-pass, rerun, turns them into the rest of the input gradients. Saved per layer: the raw inputs,
-the local initial states and the gathered maps.
+Backward, by recomputation under autograd (nothing of the kernel pass is kept from the forward):
+the pass is rerun on the saved raw inputs; o = o_B + o_A S_in with the saved states as leaves
+gives dS_in of every local chunk; the scan, rerun under autograd on the gathered maps, turns dS_in
+into gradients of every chunk's (A, B); a reduce-scatter sums them at the chunks' owners; one
+backward through the kernel pass with both cotangents (outputs and maps) gives the input
+gradients. Saved per layer: the raw inputs, the local initial states and the gathered maps.
 
 Bytes per rank and layer (elements; B rows, n_docs documents, compute dtype float32 or float64):
 forward all-gather receives (W-1) * 2 * n_docs * B * Hv * K * (K + V); the backward's
@@ -27,6 +27,7 @@ of documents, not their length: many short documents move more map bytes than to
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -48,11 +49,37 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """The local chunks of all rows as kernel segments, and as equal-length groups."""
+
+    cu_seqlens: torch.Tensor  # [N+1] the chunks of every row, rows laid end to end
+    groups: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # (rows [n*c], chunks [n]) per length
+    real: torch.Tensor  # [L] bool, False at padding positions
+
+
 @lru_cache(maxsize=64)
-def _segments(plan: ShardPlan, cp_rank: int, batch: int) -> torch.Tensor:
-    """cu_seqlens of the local chunks of every row, the rows laid end to end."""
-    lengths = [ch.length for ch in local_chunks(plan, cp_rank)] * batch
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+def _layout(plan: ShardPlan, cp_rank: int, batch: int) -> _Layout:
+    chunks = local_chunks(plan, cp_rank)
+    lengths = [ch.length for ch in chunks] * batch
+    by_length: dict[int, list[tuple[int, int]]] = {}
+    for b in range(batch):
+        for i, ch in enumerate(chunks):
+            by_length.setdefault(ch.length, []).append(
+                (b * len(chunks) + i, b * plan.local_len + ch.local_start)
+            )
+    groups = tuple(
+        (
+            (torch.tensor([s for _, s in items])[:, None] + torch.arange(c)).flatten(),
+            torch.tensor([i for i, _ in items]),
+        )
+        for c, items in by_length.items()
+    )
+    return _Layout(
+        cu_seqlens=torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]),
+        groups=groups,
+        real=~plan.is_padding[plan.indices(cp_rank)],
+    )
 
 
 def _prepare(q, k, v, g, beta, *, scale, l2norm):
@@ -67,14 +94,18 @@ def _prepare(q, k, v, g, beta, *, scale, l2norm):
     return [x.to(dtype).flatten(0, 1) for x in (q, k, v, g, beta)]
 
 
-def _map_pass(kernel, cu, q, k, v, g, beta):
-    """[B | A] of every local chunk: [N, Hv, K, V + K]."""
+def _affine_pass(kernel, cu, q, k, v, g, beta):
+    """The kernel from [0 | I] on values [v | 0]: outputs [T, Hv, V + K] and maps [N, Hv, K, V + K].
+
+    Both are affine in a chunk's initial state S0: the true output is o[:, :, :V] + o[:, :, V:] S0
+    and the true final state is maps[..., :V] + maps[..., V:] S0 = B + A S0.
+    """
     dk, dv = k.shape[-1], v.shape[-1]
     v_aug = torch.cat([v, v.new_zeros(*v.shape[:2], dk)], dim=-1)
     eye = torch.eye(dk, dtype=v.dtype, device=v.device)
     start = torch.cat([v.new_zeros(dk, dv), eye], dim=-1)
     start = start.expand(len(cu) - 1, v.shape[1], dk, dv + dk).contiguous()
-    return kernel(q, k, v_aug, g, beta, initial_state=start, cu_seqlens=cu)[1]
+    return kernel(q, k, v_aug, g, beta, initial_state=start, cu_seqlens=cu)
 
 
 def _scan(maps_all: torch.Tensor, plan: ShardPlan, cp_rank: int, batch: int, dv: int):
@@ -97,48 +128,53 @@ def _scan(maps_all: torch.Tensor, plan: ShardPlan, cp_rank: int, batch: int, dv:
     return torch.stack([starts[cp_rank], starts[2 * w - 1 - cp_rank]], dim=2).flatten(0, 2)
 
 
-def _output_pass(kernel, cu, prepared, states, shape, real):
-    o = kernel(*prepared, initial_state=states, cu_seqlens=cu)[0]
-    return o.view(shape) * real.view(1, -1, 1, 1).to(o.dtype)
+def _outputs(o_aug: torch.Tensor, states: torch.Tensor, layout: _Layout, shape) -> torch.Tensor:
+    """o = o_B + o_A S0 per chunk -> [B, L, Hv, V], 0 at padding."""
+    dv, heads, dk = shape[-1], o_aug.shape[1], o_aug.shape[2] - shape[-1]
+    o = o_aug[..., :dv]
+    for rows, chunks in layout.groups:
+        rows, chunks = rows.to(o.device), chunks.to(o.device)
+        o_a = o_aug[..., dv:].index_select(0, rows).view(len(chunks), -1, heads, dk)
+        fix = torch.einsum("nchk,nhkv->nchv", o_a, states.index_select(0, chunks))
+        o = o.index_add(0, rows, fix.flatten(0, 1))
+    return o.view(shape) * layout.real.to(o.device).view(1, -1, 1, 1).to(o.dtype)
 
 
 class _CPDeltaRule(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, plan, group, rank, kernel, scale, l2norm):
-        cu = _segments(plan, rank, q.shape[0])
-        real = ~plan.is_padding[plan.indices(rank)].to(q.device)
+        layout = _layout(plan, rank, q.shape[0])
         prepared = _prepare(q, k, v, g, beta, scale=scale, l2norm=l2norm)
-        maps_all = all_gather_dim0(_map_pass(kernel, cu, *prepared), group)
+        o_aug, maps = _affine_pass(kernel, layout.cu_seqlens, *prepared)
+        maps_all = all_gather_dim0(maps, group)
         states = _scan(maps_all, plan, rank, q.shape[0], v.shape[-1])
-        o = _output_pass(kernel, cu, prepared, states, v.shape, real)
+        o = _outputs(o_aug, states, layout, v.shape)
         if any(ctx.needs_input_grad[:5]):
             ctx.save_for_backward(q, k, v, g, beta, states, maps_all)
-        ctx.args = (plan, group, rank, kernel, scale, l2norm, real, cu)
+        ctx.args = (plan, group, rank, kernel, scale, l2norm, layout)
         return o.to(v.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
         q, k, v, g, beta, states, maps_all = ctx.saved_tensors
-        plan, group, rank, kernel, scale, l2norm, real, cu = ctx.args
+        plan, group, rank, kernel, scale, l2norm, layout = ctx.args
         with torch.enable_grad():
             raw = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
-            prepared = _prepare(*raw, scale=scale, l2norm=l2norm)
-            leaves = [x.detach().requires_grad_() for x in prepared]
-            s0 = states.detach().requires_grad_()
-            o = _output_pass(kernel, cu, leaves, s0, v.shape, real)
-            *d_prep, d_s0 = torch.autograd.grad(o, [*leaves, s0], dout.to(o.dtype))
+            o_aug, maps = _affine_pass(
+                kernel, layout.cu_seqlens, *_prepare(*raw, scale=scale, l2norm=l2norm)
+            )
+            o_leaf, s0 = o_aug.detach().requires_grad_(), states.detach().requires_grad_()
+            o = _outputs(o_leaf, s0, layout, v.shape)
+            d_o_aug, d_s0 = torch.autograd.grad(o, [o_leaf, s0], dout.to(o.dtype))
             gathered = maps_all.detach().requires_grad_()
             (d_maps_all,) = torch.autograd.grad(
                 _scan(gathered, plan, rank, q.shape[0], v.shape[-1]), gathered, d_s0
             )
             # Every rank's scan read every rank's maps: a map's gradient is the sum over ranks.
             d_maps = reduce_scatter_dim0(d_maps_all.contiguous(), group)
-            maps = _map_pass(kernel, cu, *leaves)
-            d_prep_maps = torch.autograd.grad(maps, leaves, d_maps, allow_unused=True)
-            total = [a if b is None else a + b for a, b in zip(d_prep, d_prep_maps)]
-            grads = torch.autograd.grad(prepared, raw, total, allow_unused=True)
-        return (*(None if d is None else d for d in grads), *([None] * 6))
+            grads = torch.autograd.grad([o_aug, maps], raw, [d_o_aug, d_maps], allow_unused=True)
+        return (*grads, *([None] * 6))
 
 
 def cp_gated_delta_rule(
