@@ -1,63 +1,308 @@
-"""Vision data parallelism: balance, bytes moved per rank, and encoder time per rank.
+"""Vision data parallelism: balance by modelled encoder cost, bytes per rank, encoder time per rank.
 
-For a batch of images whose sizes differ by 16x plus one 16-frame video, and cp in {2, 4, 8}:
-- balance: max/mean patches per rank, for patch-balanced frame units (cpvlm) against equal item
-  counts in contiguous blocks (what public frameworks do; the video is one item);
-- bytes per rank (max over ranks), forward and backward, for routing rows to the owners of their
-  positions (cpvlm "route"), all-gather with reduce-scatter backward (cpvlm "allgather"), and
-  all-gather with an all-reduce backward (the public fix). Ring algorithms: an all-gather or
-  reduce-scatter of W blocks of M rows sends and receives (W-1)*M rows per rank, an all-reduce of
-  N rows 2*(W-1)/W*N. Rows are bf16 Qwen3-VL-8B-sized: 4096 features plus 3 deepstack levels;
-- encoder forward+backward time per rank at CP=2 (toy tower, fp32, 1 thread) over the time to
-  encode everything, which is what every rank does without vision data parallelism. Timing
-  uses the mix with h and w divided by 4 and hidden width 128, so that for the largest frame
-  attention costs about half of the linear layers per patch, as in the real towers (Qwen3-VL:
-  width 1152, MLP 4304; attention ~0.6x the linear layers at 4096 patches). A much narrower
-  tower on full-size frames is attention-bound, and its time per rank follows patches**2.
-Pure arithmetic except the timing. Run: python benchmarks/vision_dp.py
+1. Towers: the cost model of four published vision towers, read from their configs
+   (cpvlm.integrations.hf.vision_cost): linear MACs per patch and attention/linear work of one
+   frame of 1024 and 4096 patches.
+2. Balance, for three mixes (cpvlm/testing/vision_cases.py: the 12-image + video mix, NeMo
+   Automodel's 4 x 1024 + 400 x 112 patches, a 50-frame video + 300 small images) and cp 2/4/8:
+   max/mean of the modelled Qwen3-VL-8B cost per rank for equal item counts in contiguous blocks
+   (public frameworks; a video is one item), patch balance and cost balance of frame units, and
+   the bound max(unit cost)/mean that no whole-unit assignment beats; Qwen2.5-VL-7B's cost for
+   patch vs cost balance; and the issue's pure patches**2 model for patch balance.
+3. Measured: every rank's share (patch balance and cost balance, assigned with the Qwen3-VL-8B
+   cost) encoded forward+backward one after another in this process, interleaved rounds, best
+   of each (process CPU time with one thread; wall time too), on a timing tower whose
+   attention/linear ratio equals Qwen3-VL-8B's at the real patch counts: units shrunk
+   SCALE-fold in patches and the tower's width chosen so that its pair/linear coefficient ratio
+   is SCALE times the real one (attention/linear of a frame is that ratio times its patches, so
+   every unit keeps its real ratio). Frames of equal length run as one batched SDPA call, as a
+   varlen kernel would on a GPU: no per-frame Python loop.
+4. Bytes per rank on the 12-image + video mix (route vs all-gather vs all-reduce backward), as
+   before, with the cost-balanced assignment: ring algorithms, an all-gather or reduce-scatter of
+   W blocks of M rows sends and receives (W-1)*M rows per rank, an all-reduce of N rows
+   2*(W-1)/W*N. Rows are bf16 Qwen3-VL-8B-sized: 4096 features plus 3 deepstack levels.
+Run: python benchmarks/vision_dp.py [--rounds 15]
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import time
 
 import torch
+import torch.nn.functional as F
 from _common import print_table, write_json
+from torch import nn
+from transformers import AutoConfig
 
 from cpvlm import ShardPlan
-from cpvlm.testing.toy_tower import ToyVisionTower
+from cpvlm.integrations.hf.vision_cost import vision_cost
+from cpvlm.testing.vision_cases import CURRENT_MIX, MIXES, PUBLISHED_TOWERS
 from cpvlm.vision import assign_vision_units, contiguous_assignment, route_plan, vision_units
+from cpvlm.vision.cost import VisionCost, block_linear_macs
 
 MERGE = 2
-IMAGES = [
-    (1, 16, 16), (1, 64, 64), (1, 24, 40), (1, 32, 32), (1, 48, 32), (1, 16, 32),
-    (1, 56, 56), (1, 24, 24), (1, 32, 64), (1, 40, 24), (1, 16, 16), (1, 48, 48),
-]  # fmt: skip
-VIDEO = (16, 32, 32)
+CPS = (2, 4, 8)
+TARGET = "Qwen3-VL-8B"
+SCALE = 8  # timing units have 1/SCALE of the real patches (every mix's unit sizes divide by 8)
 FEATURES = 4096 * 4  # main + 3 deepstack levels, packed into one collective
 BYTES_PER_VALUE = 2  # bf16
 TEXT_PER_ITEM = 64
 
 
-def batch() -> tuple[list[tuple[int, int, int]], torch.Tensor]:
-    """Grids and the token layout: TEXT_PER_ITEM text tokens before each item, then its rows."""
-    grids = [*IMAGES[:6], VIDEO, *IMAGES[6:]]
+def published_costs() -> dict[str, VisionCost]:
+    return {
+        name: vision_cost(AutoConfig.for_model(model_type, vision_config=vc))
+        for name, (model_type, vc) in PUBLISHED_TOWERS.items()
+    }
+
+
+def attention_over_linear(cost: VisionCost, side: int) -> float:
+    linear = cost.linear_per_patch * side * side
+    return (cost.unit_cost((1, side, side)) - linear) / linear
+
+
+def tower_rows(costs: dict[str, VisionCost]) -> list[dict]:
+    return [
+        {
+            "tower": name,
+            "full_blocks": c.full_blocks,
+            "windowed_blocks": c.windowed_blocks,
+            "window": c.window,
+            "linear_MMAC_per_patch": c.linear_per_patch / 1e6,
+            "pair_MAC": c.pair,
+            "attn/linear_1024": attention_over_linear(c, 32),
+            "attn/linear_4096": attention_over_linear(c, 64),
+        }
+        for name, c in costs.items()
+    ]
+
+
+def balance(costs: list[int], per_rank: list[list[int]]) -> float:
+    loads = [sum(costs[u] for u in units) for units in per_rank]
+    return max(loads) / (sum(loads) / len(loads))
+
+
+def _items_to_units(units, per_rank_items):
+    return [[u for u, item in enumerate(units.items) if item in items] for items in per_rank_items]
+
+
+def balance_rows(costs: dict[str, VisionCost]) -> list[dict]:
+    rows = []
+    target, windowed = costs[TARGET], costs["Qwen2.5-VL-7B"]
+    for mix, grids in MIXES.items():
+        units = vision_units(torch.tensor(grids), MERGE)
+        cost, cost_w = target.unit_costs(units), windowed.unit_costs(units)
+        squares = [p * p for p in units.pixel_counts]
+        for cp in CPS:
+            by_patch = assign_vision_units(units.pixel_counts, cp)
+            by_count = _items_to_units(units, contiguous_assignment(units.num_items, cp))
+            rows.append(
+                {
+                    "mix": mix,
+                    "cp": cp,
+                    "units": units.num_units,
+                    "count": balance(cost, by_count),
+                    "patch": balance(cost, by_patch),
+                    "cost": balance(cost, assign_vision_units(cost, cp)),
+                    "bound": max(cost) / (sum(cost) / cp),
+                    "qwen2.5_patch": balance(cost_w, by_patch),
+                    "qwen2.5_cost": balance(cost_w, assign_vision_units(cost_w, cp)),
+                    "p^2_patch": balance(squares, by_patch),
+                }
+            )
+    return rows
+
+
+# ---- measured: a timing tower with Qwen3-VL-8B's attention/linear ratio --------------------
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int, mlp: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, mlp), nn.GELU(), nn.Linear(mlp, width))
+
+    def forward(self, x_NF: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:
+        """``groups``: (frames, length) runs of equal-length frames, rows in that order."""
+        n, f = x_NF.shape
+        qkv = self.qkv(self.norm1(x_NF))
+        outs, start = [], 0
+        for frames, length in groups:
+            part = qkv[start : start + frames * length].view(frames, length, 3, self.heads, -1)
+            q, k, v = part.permute(2, 0, 3, 1, 4).unbind(0)  # [frames, heads, length, d]
+            out = F.scaled_dot_product_attention(q, k, v)
+            outs.append(out.transpose(1, 2).reshape(frames * length, f))
+            start += frames * length
+        x_NF = x_NF + self.proj(torch.cat(outs))
+        return x_NF + self.mlp(self.norm2(x_NF))
+
+
+class TimingTower(nn.Module):
+    """Patch embedding, ``depth`` blocks (qkv, proj, a 2-matrix MLP), a merger (merge size 1)."""
+
+    def __init__(self, width: int, *, depth: int = 2, heads: int = 2, pixel_dim: int = 64):
+        super().__init__()
+        real = PUBLISHED_TOWERS[TARGET][1]
+        self.mlp = round(width * real["intermediate_size"] / real["hidden_size"])
+        self.width, self.depth, self.pixel_dim = width, depth, pixel_dim
+        self.embed = nn.Linear(pixel_dim, width, bias=False)
+        self.blocks = nn.ModuleList(_Block(width, self.mlp, heads) for _ in range(depth))
+        self.merger = nn.Sequential(
+            nn.LayerNorm(width), nn.Linear(width, width), nn.GELU(), nn.Linear(width, width)
+        )
+
+    def vision_cost(self) -> VisionCost:
+        w = self.width
+        linear = (
+            self.pixel_dim * w
+            + self.depth * block_linear_macs(w, self.mlp, gated=False)
+            + 2 * w * w
+        )
+        return VisionCost(linear_per_patch=linear, pair=2 * w, full_blocks=self.depth)
+
+    def forward(self, x: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x, groups)
+        return self.merger(x)
+
+
+def timing_tower(target: VisionCost) -> TimingTower:
+    """The tower (width a multiple of its 2 heads) whose pair/linear ratio is nearest to
+    SCALE times the target's: its frames of p / SCALE patches then have the target's
+    attention/linear ratio at p patches."""
+    want = SCALE * target.pair * target.full_blocks / target.linear_per_patch
+
+    def ratio(w: int) -> float:
+        c = TimingTower(w).vision_cost()
+        return c.pair * c.full_blocks / c.linear_per_patch
+
+    width = min(range(16, 512, 2), key=lambda w: abs(ratio(w) - want))
+    return TimingTower(width)
+
+
+def _share_input(frame_lens: list[int], pixel_dim: int, gen: torch.Generator):
+    """Frames sorted by length (attention is per frame, so order does not change the work)."""
+    lens = sorted(frame_lens)
+    groups: list[tuple[int, int]] = []
+    for n in lens:
+        if groups and groups[-1][1] == n:
+            groups[-1] = (groups[-1][0] + 1, n)
+        else:
+            groups.append((1, n))
+    return torch.randn(sum(lens), pixel_dim, generator=gen), groups
+
+
+def _encode_once(tower: TimingTower, x: torch.Tensor, groups) -> tuple[float, float]:
+    """(CPU seconds, wall seconds) of one forward+backward. With one thread, CPU time is the
+    work this process did: on a machine shared with others it is far steadier than wall time."""
+    tower.zero_grad(set_to_none=True)
+    cpu, wall = time.process_time(), time.perf_counter()
+    if groups:
+        tower(x, groups).sum().backward()
+    return time.process_time() - cpu, time.perf_counter() - wall
+
+
+def _timing_tasks(target: VisionCost, tower: TimingTower, gen) -> list[tuple]:
+    """(mix, cp, scheme, input, groups, modelled cost) for every rank's share. Scheme "same"
+    is the control: the cost-balanced rank 0 share, cp times; its max/mean is the noise floor
+    of the measurement (a max over cp noisy timings exceeds their mean even when equal)."""
+    tcost = tower.vision_cost()
+    tasks = []
+    for mix, grids in MIXES.items():
+        units = vision_units(torch.tensor(grids), MERGE)
+        cost = target.unit_costs(units)
+        for cp in CPS:
+            by_cost = assign_vision_units(cost, cp)
+            schemes = {
+                "patch": assign_vision_units(units.pixel_counts, cp),
+                "cost": by_cost,
+                "same": [by_cost[0]] * cp,
+            }
+            # Rank r of every scheme side by side, so that drifting load hits them alike.
+            for r in range(cp):
+                for scheme, per_rank in schemes.items():
+                    lens = [units.pixel_counts[u] // SCALE for u in per_rank[r]]
+                    x, groups = _share_input(lens, tower.pixel_dim, gen)
+                    modelled = sum(tcost.unit_cost((1, 1, n)) for n in lens)
+                    tasks.append((mix, cp, scheme, x, groups, modelled))
+    # Calibration: CPU seconds per modelled MAC of small frames (attention ~0.2% of the work)
+    # and of 1024-patch frames (real 8192 patches: attention ~1.1x the linear work).
+    for name, lens in (("linear-bound", [14] * 400), ("attention-heavy", [1024] * 5)):
+        x, groups = _share_input(lens, tower.pixel_dim, gen)
+        tasks.append(
+            (name, 0, "calibration", x, groups, sum(tcost.unit_cost((1, 1, n)) for n in lens))
+        )
+    return tasks
+
+
+def _best_times(tower: TimingTower, tasks: list[tuple], rounds: int) -> list[tuple[float, float]]:
+    _encode_once(tower, tasks[0][3], tasks[0][4])  # warm-up
+    best = [(float("inf"), float("inf"))] * len(tasks)
+    # Interleaved rounds, best of each: robust to other load on the machine drifting over time.
+    for _ in range(rounds):
+        for i, task in enumerate(tasks):
+            cpu, wall = _encode_once(tower, task[3], task[4])
+            best[i] = (min(best[i][0], cpu), min(best[i][1], wall))
+    return best
+
+
+def timing_rows(target: VisionCost, rounds: int) -> tuple[list[dict], dict]:
+    torch.manual_seed(0)
+    tower = timing_tower(target)
+    tcost = tower.vision_cost()
+    tasks = _timing_tasks(target, tower, torch.Generator().manual_seed(0))
+    best = _best_times(tower, tasks, rounds)
+    rows: dict[tuple, dict] = {}
+    calibration = {}
+    for (mix, cp, scheme, _x, _g, modelled), (cpu, wall) in zip(tasks, best):
+        if scheme == "calibration":
+            calibration[f"{mix}_cpu_s_per_GMAC"] = cpu / modelled * 1e9
+            continue
+        row = rows.setdefault((mix, cp), {"mix": mix, "cp": cp})
+        row.setdefault(f"{scheme}_cpu_s", []).append(round(cpu, 4))
+        row.setdefault(f"{scheme}_wall_s", []).append(round(wall, 4))
+        row.setdefault(f"{scheme}_model", []).append(modelled)
+    for row in rows.values():
+        for scheme in ("patch", "cost", "same"):
+            for what, key in (("measured", "cpu_s"), ("wall", "wall_s"), ("modelled", "model")):
+                v = row[f"{scheme}_{key}"]
+                row[f"{what}_{scheme}"] = max(v) / (sum(v) / len(v))
+            row.pop(f"{scheme}_model")
+        row.pop("modelled_same")
+    info = {
+        "width": tower.width,
+        "mlp": tower.mlp,
+        "depth": tower.depth,
+        "pixel_dim": tower.pixel_dim,
+        "scale": SCALE,
+        "pair_over_linear": tcost.pair * tcost.full_blocks / tcost.linear_per_patch,
+        "target_pair_over_linear_x_scale": SCALE
+        * target.pair
+        * target.full_blocks
+        / target.linear_per_patch,
+        "rounds": rounds,
+        **calibration,
+    }
+    return list(rows.values()), info
+
+
+# ---- bytes per rank on the 12-image + video mix ---------------------------------------------
+
+
+def _layout(grids) -> torch.Tensor:
+    """TEXT_PER_ITEM text tokens before each item, then its rows: positions of the rows."""
     positions, cursor = [], 0
     for t, h, w in grids:
         cursor += TEXT_PER_ITEM
         rows = t * h * w // MERGE**2
         positions.append(torch.arange(cursor, cursor + rows))
         cursor += rows
-    return grids, torch.cat(positions)
-
-
-def balance(counts: list[int], per_rank: list[list[int]]) -> float:
-    loads = [sum(counts[u] for u in units) for units in per_rank]
-    return max(loads) / (sum(loads) / len(loads))
-
-
-def rows_per_rank(row_counts: list[int], per_rank: list[list[int]]) -> list[int]:
-    return [sum(row_counts[u] for u in units) for units in per_rank]
+    return torch.cat(positions)
 
 
 def route_rows(units, per_rank, positions, seq_len, cp) -> tuple[int, int]:
@@ -80,15 +325,14 @@ def mib(rows: float) -> float:
     return rows * FEATURES * BYTES_PER_VALUE / 2**20
 
 
-def comm_and_balance_rows(grids, positions) -> list[dict]:
-    units = vision_units(torch.tensor(grids), MERGE)
-    items = vision_units(torch.tensor(grids), MERGE, split_frames=False)
+def comm_rows(target: VisionCost) -> list[dict]:
+    units = vision_units(torch.tensor(CURRENT_MIX), MERGE)
+    positions = _layout(CURRENT_MIX)
     seq_len = int(positions[-1]) + 1 + TEXT_PER_ITEM
     rows = []
-    for cp in (2, 4, 8):
-        per_rank = assign_vision_units(units.pixel_counts, cp)
-        counts = rows_per_rank(units.row_counts, per_rank)
-        m, n = max(counts), sum(counts)
+    for cp in CPS:
+        per_rank = assign_vision_units(target.unit_costs(units), cp)
+        m = max(sum(units.row_counts[u] for u in us) for us in per_rank)
         gather_rows = (cp - 1) * m  # sent = received, forward (all-gather) and backward (RS)
         allreduce_rows = 2 * (cp - 1) / cp * (cp * m)  # all-reduce of the padded gather
         sent, received = route_rows(units, per_rank, positions, seq_len, cp)
@@ -96,122 +340,84 @@ def comm_and_balance_rows(grids, positions) -> list[dict]:
         rows.append(
             {
                 "cp": cp,
-                "units": units.num_units,
-                "balance_patch_frames": balance(units.pixel_counts, per_rank),
-                "balance_patch_items": balance(
-                    items.pixel_counts, assign_vision_units(items.pixel_counts, cp)
-                ),
-                "balance_count_contiguous": balance(
-                    items.pixel_counts, contiguous_assignment(items.num_units, cp)
-                ),
                 "route_fwd_send_MiB": mib(sent),
                 "route_fwd_recv_MiB": mib(received),
-                "route_bwd_send_MiB": mib(received),
-                "route_bwd_recv_MiB": mib(sent),
                 "allgather_fwd_MiB": mib(gather_rows),
                 "allgather_bwd_rs_MiB": mib(gather_rows),
                 "allgather_bwd_allreduce_MiB": mib(allreduce_rows),
                 "route_over_allgather": route_max / gather_rows,
                 "times_cp": route_max / gather_rows * cp,
-                "vision_rows": n,
             }
         )
     return rows
 
 
-def _encode_once(tower, pixels, units, chosen) -> float:
-    pix = pixels.index_select(0, units.pixel_index(chosen))
-    grid = units.grid_thw(chosen)
-    tower.zero_grad(set_to_none=True)
-    start = time.perf_counter()
-    out, deep = tower(pix, grid)
-    (out.sum() + sum(d.sum() for d in deep)).backward()
-    return time.perf_counter() - start
-
-
-def timing_rows(grids, rounds: int = 15) -> list[dict]:
-    torch.manual_seed(0)
-    tower = ToyVisionTower(merge_size=MERGE, hidden=128, heads=2, depth=2, deepstack=(0,))
-    grids = [(t, h // 4, w // 4) for t, h, w in grids]
-    units = vision_units(torch.tensor(grids), MERGE)
-    pixels = torch.randn(units.pixel_offsets[-1], tower.pixel_dim)
-    schemes = {
-        "everything": [list(range(units.num_units))],
-        "patch-balanced frames (cpvlm)": assign_vision_units(units.pixel_counts, 2),
-        "count-balanced contiguous items": _items_to_units(
-            units, contiguous_assignment(units.num_items, 2)
-        ),
-    }
-    _encode_once(tower, pixels, units, schemes["everything"][0])  # warm-up
-    # Interleaved rounds, best of each: robust to other load on the machine drifting over time.
-    best = {name: [float("inf")] * len(parts) for name, parts in schemes.items()}
-    for _ in range(rounds):
-        for name, parts in schemes.items():
-            for r, chosen in enumerate(parts):
-                best[name][r] = min(best[name][r], _encode_once(tower, pixels, units, chosen))
-    everything = best["everything"][0]
-    return [
-        {
-            "cp": 2,
-            "assignment": name,
-            "encode_all_s": everything,
-            "rank_times_s": [round(t, 4) for t in best[name]],
-            "max_rank_over_all": max(best[name]) / everything,
-        }
-        for name in list(schemes)[1:]
-    ]
-
-
-def _items_to_units(units, per_rank_items):
-    return [[u for u, item in enumerate(units.items) if item in items] for items in per_rank_items]
-
-
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds")
+    args = parser.parse_args()
     torch.set_num_threads(1)
-    grids, positions = batch()
-    comm = comm_and_balance_rows(grids, positions)
+    costs = published_costs()
+    towers = tower_rows(costs)
     print_table(
-        comm,
-        [
-            "cp",
-            "units",
-            "balance_patch_frames",
-            "balance_patch_items",
-            "balance_count_contiguous",
-        ],
-        f"Vision balance: max/mean patches per rank ({len(grids)} items, video {VIDEO})",
+        towers,
+        list(towers[0]),
+        "Vision towers (published configs): forward MACs, attention/linear work of one frame",
     )
     print()
+    bal = balance_rows(costs)
     print_table(
-        comm,
-        [
-            "cp",
-            "route_fwd_send_MiB",
-            "route_fwd_recv_MiB",
-            "allgather_fwd_MiB",
-            "allgather_bwd_rs_MiB",
-            "allgather_bwd_allreduce_MiB",
-            "route_over_allgather",
-            "times_cp",
-        ],
-        "Bytes per rank (max over ranks; route backward = forward with send/recv swapped)",
+        bal,
+        list(bal[0]),
+        f"Modelled max/mean per rank ({TARGET} cost unless named): items by count, frame "
+        "units by patches, by cost; the whole-unit bound",
     )
     print()
-    timing = timing_rows(grids)
+    timing, info = timing_rows(costs[TARGET], args.rounds)
     print_table(
         timing,
-        ["cp", "assignment", "encode_all_s", "rank_times_s", "max_rank_over_all"],
-        "Encoder fwd+bwd time per rank at CP=2 over encoding everything (toy tower, h/4 w/4)",
+        [
+            "mix",
+            "cp",
+            "measured_patch",
+            "measured_cost",
+            "modelled_patch",
+            "modelled_cost",
+            "measured_same",
+            "wall_patch",
+            "wall_cost",
+        ],
+        f"Encoder fwd+bwd max/mean per rank, CPU time (wall time at the end): timing tower "
+        f"width {info['width']}, units / {SCALE}, best of {args.rounds}, load average "
+        f"{os.getloadavg()[0]:.1f}",
+    )
+    ratio = info["attention-heavy_cpu_s_per_GMAC"] / info["linear-bound_cpu_s_per_GMAC"]
+    print(
+        f"CPU s per modelled GMAC: linear-bound {info['linear-bound_cpu_s_per_GMAC']:.4f}, "
+        f"attention-heavy {info['attention-heavy_cpu_s_per_GMAC']:.4f} (ratio {ratio:.3f}); "
+        "measured_same: the same share timed cp times (the noise floor)"
+    )
+    print()
+    comm = comm_rows(costs[TARGET])
+    print_table(
+        comm,
+        list(comm[0]),
+        "Bytes per rank, 12-image + video mix (max over ranks; route backward = forward "
+        "with send/recv swapped)",
     )
     write_json(
         "vision_dp",
         {
-            "grids": grids,
-            "merge_size": MERGE,
+            "mixes": {name: grids for name, grids in MIXES.items()},
+            "published_towers": PUBLISHED_TOWERS,
+            "towers": towers,
+            "balance": bal,
+            "timing_tower": info,
+            "encoder_time": timing,
+            "load_average": os.getloadavg(),
+            "comm": comm,
             "features": FEATURES,
             "bytes_per_value": BYTES_PER_VALUE,
-            "comm_and_balance": comm,
-            "encoder_time": timing,
         },
     )
 

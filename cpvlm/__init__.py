@@ -15,6 +15,7 @@ from cpvlm.parallelize import (
     sync_gradients,
 )
 from cpvlm.vision import (
+    VisionCost,
     VisionDataParallel,
     assign_vision_units,
     gather_vision_embeddings,
@@ -28,6 +29,7 @@ __all__ = [
     "IGNORE_INDEX",
     "MeshGroups",
     "ShardPlan",
+    "VisionCost",
     "VisionDataParallel",
     "assign_vision_units",
     "build_mesh",

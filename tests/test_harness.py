@@ -35,6 +35,7 @@ def test_results_from_every_rank(world_size):
 
 
 def test_failing_rank_reports_its_traceback_and_pool_recovers():
+    run_distributed(_rank_and_sum, 3, 0)  # start the pool first: the bound is on the failure path
     start = time.monotonic()
     with pytest.raises(DistributedTestError) as info:
         run_distributed(_raise_on_rank_1, 3, timeout=60)
@@ -43,10 +44,11 @@ def test_failing_rank_reports_its_traceback_and_pool_recovers():
     assert "boom on purpose" in message and "_raise_on_rank_1" in message
     assert "[0, 2] did not finish after another rank failed" in message
     assert time.monotonic() - start < 30
-    assert run_distributed(_rank_and_sum, 3, 0)[2] == (2, 3, 3.0)
+    assert run_distributed(_rank_and_sum, 3, 0)[2] == (2, 3, 3.0)  # a fresh pool after the kill
 
 
 def test_hanging_rank_times_out_and_is_named():
+    run_distributed(_rank_and_sum, 2, 0)
     start = time.monotonic()
     with pytest.raises(DistributedTestError, match=r"rank\(s\) \[0\] did not finish within 3s"):
         run_distributed(_hang_on_rank_0, 2, timeout=3)

@@ -5,17 +5,26 @@ query/key rows of a call, S local length, D head dim; lse = log-sum-exp of the s
 row, natural log. Accumulators are float32 for half types and float64 for float64 ("acc dtype").
 
 A block's contribution to a row merges with the others through the lse; its backward uses the
-row's final out and lse, which gives exactly this block's share of dq, dk and dv. The fused CPU
-flash kernel does FULL and CAUSAL calls and MASKED calls with an additive mask; elsewhere (no
-fused kernel for the device or dtype) a plain-torch path computes the same thing in the acc dtype.
+row's final out and lse, which gives exactly this block's share of dq, dk and dv. Three kernels:
+  - CUDA (bf16/fp16: flash; fp32: memory-efficient): every rectangle of a block in one packed
+    call (fused.py), MASKED segments unpacked into their rectangles;
+  - CPU: the fused CPU flash kernel, one call per segment (FULL, CAUSAL, MASKED with its mask);
+  - elsewhere (float64 on CUDA, other devices): a plain-torch path, the same math in the acc dtype.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
+from cpvlm.attention import fused
+from cpvlm.attention.fused import Index
 from cpvlm.attention.schedule import CAUSAL, MASKED, Segment
 from cpvlm.distributed import compat
+
+KeyGrads = list[tuple[Index, torch.Tensor, torch.Tensor]]
+"""(local key columns, dk, dv) of a block's calls, to add where the key block's gradient lives."""
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -130,9 +139,21 @@ def attend_block(
     out_acc: torch.Tensor,
     lse_acc: torch.Tensor,
     scale: float,
+    *,
+    kernel: compat.FusedAttentionKernel | None = None,
 ) -> None:
     """Run a block's segments and merge them into ``out_acc`` [B,Hq,S,D] / ``lse_acc`` [B,Hq,S]
-    (acc dtype) in place."""
+    (acc dtype) in place. ``kernel``: a fused kernel to use instead of the device's own (tests)."""
+    kernel = kernel or compat.cuda_fused_kernel(q_BHSD)
+    if kernel is not None:
+        calls = fused.block_forward(q_BHSD, k_BHSD, v_BHSD, segments, scale, kernel)
+    else:
+        calls = _segments_forward(q_BHSD, k_BHSD, v_BHSD, segments, scale)
+    for rows, out, lse, overwrite in calls:
+        _merge_rows(out_acc, lse_acc, rows, out, lse.to(lse_acc.dtype), overwrite)
+
+
+def _segments_forward(q_BHSD, k_BHSD, v_BHSD, segments, scale) -> Iterator:
     for seg in segments:
         mask = seg.additive_mask(q_BHSD.dtype, q_BHSD.device) if seg.kind == MASKED else None
         out, lse = block_forward(
@@ -143,10 +164,21 @@ def attend_block(
             scale=scale,
             mask=mask,
         )
-        lse = lse.to(lse_acc.dtype)
         if seg.kind == MASKED:
             lse = lse.masked_fill(seg.empty_rows(lse.device), float("-inf"))
-        _merge(out_acc[:, :, seg.rows], lse_acc[:, :, seg.rows], out, lse, seg.overwrite)
+        yield seg.rows, out, lse, seg.overwrite
+
+
+def _merge_rows(out_acc, lse_acc, rows: Index, out, lse, overwrite: bool) -> None:
+    if isinstance(rows, slice):
+        _merge(out_acc[:, :, rows], lse_acc[:, :, rows], out, lse, overwrite)
+        return
+    if not overwrite:  # rows of several rectangles: gather, merge, put back
+        out_rows, lse_rows = out_acc.index_select(2, rows), lse_acc.index_select(2, rows)
+        _merge(out_rows, lse_rows, out, lse, overwrite=False)
+        out, lse = out_rows, lse_rows
+    out_acc.index_copy_(2, rows, out.to(out_acc.dtype))
+    lse_acc.index_copy_(2, rows, lse)
 
 
 def _merge(out_acc, lse_acc, out, lse, overwrite: bool) -> None:
@@ -174,14 +206,26 @@ def attend_block_backward(
     segments: tuple[Segment, ...],
     dq_acc: torch.Tensor,
     scale: float,
-) -> list[tuple[Segment, torch.Tensor, torch.Tensor]]:
-    """Add the block's dq into ``dq_acc`` (acc dtype) in place; return its (segment, dk, dv)
-    parts for the caller to add where the key block's gradient lives.
+    *,
+    kernel: compat.FusedAttentionKernel | None = None,
+) -> KeyGrads:
+    """Add the block's dq into ``dq_acc`` (acc dtype) in place; return its (columns, dk, dv)
+    parts for the caller to add where the key block's gradient lives (``add_key_grads``).
 
     ``lse_BHS`` must be finite: rows that see nothing anywhere (padding) carry 0, and since
     every key is masked for them, their probabilities are exp(-inf) = 0 whatever the lse.
     """
+    args = (dout_BHSD, q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse_BHS, segments, scale)
+    kernel = kernel or compat.cuda_fused_kernel(q_BHSD)
+    calls = fused.block_backward(*args, kernel) if kernel else _segments_backward(*args)
     parts = []
+    for rows, dq, cols, dk, dv in calls:
+        _add_rows(dq_acc, rows, dq)
+        parts.append((cols, dk, dv))
+    return parts
+
+
+def _segments_backward(dout_BHSD, q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse_BHS, segments, scale):
     for seg in segments:
         mask = seg.additive_mask(q_BHSD.dtype, q_BHSD.device) if seg.kind == MASKED else None
         dq, dk, dv = block_backward(
@@ -195,15 +239,18 @@ def attend_block_backward(
             scale=scale,
             mask=mask,
         )
-        dq_acc[:, :, seg.rows] += dq
-        parts.append((seg, dk, dv))
-    return parts
+        yield seg.rows, dq, seg.cols, dk, dv
 
 
-def add_key_grads(
-    dkv_acc: torch.Tensor, parts: list[tuple[Segment, torch.Tensor, torch.Tensor]]
-) -> None:
-    """Add (segment, dk, dv) parts into ``dkv_acc`` [2,B,Hkv,S,D] (acc dtype) in place."""
-    for seg, dk, dv in parts:
-        dkv_acc[0, :, :, seg.cols] += dk
-        dkv_acc[1, :, :, seg.cols] += dv
+def _add_rows(acc_BHSD: torch.Tensor, index: Index, x: torch.Tensor) -> None:
+    if isinstance(index, slice):
+        acc_BHSD[:, :, index] += x
+    else:
+        acc_BHSD.index_add_(2, index, x.to(acc_BHSD.dtype))
+
+
+def add_key_grads(dkv_acc: torch.Tensor, parts: KeyGrads) -> None:
+    """Add (columns, dk, dv) parts into ``dkv_acc`` [2,B,Hkv,S,D] (acc dtype) in place."""
+    for cols, dk, dv in parts:
+        _add_rows(dkv_acc[0], cols, dk)
+        _add_rows(dkv_acc[1], cols, dv)

@@ -10,7 +10,9 @@ merges into float32 (float64 for float64) accumulators through the log-sum-exp.
 Backward: the same ring again; each block's dK/dV accumulator (float32 or float64) travels with
 it, each rank adding its share, and arrives back at the block's owner after W hops.
 Every rank sends and receives at every step, whatever its share of the mask, so no rank waits
-for a message that is never sent.
+for a message that is never sent. A rank's work at one step is a function of its own
+(``forward_step`` / ``backward_step``), which ``cpvlm.testing.simulate_cp_attention`` runs for
+every rank in one process, without the messages.
 """
 
 from __future__ import annotations
@@ -41,6 +43,50 @@ def _wait(works: list[dist.Work]) -> None:
         work.wait()
 
 
+# ---- one rank's work at one ring step (the real ring and cpvlm.testing.simulate_cp_attention) ----
+
+
+def source_rank(rank: int, step: int, world: int) -> int:
+    """The rank whose K/V block rank ``rank`` holds at ring step ``step``."""
+    return (rank - step) % world
+
+
+def forward_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out_acc, lse_acc) of a rank before its first block: nothing seen yet."""
+    acc = acc_dtype(q.dtype)
+    out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+    return out_acc, torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+
+
+def forward_step(q, kv, schedule, rank, step, out_acc, lse_acc, scale, kernel=None) -> None:
+    """Merge rank ``rank``'s queries against the K/V block ``kv`` of step ``step`` into its
+    accumulators."""
+    segments = schedule.segments(rank, step)
+    attend_block(q, kv[0], kv[1], segments, out_acc, lse_acc, scale, kernel=kernel)
+
+
+def backward_accumulators(q, kv, lse) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the finite lse the backward uses, dq_acc, this rank's block's dkv_acc)."""
+    acc = acc_dtype(q.dtype)
+    # Padding rows saw nothing (lse -inf); every key is masked for them, so any finite lse
+    # gives them probability 0 and keeps exp(-inf - -inf) = nan out of the kernels.
+    lse = lse.masked_fill(lse == float("-inf"), 0)
+    dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+    return lse, dq_acc, torch.zeros(kv.shape, dtype=acc, device=q.device)
+
+
+def backward_step(dout, q, kv, out, lse, schedule, rank, step, dq_acc, scale, kernel=None):
+    """Add rank ``rank``'s dq of step ``step`` into ``dq_acc``; return the block's dK/dV parts,
+    which belong to the accumulator of the block's owner (``add_key_grads``)."""
+    segments = schedule.segments(rank, step)
+    return attend_block_backward(
+        dout, q, kv[0], kv[1], out, lse, segments, dq_acc, scale, kernel=kernel
+    )
+
+
+# ---- the ring ----------------------------------------------------------------------------------
+
+
 def _ring_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -51,14 +97,12 @@ def _ring_forward(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     world = schedule.plan.cp_size
-    acc = acc_dtype(q.dtype)
-    out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
-    lse_acc = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+    out_acc, lse_acc = forward_accumulators(q)
     kv = torch.stack([k, v])
     spare = torch.empty_like(kv)
     for i in range(world):
         works = _shift(kv, spare, rank, world, group, _KV_TAG) if i + 1 < world else []
-        attend_block(q, kv[0], kv[1], schedule.segments(rank, i), out_acc, lse_acc, scale)
+        forward_step(q, kv, schedule, rank, i, out_acc, lse_acc, scale)
         _wait(works)
         kv, spare = spare, kv
     return out_acc.to(q.dtype), lse_acc
@@ -77,21 +121,14 @@ def _ring_backward(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     world = schedule.plan.cp_size
-    acc = acc_dtype(q.dtype)
-    # Padding rows saw nothing (lse -inf); every key is masked for them, so any finite lse
-    # gives them probability 0 and keeps exp(-inf - -inf) = nan out of the kernels.
-    lse = lse.masked_fill(lse == float("-inf"), 0)
-    dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv = torch.stack([k, v])
     spare = torch.empty_like(kv)
-    dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
+    lse, dq_acc, dkv = backward_accumulators(q, kv, lse)
     dkv_spare = torch.empty_like(dkv)
     dkv_works: list[dist.Work] = []
     for i in range(world):
         kv_works = _shift(kv, spare, rank, world, group, _KV_TAG) if i + 1 < world else []
-        parts = attend_block_backward(
-            dout, q, kv[0], kv[1], out, lse, schedule.segments(rank, i), dq_acc, scale
-        )
+        parts = backward_step(dout, q, kv, out, lse, schedule, rank, i, dq_acc, scale)
         # The running dK/dV of this block's owner, from the previous rank (which held it last).
         _wait(dkv_works)
         if i > 0:

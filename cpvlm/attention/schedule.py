@@ -57,6 +57,8 @@ class Segment:
     """No earlier call in this rank's order wrote these rows: store instead of merging."""
     visible: torch.Tensor | None = field(default=None, repr=False)
     """[q_stop - q_start, k_stop - k_start] bool, MASKED only."""
+    parts: tuple[Segment, ...] = field(default=(), repr=False)
+    """MASKED only: the FULL/CAUSAL rectangles it groups, for kernels that take them in one call."""
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -189,7 +191,8 @@ def _masked(group: list[Segment]) -> Segment:
             block |= torch.ones_like(block).tril()
         else:
             block.fill_(True)
-    return Segment(q0, q1, k0, k1, MASKED, sum(s.pairs for s in group), visible=visible)
+    pairs = sum(s.pairs for s in group)
+    return Segment(q0, q1, k0, k1, MASKED, pairs, visible=visible, parts=tuple(group))
 
 
 def _mark_overwrites(

@@ -9,8 +9,10 @@ changes one of these ops is fixed in this file alone.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -135,6 +137,245 @@ def cpu_flash_backward(
         scale=scale,
     )
     return dq, dk, dv
+
+
+# ---- fused CUDA attention kernels --------------------------------------------------------------
+#
+# torch's two CUDA attention kernels, called directly so that the forward returns the lse and the
+# backward takes a row's final (merged) out and lse, as CP needs:
+#   flash      aten._flash_attention_forward/_backward: bf16/fp16 on sm80+, takes Hkv key heads;
+#   efficient  aten._efficient_attention_forward/_backward: fp32/bf16/fp16 and an additive mask,
+#              equal head counts only (GQA heads are expanded here, for the call, and dK/dV summed
+#              back: nothing expanded leaves the call).
+# Both take q/k/v either dense, [B, S, H, D] with the last dim contiguous (other strides free, so
+# the transpose of a [B, H, S, D] tensor goes in without a copy), or packed, [T, H, D] with a
+# ``Packing``: N independent sequences in one call. ``causal`` is top-left (query i sees keys
+# 0..i); the flash kernel aligns it bottom-right, the same for the square sequences cpvlm gives it.
+# Whatever layout the installed torch's kernel uses for the lse, the wrappers return and take it
+# as dense [B, H, S] or packed [H, T], float32; the kernels' own layouts (the efficient kernel
+# keeps one row per sequence, padded to a multiple of 32) are read from the ops' meta kernels,
+# which follow the installed torch. Dropout is 0, so the kernels never read their philox / rng
+# arguments (see ``_unused_rng``).
+
+
+@dataclass(frozen=True, eq=False)
+class Packing:
+    """N sequences packed along dim 0: sequence i is rows ``cu_q[i]:cu_q[i+1]`` of q against rows
+    ``cu_k[i]:cu_k[i+1]`` of k and v (int32 [N+1] on the device); the longest of each, as ints."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+
+@dataclass(frozen=True)
+class FusedAttentionKernel:
+    """A fused attention kernel with the calling convention above.
+
+    ``forward(q, k, v, *, causal, scale, packing=None, bias=None) -> (out, lse)`` and
+    ``backward(dout, q, k, v, out, lse, *, causal, scale, packing=None, bias=None) -> (dq, dk, dv)``
+    with out/dq shaped like q and dk/dv like k. ``bias`` (dense calls, kernels with ``takes_bias``)
+    is an additive [Sq, Sk] mask in q's dtype, the same for every batch row and head.
+    """
+
+    name: str
+    takes_bias: bool
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+_FUSED_HEAD_DIMS = range(8, 257, 8)
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def cuda_fused_kernel(q_BHSD: torch.Tensor) -> FusedAttentionKernel | None:
+    """The fused CUDA kernel for tensors like ``q_BHSD``, or None: not CUDA (ROCm builds too:
+    their kernels differ), float64, or a head dim the kernels do not take."""
+    if q_BHSD.device.type != "cuda" or torch.version.cuda is None:
+        return None
+    if q_BHSD.shape[-1] not in _FUSED_HEAD_DIMS:
+        return None
+    if q_BHSD.dtype in _HALF and _flash_available(q_BHSD.device):
+        return CUDA_FLASH
+    if q_BHSD.dtype in (torch.float32, *_HALF):
+        return CUDA_EFFICIENT
+    return None
+
+
+@functools.lru_cache(maxsize=16)
+def _flash_available(device: torch.device) -> bool:
+    built = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)()
+    return built and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def _lengths(q, k, packing: Packing | None) -> tuple:
+    if packing is None:
+        return None, None, q.shape[1], k.shape[1]
+    return packing.cu_q, packing.cu_k, packing.max_q, packing.max_k
+
+
+def _flash_forward(q, k, v, *, causal, scale, packing=None, bias=None):
+    if bias is not None:
+        raise ValueError("the flash kernel takes no additive mask; use the efficient kernel")
+    if packing is None and causal and q.shape[1] != k.shape[1]:
+        raise ValueError(f"causal flash calls must be square, got {q.shape[1]} x {k.shape[1]}")
+    out, lse, *_ = _aten._flash_attention_forward(
+        q, k, v, *_lengths(q, k, packing), 0.0, causal, False, scale=scale
+    )
+    return out, _lse_from_kernel(lse, q, packing)
+
+
+def _flash_backward(dout, q, k, v, out, lse, *, causal, scale, packing=None, bias=None):
+    rng_state, unused = _unused_rng("flash", q.device)
+    lse = _lse_to_kernel("flash", lse, q, packing)
+    dq, dk, dv = _aten._flash_attention_backward(
+        dout, q, k, v, out, lse, *_lengths(q, k, packing), 0.0, causal, rng_state, unused,
+        scale=scale,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+def _efficient_forward(q, k, v, *, causal, scale, packing=None, bias=None):
+    k, v = (_expand_heads(t, q.shape[-2]) for t in (k, v))
+    mask_type = 1 if causal else 0  # 1: causal from the top left
+    if packing is None:
+        out, lse, *_ = _aten._efficient_attention_forward(
+            q, k, v, _aligned_bias(bias, q, k), None, None, None, None, 0.0, mask_type, True,
+            scale=scale,
+        )  # fmt: skip
+        return out, _lse_from_kernel(lse, q, None)
+    if bias is not None:
+        raise ValueError("the efficient kernel takes no additive mask with packed sequences")
+    out, lse, *_ = _aten._efficient_attention_forward(
+        q[None], k[None], v[None], None, *_lengths(q, k, packing), 0.0, mask_type, True,
+        scale=scale,
+    )  # fmt: skip
+    return out[0], _lse_from_kernel(lse, q, packing)
+
+
+def _efficient_backward(dout, q, k, v, out, lse, *, causal, scale, packing=None, bias=None):
+    hkv = k.shape[-2]
+    k, v = (_expand_heads(t, q.shape[-2]) for t in (k, v))
+    seed, offset = _unused_rng("efficient", q.device)
+    lse = _lse_to_kernel("efficient", lse, q, packing)
+    lengths = _lengths(q, k, packing)
+    # The kernel reads `out` with the row stride of a contiguous [B, S, H, D] tensor.
+    dout, out = dout.contiguous(), out.contiguous()
+    if packing is None:
+        bias = _aligned_bias(bias, q, k)
+    else:
+        dout, q, k, v, out = (t[None] for t in (dout, q, k, v, out))
+    dq, dk, dv, _ = _aten._efficient_attention_backward(
+        dout, q, k, v, bias, out, *lengths, lse, 0.0, seed, offset, 1 if causal else 0, False,
+        scale=scale,
+    )  # fmt: skip
+    if packing is not None:
+        dq, dk, dv = dq[0], dk[0], dv[0]
+    return dq, _sum_heads(dk, hkv), _sum_heads(dv, hkv)
+
+
+CUDA_FLASH = FusedAttentionKernel("flash", False, _flash_forward, _flash_backward)
+CUDA_EFFICIENT = FusedAttentionKernel("efficient", True, _efficient_forward, _efficient_backward)
+
+
+def _expand_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """[..., Hkv, D] -> [..., heads, D], query head h using key head h // (heads // Hkv)."""
+    hkv = t.shape[-2]
+    return t if hkv == heads else t.repeat_interleave(heads // hkv, dim=-2)
+
+
+def _sum_heads(grad: torch.Tensor, hkv: int) -> torch.Tensor:
+    """The adjoint of ``_expand_heads``: [..., Hq, D] -> [..., Hkv, D], summed in float32."""
+    hq = grad.shape[-2]
+    if hq == hkv:
+        return grad
+    return grad.unflatten(-2, (hkv, hq // hkv)).sum(-2, dtype=torch.float32).to(grad.dtype)
+
+
+def _aligned_bias(bias: torch.Tensor | None, q, k) -> torch.Tensor | None:
+    """[Sq, Sk] -> [B, H, Sq, Sk], broadcast, with a row stride the kernel accepts (16 * n)."""
+    if bias is None:
+        return None
+    sq, sk = bias.shape
+    storage = bias.new_empty(sq, -(-sk // 16) * 16)
+    storage[:, :sk] = bias
+    return storage[:, :sk].expand(q.shape[0], q.shape[2], sq, sk)
+
+
+def _lse_from_kernel(lse: torch.Tensor, q, packing: Packing | None) -> torch.Tensor:
+    if packing is None:
+        return lse[..., : q.shape[1]]  # [B, H, S], padded or not
+    if lse.dim() == 2:
+        return lse  # [H, T]
+    return lse_rows_from_sequences(lse, packing.cu_q, q.shape[0])
+
+
+def _lse_to_kernel(name: str, lse: torch.Tensor, q, packing: Packing | None) -> torch.Tensor:
+    if packing is None:
+        s, width = q.shape[1], _kernel_lse_shape(name, False, q.shape[1])[-1]
+        if width == s:
+            return lse.contiguous()
+        padded = lse.new_zeros(*lse.shape[:-1], width)
+        padded[..., :s] = lse
+        return padded
+    shape = _kernel_lse_shape(name, True, packing.max_q)
+    if len(shape) == 2:
+        return lse.contiguous()
+    return lse_sequences_from_rows(lse, packing.cu_q, shape[-1])
+
+
+@functools.lru_cache(maxsize=1024)
+def _kernel_lse_shape(name: str, packed: bool, max_q: int) -> tuple[int, ...]:
+    """The lse shape that this torch's kernel gives one sequence of ``max_q`` queries and one head
+    (packed: one of one), read from the op's meta kernel: no device, no computation."""
+    q = torch.empty(1, max_q, 1, 64, device="meta", dtype=torch.float16)
+    cu = torch.empty(2, device="meta", dtype=torch.int32)
+    lengths = (cu, cu, max_q, max_q) if packed else (None, None, max_q, max_q)
+    if name == "flash":
+        q = q[0] if packed else q
+        lse = _aten._flash_attention_forward(q, q, q, *lengths, 0.0, False, False)[1]
+    else:
+        lse = _aten._efficient_attention_forward(q, q, q, None, *lengths, 0.0, 0, True)[1]
+    return tuple(lse.shape)
+
+
+@functools.lru_cache(maxsize=16)
+def _unused_rng(name: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two philox / rng arguments of a backward at dropout 0, which neither kernel reads.
+
+    flash: what torch's own ``torch.nn.attention.varlen`` passes at dropout 0 (a zero [2] uint64
+    rng state and an empty tensor, on the device); efficient: zeros shaped as its forward
+    returns them (from the meta kernel), on the CPU, where it leaves them outside graph capture.
+    """
+    if name == "flash":
+        return torch.zeros(2, dtype=torch.uint64, device=device), torch.empty(0, device=device)
+    q = torch.empty(1, 1, 1, 64, device="meta", dtype=torch.float16)
+    outs = _aten._efficient_attention_forward(q, q, q, None, None, None, None, None, 0.0, 0, True)
+    return tuple(torch.zeros(t.shape, dtype=t.dtype) for t in outs[2:4])
+
+
+def _row_coordinates(cu_q: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence, position in it) of each of the ``total`` packed rows, computed on cu_q's device."""
+    cu = cu_q.long()
+    rows = torch.arange(total, device=cu.device)
+    seq = torch.searchsorted(cu[1:], rows, right=True)
+    return seq, rows - cu[seq]
+
+
+def lse_rows_from_sequences(lse_NHW: torch.Tensor, cu_q: torch.Tensor, total: int) -> torch.Tensor:
+    """A per-sequence lse [N, H, W] (query j of sequence i at [i, :, j], W >= its length) -> the
+    packed [H, T] layout (at [:, cu_q[i] + j])."""
+    seq, pos = _row_coordinates(cu_q, total)
+    return lse_NHW[seq, :, pos].T.contiguous()
+
+
+def lse_sequences_from_rows(lse_HT: torch.Tensor, cu_q: torch.Tensor, width: int) -> torch.Tensor:
+    """The inverse of ``lse_rows_from_sequences``: [H, T] -> [N, H, width], 0 past each length."""
+    seq, pos = _row_coordinates(cu_q, lse_HT.shape[1])
+    out = lse_HT.new_zeros(cu_q.numel() - 1, lse_HT.shape[0], width)
+    out[seq, :, pos] = lse_HT.T
+    return out
 
 
 # ---- PyTorch's own context parallelism (tests and benchmarks compare against it) --------------

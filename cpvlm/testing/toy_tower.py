@@ -17,6 +17,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from cpvlm.vision.cost import VisionCost, block_linear_macs
+
 
 def frame_positions(grid_thw: torch.Tensor, merge_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, column) of every patch within its frame, in merge-window order, frame-major."""
@@ -109,6 +111,17 @@ class ToyVisionTower(nn.Module):
     @property
     def pixel_dim(self) -> int:
         return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    def vision_cost(self) -> VisionCost:
+        """Forward MACs from the tower's shape (VisionDataParallel balances units by it)."""
+        width, m = self.patch_embed.out_channels, self.merge_size
+        merger = m * m * width * width + width * self.merger.mlp[-1].out_features
+        linear = (
+            self.pixel_dim * width
+            + len(self.blocks) * block_linear_macs(width, 2 * width, gated=False)
+            + (1 + len(self.deepstack)) * merger
+        )
+        return VisionCost(linear_per_patch=linear, pair=2 * width, full_blocks=len(self.blocks))
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
         c, t, p = self.in_channels, self.temporal_patch_size, self.patch_size

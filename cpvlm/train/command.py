@@ -9,9 +9,11 @@ import sys
 from cpvlm.train.config import (
     ATTN_IMPLS,
     DATA_PARALLEL,
+    DECODE,
     DEVICES,
     DTYPES,
     FLOWS,
+    TRAIN_ON,
     VISION_MODES,
     DataConfig,
     ModelConfig,
@@ -75,7 +77,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--data",
         default=d.source,
-        help="'synthetic' or pkg.module:function returning samples (see cpvlm/train/data.py)",
+        help="'synthetic', a .jsonl file of conversations, a datasets save_to_disk folder, "
+        ".parquet files, or pkg.module:function (see cpvlm/data/sources.py)",
+    )
+    g.add_argument(
+        "--data-arg",
+        action="append",
+        default=list(d.data_args),
+        metavar="KEY=VALUE",
+        help="keyword argument of a pkg.module:function data source (repeatable)",
     )
     g.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per packed row")
     g.add_argument(
@@ -85,6 +95,53 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="packed rows per DP rank per microbatch",
     )
     g.add_argument("--grad-accum", type=int, default=d.grad_accum, help="microbatches per step")
+    g.add_argument(
+        "--train-on",
+        default=d.train_on,
+        choices=TRAIN_ON,
+        help="conversations: labels on the assistant turns only, or on all text",
+    )
+    for name, what in (
+        ("min-pixels", "images: fewest pixels after resizing"),
+        ("max-pixels", "images: most pixels after resizing"),
+        ("video-min-pixels", "videos: fewest pixels"),
+        ("video-max-pixels", "videos: most pixels"),
+    ):
+        g.add_argument(
+            f"--{name}", type=int, default=None, help=f"{what} (default: the processor's)"
+        )
+    g.add_argument(
+        "--no-shuffle",
+        dest="shuffle",
+        action="store_false",
+        help="read samples in order (default: a seeded permutation every epoch)",
+    )
+    g.add_argument(
+        "--pack-window",
+        type=int,
+        default=d.pack_window,
+        help="samples packed together, longest first",
+    )
+    g.add_argument(
+        "--num-workers",
+        type=int,
+        default=d.num_workers,
+        help="DataLoader workers per rank decoding images and frames (0: in the rank)",
+    )
+    g.add_argument(
+        "--prefetch", type=int, default=d.prefetch, help="rows each worker prepares ahead"
+    )
+    g.add_argument(
+        "--decode",
+        default=d.decode,
+        choices=DECODE,
+        help="local: each rank decodes only the images/frames it encodes; all: every rank all",
+    )
+    g.add_argument(
+        "--strict",
+        action="store_true",
+        help="stop at the first bad sample (default: skip it, logged in data_errors.jsonl)",
+    )
     g = p.add_argument_group("optimizer (AdamW, linear warmup then constant)")
     g.add_argument("--lr", type=float, default=o.lr)
     g.add_argument("--weight-decay", type=float, default=o.weight_decay)
@@ -132,7 +189,22 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
             data_parallel=a.data_parallel,
         ),
         data=DataConfig(
-            source=a.data, seq_len=a.seq_len, batch_size=a.batch_size, grad_accum=a.grad_accum
+            source=a.data,
+            data_args=tuple(a.data_arg),
+            seq_len=a.seq_len,
+            batch_size=a.batch_size,
+            grad_accum=a.grad_accum,
+            train_on=a.train_on,
+            min_pixels=a.min_pixels,
+            max_pixels=a.max_pixels,
+            video_min_pixels=a.video_min_pixels,
+            video_max_pixels=a.video_max_pixels,
+            shuffle=a.shuffle,
+            pack_window=a.pack_window,
+            num_workers=a.num_workers,
+            prefetch=a.prefetch,
+            decode=a.decode,
+            strict=a.strict,
         ),
         optim=OptimConfig(
             lr=a.lr,

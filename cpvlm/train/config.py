@@ -94,31 +94,67 @@ class ParallelConfig:
         return self.cp * (self.dp or 1)
 
 
+TRAIN_ON = ("assistant", "all")
+DECODE = ("local", "all")
+
+
+def _optional_pixels(field_name: str, flag: str, value: object) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        _fail(field_name, flag, value, "must be a pixel count >= 1 (or left out: the processor's)")
+
+
 @dataclass(frozen=True)
 class DataConfig:
-    """Where samples come from and how they are packed into rows."""
+    """Where samples come from, how they become tokens and pixels, and how they are packed."""
 
-    source: str = "synthetic"  # "synthetic" or "package.module:function" (see cpvlm.train.data)
+    # "synthetic"; a .jsonl file, a datasets save_to_disk folder, .parquet files; or
+    # "package.module:function" (see cpvlm.data.sources)
+    source: str = "synthetic"
+    data_args: tuple[str, ...] = ()  # key=value keyword arguments of a pkg.module:function
     seq_len: int = 512  # tokens per packed row (one row per CP forward)
     batch_size: int = 1  # packed rows per DP rank per microbatch
     grad_accum: int = 1  # microbatches per optimizer step
+    train_on: str = "assistant"  # conversations: labels on the assistant turns, or on all text
+    min_pixels: int | None = None  # images: the processor's min/max pixels unless given
+    max_pixels: int | None = None
+    video_min_pixels: int | None = None  # videos: the video processor's unless given
+    video_max_pixels: int | None = None
+    shuffle: bool = True  # seeded by --seed, a new permutation every epoch
+    pack_window: int = 64  # samples packed together (length-aware, first-fit decreasing)
+    num_workers: int = 2  # DataLoader workers per rank that decode images and frames
+    prefetch: int = 2  # rows each worker prepares ahead
+    decode: str = "local"  # local: a rank decodes only the units it encodes; all: every unit
+    strict: bool = False  # stop at the first bad sample instead of skipping it
 
     def __post_init__(self):
-        if self.source != "synthetic" and (
-            not isinstance(self.source, str) or self.source.count(":") != 1
-        ):
+        from pathlib import Path as _Path
+
+        if not isinstance(self.source, str) or not self.source:
+            _fail("data.source", "--data", self.source, "name a data file, folder or function")
+        is_function = self.source.count(":") == 1 and not _Path(self.source).exists()
+        if self.source != "synthetic" and not is_function and not _Path(self.source).exists():
             _fail(
                 "data.source",
                 "--data",
                 self.source,
-                "use 'synthetic' or 'package.module:function' (a function returning samples)",
+                "no such file or folder; use 'synthetic', a .jsonl file, a datasets folder, "
+                ".parquet files, or 'package.module:function'",
             )
+        if not isinstance(self.data_args, tuple) or any("=" not in a for a in self.data_args):
+            _fail("data.data_args", "--data-arg", self.data_args, "each must be key=value")
         if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int):
             _fail("data.seq_len", "--seq-len", self.seq_len, "must be an integer")
         if self.seq_len < MIN_SEQ_LEN:
             _fail("data.seq_len", "--seq-len", self.seq_len, f"use --seq-len {MIN_SEQ_LEN} or more")
         _positive_int("data.batch_size", "--batch-size", self.batch_size)
         _positive_int("data.grad_accum", "--grad-accum", self.grad_accum)
+        _choice("data.train_on", "--train-on", self.train_on, TRAIN_ON)
+        for name in ("min_pixels", "max_pixels", "video_min_pixels", "video_max_pixels"):
+            _optional_pixels(f"data.{name}", "--" + name.replace("_", "-"), getattr(self, name))
+        _positive_int("data.pack_window", "--pack-window", self.pack_window)
+        _positive_int("data.num_workers", "--num-workers", self.num_workers, zero_ok=True)
+        _positive_int("data.prefetch", "--prefetch", self.prefetch)
+        _choice("data.decode", "--decode", self.decode, DECODE)
 
 
 @dataclass(frozen=True)
@@ -176,7 +212,16 @@ class RunConfig:
 
 
 # Fields a resumed run may change; everything else must match the checkpoint for exactness.
-RESUMABLE_CHANGES = ("run.steps", "run.ckpt_every", "run.resume", "run.out", "run.device")
+RESUMABLE_CHANGES = (
+    "run.steps",
+    "run.ckpt_every",
+    "run.resume",
+    "run.out",
+    "run.device",
+    "data.num_workers",  # where pixels are made, not which
+    "data.prefetch",
+    "data.decode",
+)
 
 
 @dataclass(frozen=True)
@@ -216,7 +261,7 @@ class TrainConfig:
         return cls(
             model=ModelConfig(**d["model"]),
             parallel=ParallelConfig(**d["parallel"]),
-            data=DataConfig(**d["data"]),
+            data=DataConfig(**{**d["data"], "data_args": tuple(d["data"].get("data_args", ()))}),
             optim=OptimConfig(**d["optim"]),
             run=RunConfig(**d["run"]),
         )

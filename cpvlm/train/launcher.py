@@ -94,6 +94,42 @@ def _check_out(config: TrainConfig) -> None:
         )
 
 
+def _check_data(config: TrainConfig, mc) -> None:
+    import importlib
+    import sys
+
+    from cpvlm.data import source_kind
+    from cpvlm.train.data import check_data_fits, load_source
+    from cpvlm.train.loader import has_processor
+
+    spec = config.data.source
+    if spec == "synthetic":
+        check_data_fits(load_source("synthetic", mc, config.run.seed), config.data.seq_len)
+        return
+    try:
+        kind = source_kind(spec)
+    except ValueError as err:
+        raise ValueError(f"data.source {str(err).removeprefix('--data ')} (--data)") from None
+    if kind == "function":
+        module_name, _, func_name = spec.partition(":")
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())  # as `python -m` does; the ranks do the same
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as err:
+            raise ValueError(
+                f"data.source (--data): cannot import {module_name!r}: {err}"
+            ) from None
+        if not callable(getattr(module, func_name, None)):
+            raise ValueError(f"data.source (--data): {module_name} has no function {func_name!r}")
+    elif not has_processor(config.model.name):
+        raise ValueError(
+            f"data.source = {spec!r} (--data): conversations are tokenized by the model's own "
+            f"processor, but --model {config.model.name} is not a checkpoint directory with one "
+            "(tokenizer, chat template, image processor); pass --model DIR"
+        )
+
+
 def prepare(config: TrainConfig, world_size: int | None = None) -> TrainConfig:
     """Every check that needs no process group; returns the config with dp (and out) filled."""
     import torch
@@ -114,22 +150,7 @@ def prepare(config: TrainConfig, world_size: int | None = None) -> TrainConfig:
             f"GPUs, this machine has {torch.cuda.device_count()}"
         )
     mc = model_config(config.model.name)
-    from cpvlm.train.data import check_data_fits, load_source
-
-    if config.data.source == "synthetic":
-        check_data_fits(load_source("synthetic", mc, config.run.seed), config.data.seq_len)
-    else:
-        import importlib
-
-        module_name, _, func_name = config.data.source.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as err:
-            raise ValueError(
-                f"data.source (--data): cannot import {module_name!r}: {err}"
-            ) from None
-        if not callable(getattr(module, func_name, None)):
-            raise ValueError(f"data.source (--data): {module_name} has no function {func_name!r}")
+    _check_data(config, mc)
     if config.run.out:
         _check_out(config)
     return config
@@ -169,6 +190,8 @@ def _exit_when_orphaned(launcher_pid: int) -> None:
     def watch():
         while _alive(launcher_pid):
             time.sleep(0.5)
+        for child in multiprocessing.active_children():  # DataLoader workers go with the rank
+            child.kill()
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True, name="cpvlm-launcher-watch").start()
@@ -233,9 +256,15 @@ def launch_local(config: TrainConfig) -> None:
             raise
 
 
+_DATA_ERROR = "cpvlm.data.errors.DataError: "
+
+
 def _trim(msg: str, rank: int, world: int) -> str:
-    body = msg.split("terminated with the following error:\n", 1)[-1]
-    return f"rank {rank} of {world} failed:\n{body.rstrip()}"
+    body = msg.split("terminated with the following error:\n", 1)[-1].rstrip()
+    last = body.rsplit("\n", 1)[-1]
+    if last.startswith(_DATA_ERROR):  # bad data under --strict: its one line says it all
+        return f"bad data (--strict): {last.removeprefix(_DATA_ERROR)}"
+    return f"rank {rank} of {world} failed:\n{body}"
 
 
 def launch(config: TrainConfig) -> None:

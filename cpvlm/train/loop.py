@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cpvlm.data import ErrorLog
 from cpvlm.integrations.hf import ContextParallelVLM, build_model
 from cpvlm.loss import count_valid_labels, shift_labels
 from cpvlm.parallelize import build_mesh, mesh_groups, parallelize, sync_gradients
@@ -35,13 +36,21 @@ from cpvlm.train.checkpoint import (
     set_rng_state,
 )
 from cpvlm.train.config import TrainConfig
-from cpvlm.train.data import RowPacker, TokenIds, load_source
+from cpvlm.train.loader import agree_on_decode_failures, build_loader, report_planning_errors
 from cpvlm.train.metrics import MetricsLog, Progress, StepMemory, summarize
 
 VISION_TRAINABLE_PREFIXES = ("merger", "deepstack_merger_list")
 """Parts of the vision tower that ``--freeze-vision`` leaves trainable: the projectors."""
 
-_STATS = ("loss", "tokens", "rows", "rows_text_only", "ranks_no_image", "ranks_no_visual_tokens")
+_STATS = (
+    "loss",
+    "tokens",
+    "rows",
+    "rows_text_only",
+    "ranks_no_image",
+    "ranks_no_visual_tokens",
+    "rows_replaced",
+)
 
 
 def freeze_vision_encoder(model: nn.Module) -> None:
@@ -88,12 +97,11 @@ def train_rank(config: TrainConfig, device: torch.device) -> dict | None:
         params, lr=config.optim.lr, weight_decay=config.optim.weight_decay
     )
 
-    source = load_source(config.data.source, model.config, config.run.seed)
     data_state, start_step = None, 0
     if config.run.resume:
         path = latest_checkpoint(config.run.out)
         template = {
-            "data": {"next_index": 0, "offset": 0},
+            "data": {"window": 0, "row": 0},
             "rng": rng_state(device),
         }
         restored = load_checkpoint(
@@ -102,25 +110,25 @@ def train_rank(config: TrainConfig, device: torch.device) -> dict | None:
         set_rng_state(restored["rng"], device)
         data_state = restored["data"]
         start_step = read_meta(path)["step"]
-    packer = RowPacker(
-        source,
-        config.data.seq_len,
-        TokenIds.from_config(model.config),
-        dp_rank=groups.dp_rank,
-        dp_size=dp,
-        state=data_state,
+    if config.parallel.vision == "replicate":  # every rank encodes every unit
+        config = config.replace(data={"decode": "all"})
+    loader = build_loader(
+        config, model.config, groups, assign=cp_model.vision_assignment, state=data_state
     )
+    errors = ErrorLog(config.run.out if rank == 0 else None, strict=config.data.strict)
 
     log = MetricsLog(config.run.out, start_step=start_step) if rank == 0 else None
     progress = Progress(config.run.steps, start_step) if rank == 0 else None
-    rows_per_step = config.data.batch_size * config.data.grad_accum
     meta = {"config": config.to_dict(), "world_size": world}
     records = []
     memory = StepMemory(device)
     for step in range(start_step, config.run.steps):
         mem_start = memory.start()
         t0 = time.perf_counter()
-        rows = [packer.next_row() for _ in range(rows_per_step)]
+        rows = loader.next_step()
+        bad = report_planning_errors(rows, errors, step + 1)
+        rows, replaced = agree_on_decode_failures(rows, groups, dp, device, errors, step + 1)
+        data_s = time.perf_counter() - t0  # waiting for rows: what the loader did not hide
         shifted = [shift_labels(r.labels.view(1, -1), doc_lens=r.doc_lens) for r in rows]
         num_valid = count_valid_labels(shifted, groups.dp_group)
         loss_sum = torch.zeros((), dtype=torch.float64)
@@ -154,6 +162,7 @@ def train_rank(config: TrainConfig, device: torch.device) -> dict | None:
                 sum(not r.has_vision for r in rows) if lead else 0,
                 with_vision and units == 0,
                 with_vision and visual_tokens == 0,
+                replaced if lead else 0,
             ],
             dtype=torch.float64,
             device=device,
@@ -169,6 +178,7 @@ def train_rank(config: TrainConfig, device: torch.device) -> dict | None:
             "loss": stats["loss"],
             "tokens_per_s": stats["tokens"] / seconds,
             "step_time_s": seconds,
+            "data_time_s": data_s,
             "grad_norm": float(grad_norm),
             "lr": lr,
             "tokens": int(stats["tokens"]),
@@ -178,6 +188,9 @@ def train_rank(config: TrainConfig, device: torch.device) -> dict | None:
             "ranks": world,
             "ranks_no_image": int(stats["ranks_no_image"]),
             "ranks_no_visual_tokens": int(stats["ranks_no_visual_tokens"]),
+            "bad_samples": bad,
+            "rows_replaced": int(stats["rows_replaced"]),
+            "truncated": sum(r.truncated for r in rows),
             "mem_start_mib": mem_start,
             "mem_peak_mib": mem_peak,
         }
@@ -187,7 +200,7 @@ def train_rank(config: TrainConfig, device: torch.device) -> dict | None:
             progress.update(record)
         every = config.run.ckpt_every
         if (every and (step + 1) % every == 0) or step + 1 == config.run.steps:
-            rank_state = {"data": packer.state_dict(), "rng": rng_state(device)}
+            rank_state = {"data": loader.state_dict(), "rng": rng_state(device)}
             save_checkpoint(
                 config.run.out,
                 step + 1,
@@ -196,7 +209,8 @@ def train_rank(config: TrainConfig, device: torch.device) -> dict | None:
                 rank_state=rank_state,
                 meta=meta,
             )
+    loader.close()
     if rank != 0:
         return None
     progress.close()
-    return summarize(config, records, start_step, log)
+    return summarize(config, records, start_step, log, errors)

@@ -3,7 +3,10 @@
 ``metrics.jsonl`` holds one JSON object per step: ``step`` (1-based), ``loss`` (the step's mean
 loss over its valid labels, all DP ranks and microbatches), ``tokens_per_s`` (real tokens of the
 global batch / step wall time), ``step_time_s``, ``grad_norm`` (before clipping), ``lr``,
-``tokens``, ``valid_labels``, ``rows``, ``rows_text_only``, ``ranks`` (dp * cp), and
+``tokens``, ``valid_labels``, ``rows``, ``rows_text_only``, ``ranks`` (dp * cp),
+``data_time_s`` (rank 0's wait for its rows, and the agreement on decode failures),
+``bad_samples`` (skipped while planning the step's rows), ``rows_replaced`` (rows whose images
+failed to decode, trained as rows without labels), ``truncated`` (text samples cut), and
 ``ranks_no_image`` / ``ranks_no_visual_tokens``: ranks that, in a step whose rows hold images or
 videos, encoded no vision unit / held no visual token in their shards; ``mem_start_mib`` /
 ``mem_peak_mib``: the memory a rank held when the step began / its peak during the step, max over
@@ -124,7 +127,7 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def summarize(config, records: list[dict], start_step: int, log: MetricsLog) -> dict:
+def summarize(config, records: list[dict], start_step: int, log: MetricsLog, errors=None) -> dict:
     """Print the summary of this run (all steps in metrics.jsonl) and write summary.json."""
     everything = log.read()
     losses = [r["loss"] for r in everything]
@@ -142,6 +145,8 @@ def summarize(config, records: list[dict], start_step: int, log: MetricsLog) -> 
         "tokens_per_s": _mean([r["tokens_per_s"] for r in steady]),
         "step_time_s": _mean([r["step_time_s"] for r in steady]),
         "train_time_s": sum(r["step_time_s"] for r in records),
+        "data_time_share": sum(r.get("data_time_s", 0.0) for r in steady)
+        / max(sum(r["step_time_s"] for r in steady), 1e-12),
         "mem_peak_mib": max((r["mem_peak_mib"] for r in records), default=float("nan")),
         "ranks": ranks,
         "steps_with_images": len(vision_steps),
@@ -149,6 +154,9 @@ def summarize(config, records: list[dict], start_step: int, log: MetricsLog) -> 
         "mean_ranks_without_images": _mean(no_image),
         "steps_with_a_rank_without_visual_tokens": sum(n > 0 for n in no_tokens),
         "mean_ranks_without_visual_tokens": _mean(no_tokens),
+        "bad_samples": errors.summary() if errors is not None else {},
+        "rows_replaced": sum(r.get("rows_replaced", 0) for r in everything),
+        "truncated_samples": sum(r.get("truncated", 0) for r in everything),
         "out": str(log.path.parent),
     }
     with open(log.path.parent / SUMMARY, "w") as f:
@@ -161,7 +169,8 @@ def summarize(config, records: list[dict], start_step: int, log: MetricsLog) -> 
         f"  loss            {summary['loss_first']:.4f} -> {summary['loss_last']:.4f} "
         f"(mean of the first / last {k} steps)",
         f"  throughput      {summary['tokens_per_s']:,.0f} tokens/s, "
-        f"{summary['step_time_s']:.3f} s/step (after the first step)",
+        f"{summary['step_time_s']:.3f} s/step (after the first step), "
+        f"{summary['data_time_share']:.0%} of it waiting for data",
         f"  memory          peak {summary['mem_peak_mib']:,.0f} MiB on a rank (GPU: tensors; "
         "CPU: the process's resident set)",
         f"  vision          in {summary['steps_with_a_rank_without_images']} of "
@@ -171,5 +180,14 @@ def summarize(config, records: list[dict], start_step: int, log: MetricsLog) -> 
         f"(mean {summary['mean_ranks_without_visual_tokens']:.2f})",
         f"  outputs         {log.path} ; checkpoints in {Path(summary['out']) / 'checkpoints'}",
     ]
+    bad = summary["bad_samples"]
+    if bad or summary["truncated_samples"]:
+        skipped = ", ".join(f"{n} {reason}" for reason, n in bad.items()) or "none"
+        lines.insert(
+            -1,
+            f"  data            skipped {sum(bad.values())} bad samples ({skipped}; see "
+            f"{Path(summary['out']) / 'data_errors.jsonl'}), {summary['rows_replaced']} rows "
+            f"replaced, {summary['truncated_samples']} text samples cut to --seq-len",
+        )
     print("\n".join(lines), flush=True)
     return summary

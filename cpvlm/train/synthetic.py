@@ -36,7 +36,7 @@ KIND_WEIGHTS = {"text": 0.40, "image": 0.45, "video": 0.15}
 
 
 class SyntheticVLMData:
-    """An infinite map-style source of sample dicts (see ``cpvlm.train.data``): ``data[i]``."""
+    """An infinite map-style source of sample dicts (see ``cpvlm.data.sample``): ``data[i]``."""
 
     def __init__(self, model_config, *, seed: int = 0):
         self.config = model_config

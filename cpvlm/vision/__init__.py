@@ -1,11 +1,13 @@
 """Vision data parallelism over CP ranks: each unit encoded once, rows moved where needed.
 
-Read in this order: units.py (images and frames), assign.py (who encodes what), gather.py
-(all-gather, backward reduce-scatter), route.py (rows to position owners, backward transposed),
-parallel.py (VisionDataParallel, the wrapper that puts them together).
+Read in this order: units.py (images and frames), cost.py (what encoding a unit costs),
+assign.py (who encodes what), gather.py (all-gather, backward reduce-scatter), route.py (rows to
+position owners, backward transposed), parallel.py (VisionDataParallel, the wrapper that puts
+them together).
 """
 
 from cpvlm.vision.assign import assign_vision_units, contiguous_assignment
+from cpvlm.vision.cost import VisionCost
 from cpvlm.vision.gather import gather_vision_embeddings
 from cpvlm.vision.parallel import VisionDataParallel
 from cpvlm.vision.route import RoutePlan, route_plan, route_to_owners
@@ -13,6 +15,7 @@ from cpvlm.vision.units import VisionUnits, vision_units
 
 __all__ = [
     "RoutePlan",
+    "VisionCost",
     "VisionDataParallel",
     "VisionUnits",
     "assign_vision_units",

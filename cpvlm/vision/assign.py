@@ -1,9 +1,12 @@
-"""Which CP rank encodes which vision unit: balanced by patches, identical on every rank.
+"""Which CP rank encodes which vision unit: balanced by modelled cost, identical on every rank.
 
-Vision compute grows with a unit's patch count (attention within a frame grows faster still), so
-balancing by the number of images, as contiguous splitting does, leaves one rank with the big
-images while the others wait. The assignment is a pure function of the patch counts, so every
-rank computes the same one without communicating.
+A unit's encoder cost grows with its patches, and faster than linearly: attention within a frame
+grows with patches**2 (see cost.py). Balancing by the number of images, as contiguous splitting
+does, leaves one rank with the big images while the others wait at the next collective; so does
+balancing by patches when one image is large. The assignment balances the per-unit costs it is
+given (``VisionCost.unit_costs``, or plain patch counts) and is a pure function of them: integer
+costs, fixed tie-breaks, so every rank computes the same assignment without communicating.
+A unit is never split: the caller decides what a unit is (an image, or one frame of a video).
 """
 
 from __future__ import annotations
@@ -17,18 +20,21 @@ import torch
 _MAX_REFINE_STEPS_PER_UNIT = 4
 
 
-def _check_counts(patch_counts: Sequence[int] | torch.Tensor) -> list[int]:
-    if isinstance(patch_counts, torch.Tensor):
-        if patch_counts.dim() != 1 or patch_counts.is_floating_point():
+def _check_costs(costs: Sequence[int] | torch.Tensor) -> list[int]:
+    if isinstance(costs, torch.Tensor):
+        if costs.dim() != 1 or costs.is_floating_point() or costs.is_complex():
             raise ValueError(
-                f"patch_counts must be a 1-d integer tensor, got {patch_counts.dtype} of shape "
-                f"{tuple(patch_counts.shape)}"
+                f"costs must be a 1-d integer tensor, got {costs.dtype} of shape "
+                f"{tuple(costs.shape)}"
             )
-        patch_counts = patch_counts.tolist()
-    counts = list(patch_counts)
+        costs = costs.tolist()
+    counts = list(costs)
     for u, n in enumerate(counts):
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"patch_counts[{u}] = {n!r}; patch counts must be ints >= 0")
+            raise ValueError(
+                f"costs[{u}] = {n!r}; unit costs must be ints >= 0 (patch counts or "
+                "VisionCost.unit_costs), so that every rank's arithmetic is exact and identical"
+            )
     return counts
 
 
@@ -48,17 +54,17 @@ def _best_exchange(
 ) -> tuple[int, int | None] | None:
     """The move (u, None) or swap (u, v) from heavy to light that best halves ``gap``.
 
-    Moving d patches with 0 < d < gap lowers the heavier of the two ranks and strictly lowers the
+    Moving a cost d with 0 < d < gap lowers the heavier of the two ranks and strictly lowers the
     sum of squared loads, so refinement always terminates.
     """
     best, best_key = None, None
     light_sorted = sorted(light, key=lambda v: (counts[v], v))
-    light_counts = [counts[v] for v in light_sorted]
+    light_doubled = [2 * counts[v] for v in light_sorted]
     for u in sorted(heavy):
         candidates = [(u, None, counts[u])]
-        # Swap partner: light unit v with counts[u] - counts[v] closest to gap / 2.
-        target = counts[u] - gap / 2
-        i = bisect_left(light_counts, target)
+        # Swap partner: light unit v with counts[u] - counts[v] closest to gap / 2 (doubled, so
+        # that the arithmetic stays in exact ints).
+        i = bisect_left(light_doubled, 2 * counts[u] - gap)
         for j in (i - 1, i):
             if 0 <= j < len(light_sorted):
                 v = light_sorted[j]
@@ -71,24 +77,32 @@ def _best_exchange(
     return best
 
 
-def assign_vision_units(
-    patch_counts: Sequence[int] | torch.Tensor, cp_size: int
-) -> list[list[int]]:
-    """One list of unit indices per rank, balanced by patch count, each list ascending.
+def assign_vision_units(costs: Sequence[int] | torch.Tensor, cp_size: int) -> list[list[int]]:
+    """One list of unit indices per rank, balanced by unit cost, each list ascending.
 
-    Greedy longest-first, then pairwise moves and swaps between the most and least loaded ranks
-    while they reduce the imbalance. Deterministic; every rank gets the same answer. A rank may
-    get no units (more ranks than units); it must still join the collectives.
+    ``costs[u]`` is unit u's cost: ``VisionCost.unit_costs(units)`` (modelled encoder work), or
+    patch counts (``units.pixel_counts``) to balance patches. Greedy longest-first, then moves
+    and swaps from the most loaded rank to the least loaded rank that one improves, while any
+    does. No rank can end below max(costs), so max/mean is bounded by max(costs)/mean.
+    Deterministic; every rank gets the same answer. A rank may get no units (more ranks than
+    units); it must still join the collectives.
     """
     if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
-    counts = _check_counts(patch_counts)
+    counts = _check_costs(costs)
     per_rank = _lpt(counts, cp_size)
     loads = [sum(counts[u] for u in units) for units in per_rank]
     for _ in range(_MAX_REFINE_STEPS_PER_UNIT * len(counts)):
         hi = max(range(cp_size), key=lambda r: (loads[r], -r))
-        lo = min(range(cp_size), key=lambda r: (loads[r], r))
-        exchange = _best_exchange(per_rank[hi], per_rank[lo], counts, loads[hi] - loads[lo])
+        exchange = None
+        # The lightest partner first; a heavier one only when the lightest admits no exchange
+        # (its units are all too large to swap), so refinement does not stop at that pair.
+        for lo in sorted(range(cp_size), key=lambda r: (loads[r], r)):
+            if loads[lo] >= loads[hi]:
+                break
+            exchange = _best_exchange(per_rank[hi], per_rank[lo], counts, loads[hi] - loads[lo])
+            if exchange is not None:
+                break
         if exchange is None:
             break
         u, v = exchange

@@ -4,7 +4,7 @@ Legend: U units, R rows of all units (t*h*w/m**2 each), m merge size, W ranks, D
 
 Every rank holds the same pixel_values and grid_thw (replicated inputs). Each rank splits them
 into units (images, video frames), takes its share from ``assign_vision_units`` (balanced by
-patches), encodes only those, and then either
+the tower's modelled cost, ``VisionCost``), encodes only those, and then either
 - ``mode="allgather"``: all-gathers every unit's rows; every rank gets all R rows in the
   unwrapped tower's order (backward: reduce-scatter), or
 - ``mode="route"``: sends each row only to the rank owning its sequence position; every rank
@@ -29,6 +29,7 @@ from torch import nn
 from cpvlm.constants import VISION_DP_MODES
 from cpvlm.distributed.shard_plan import ShardPlan
 from cpvlm.vision.assign import assign_vision_units
+from cpvlm.vision.cost import VisionCost
 from cpvlm.vision.gather import gather_vision_embeddings
 from cpvlm.vision.route import route_plan, route_to_owners
 from cpvlm.vision.units import VisionUnits, check_merge_size, vision_units
@@ -56,6 +57,18 @@ def _join_output(tensors: list[torch.Tensor], has_deepstack: bool):
     return (tensors[0], list(tensors[1:])) if has_deepstack else tensors[0]
 
 
+def _cost_model(encoder: nn.Module, cost: VisionCost | None) -> VisionCost:
+    if cost is None:
+        supplied = getattr(encoder, "vision_cost", None)
+        cost = supplied() if callable(supplied) else VisionCost.patches()
+    if not isinstance(cost, VisionCost):
+        raise ValueError(
+            f"VisionDataParallel: cost must be a VisionCost (or encoder.vision_cost() return one), "
+            f"got {type(cost).__name__}"
+        )
+    return cost
+
+
 class VisionDataParallel(nn.Module):
     """Wrap a vision tower ``encoder(pixel_values, grid_thw)`` for data parallelism over CP ranks.
 
@@ -74,6 +87,9 @@ class VisionDataParallel(nn.Module):
             includes the CP ranks (its parameter all-gathers would not match). With the dummy
             frame every rank calls the tower exactly once per step.
         dtype: the tower's output dtype; required with ``out_dims``.
+        cost: the tower's cost model, by which units are balanced over ranks. Default: what
+            ``encoder.vision_cost()`` returns if the encoder has that method, else the patch
+            count (``VisionCost.patches()``). Every rank must pass the same one.
     """
 
     def __init__(
@@ -86,6 +102,7 @@ class VisionDataParallel(nn.Module):
         split_frames: bool = True,
         out_dims: int | Sequence[int] | None = None,
         dtype: torch.dtype | None = None,
+        cost: VisionCost | None = None,
     ):
         super().__init__()
         if mode not in VISION_DP_MODES:
@@ -101,12 +118,13 @@ class VisionDataParallel(nn.Module):
         self.split_frames = split_frames
         self.out_dims = out_dims
         self.dtype = dtype
+        self.cost = _cost_model(encoder, cost)
 
     def units(self, grid_thw: torch.Tensor) -> VisionUnits:
         return vision_units(grid_thw, self.merge_size, split_frames=self.split_frames)
 
     def assignment(self, units: VisionUnits) -> list[list[int]]:
-        return assign_vision_units(units.pixel_counts, dist.get_world_size(self.group))
+        return assign_vision_units(self.cost.unit_costs(units), dist.get_world_size(self.group))
 
     def forward(
         self,
@@ -115,8 +133,13 @@ class VisionDataParallel(nn.Module):
         *,
         plan: ShardPlan | None = None,
         row_positions: torch.Tensor | None = None,
+        local_pixels: bool = False,
     ):
         """Encode this rank's units and return what the unwrapped tower would.
+
+        ``local_pixels``: ``pixel_values`` holds only this rank's units, their pixel rows in
+        unit order (what a data loader that decodes only these gives); ``grid_thw`` is still
+        every item's.
 
         allgather mode: all R rows in the tower's order (``plan``/``row_positions`` unused).
         route mode: ``plan`` is the batch's ShardPlan and ``row_positions[g]`` the position of
@@ -125,8 +148,8 @@ class VisionDataParallel(nn.Module):
         """
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         units = self.units(grid_thw)
-        self._check_pixels(pixel_values, units)
         assignment = self.assignment(units)
+        self._check_pixels(pixel_values, units, assignment[rank] if local_pixels else None)
         rp = None
         if self.mode == "route":
             rp = self._route_plan(units, assignment, plan, row_positions, world, rank)
@@ -135,7 +158,9 @@ class VisionDataParallel(nn.Module):
 
         mine = assignment[rank]
         if mine:
-            pix = pixel_values.index_select(0, units.pixel_index(mine).to(pixel_values.device))
+            pix = pixel_values
+            if not local_pixels:
+                pix = pix.index_select(0, units.pixel_index(mine).to(pixel_values.device))
             out = self.encoder(pix, units.grid_thw(mine).to(grid_thw.device))
             tensors, has_deepstack = _split_output(out)
             self._check_output(tensors, has_deepstack, sum(units.row_counts[u] for u in mine))
@@ -156,14 +181,18 @@ class VisionDataParallel(nn.Module):
 
     # ---- pieces -------------------------------------------------------------------------------
 
-    def _check_pixels(self, pixel_values: torch.Tensor, units: VisionUnits) -> None:
+    def _check_pixels(self, pixel_values: torch.Tensor, units: VisionUnits, mine) -> None:
         if not isinstance(pixel_values, torch.Tensor) or pixel_values.dim() != 2:
             raise ValueError("VisionDataParallel: pixel_values must be a 2-d tensor [patches, C]")
-        expected = units.pixel_offsets[-1]
+        if mine is None:
+            expected, what = units.pixel_offsets[-1], "the grids have"
+        else:
+            expected = sum(units.pixel_counts[u] for u in mine)
+            what = f"with local_pixels this rank's units {mine} have"
         if pixel_values.shape[0] != expected:
             raise ValueError(
-                f"VisionDataParallel: pixel_values has {pixel_values.shape[0]} rows but the grids "
-                f"have {expected} patches (sum of t*h*w over grid_thw)"
+                f"VisionDataParallel: pixel_values has {pixel_values.shape[0]} rows but {what} "
+                f"{expected} patches (sum of t*h*w)"
             )
 
     def _route_plan(self, units, assignment, plan, row_positions, world, rank):

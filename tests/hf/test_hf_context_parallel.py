@@ -24,6 +24,7 @@ from cpvlm.integrations.hf import (  # noqa: E402
     prepare_batch,
     reference_loss_and_grads,
     synthetic_batch,
+    vision_cost,
 )
 from cpvlm.testing import DistributedTestError, rel_err, run_distributed  # noqa: E402
 
@@ -277,3 +278,44 @@ def test_bad_input_raises_on_every_rank_before_any_collective():
     with pytest.raises(DistributedTestError, match=r"rank\(s\) \[0, 1, 2\] raised") as info:
         run_distributed(_cp_step_expect_error, 3, "qwen3-vl-tiny", batch)
     assert "image tokens and features do not match" in str(info.value)
+
+
+def _local_pixels(rank, world_size, batch, cost):
+    """This rank's share of the pixel rows, as a loader that decodes only its units gives it
+    (units balanced by the tower's modelled cost, as ``ContextParallelVLM`` assigns them)."""
+    from cpvlm.vision import assign_vision_units, vision_units
+
+    grids = [batch[k] for k in ("image_grid_thw", "video_grid_thw") if k in batch]
+    units = vision_units(torch.cat(grids), 2)
+    mine = assign_vision_units(cost.unit_costs(units), world_size)[rank]
+    pixels = torch.cat([batch[k] for k in ("pixel_values", "pixel_values_videos") if k in batch])
+    rows = pixels[units.pixel_index(mine)]
+    n_images = sum(units.pixel_counts[u] for u in mine if units.items[u] < len(grids[0]))
+    local = {**batch, "pixel_values": rows[:n_images], "local_pixels": True}
+    if "pixel_values_videos" in batch:
+        local["pixel_values_videos"] = rows[n_images:]
+    return local, len(mine)
+
+
+def _cp_step_local(rank, world_size, name, dtype, batch, configs, cost):
+    local, n_units = _local_pixels(rank, world_size, batch, cost)
+    results = _cp_step(rank, world_size, name, dtype, local, configs)
+    assert all(r["encoded_units"] == n_units for r in results)
+    return results
+
+
+def test_local_pixels_match_transformers_float64():
+    """Each rank passes only the pixel rows of the units it encodes (images and video frames);
+    loss and every gradient equal the one-process model's (float64, 1e-10) at cp 2, in the
+    scalable flow (rows routed) and the compat flow (rows all-gathered). The single small image
+    leaves one rank with no unit and an empty [0, C] pixel tensor."""
+    name = "qwen3-vl-tiny"
+    model = _model(name, torch.float64)
+    configs = [("ring", "route", "scalable"), ("ring", "allgather", "compat")]
+    for batch in (_mixed_batch(model, torch.float64), _single_image_up_front(model, torch.float64)):
+        ref_loss, ref_grads = reference_loss_and_grads(model, batch)
+        per_rank = run_distributed(
+            _cp_step_local, 2, name, torch.float64, batch, configs, vision_cost(model)
+        )
+        for i in range(len(configs)):
+            _assert_close(per_rank[0][i], ref_loss, ref_grads, 1e-10)

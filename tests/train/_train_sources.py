@@ -3,6 +3,9 @@
 pytest puts this directory on sys.path; subprocess tests pass it in PYTHONPATH.
 """
 
+import torch
+import torch.distributed as dist
+
 from cpvlm.integrations.hf import SampleSpec, synthetic_batch
 
 
@@ -12,23 +15,41 @@ def _sample(model_config, spec: SampleSpec, seed: int) -> dict:
 
 
 def text_rows_on_dp0(model_config, seed):
-    """Even samples (DP rank 0 of 2): 100 text tokens; odd ones (DP rank 1): one image each.
-
-    With --seq-len 128 every row of DP rank 0 is text-only while DP rank 1's rows have images.
-    """
+    """128-token samples, text-only and with one image in turn: with --seq-len 128 every packed
+    row is one sample, so with dp 2 (one row per DP rank and step) DP rank 0's rows are all
+    text-only and DP rank 1's all have an image (4x4 patches: 4 tokens + start + end)."""
     return [
         _sample(
             model_config,
-            SampleSpec(text_len=100) if i % 2 == 0 else SampleSpec(images=((4, 4),), text_len=40),
+            SampleSpec(text_len=128) if i % 2 == 0 else SampleSpec(images=((4, 4),), text_len=122),
             seed * 100 + i,
         )
         for i in range(16)
     ]
 
 
-def broken_on_dp1(model_config, seed):
-    """60-token text samples; sample 5 (the third of DP rank 1 of 2) holds an image token but no
-    image, so DP rank 1 fails while building its second row (--seq-len 64)."""
-    samples = [_sample(model_config, SampleSpec(text_len=60), seed * 100 + i) for i in range(12)]
-    samples[5]["input_ids"][0, 10] = model_config.image_token_id
+class _UnreadableOnOneRank:
+    """60-token text samples; sample 5 cannot be read on global rank 2 (as if a file were
+    missing on one node's disk), so that rank alone fails."""
+
+    def __init__(self, model_config, seed):
+        self.config, self.seed = model_config, seed
+
+    def __getitem__(self, i):
+        if i == 5 and dist.get_rank() == 2:
+            raise OSError(f"sample {i}: cannot read shard-00005 on this node")
+        return _sample(self.config, SampleSpec(text_len=60), self.seed * 100 + i)
+
+
+def unreadable_on_rank2(model_config, seed):
+    return _UnreadableOnOneRank(model_config, seed)
+
+
+def nan_pixels(model_config, seed):
+    """Image samples whose third has a NaN pixel (the first step that packs it is non-finite)."""
+    samples = [
+        _sample(model_config, SampleSpec(images=((4, 4),), text_len=40), seed * 100 + i)
+        for i in range(8)
+    ]
+    samples[2]["pixel_values"][0, 0] = torch.nan
     return samples

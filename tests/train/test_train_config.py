@@ -44,7 +44,7 @@ def _error(capsys, argv) -> str:
         (["--model", "/no/such/dir"], "neither a tiny model"),
         (["--data", "no_such_module:samples"], "cannot import 'no_such_module'"),
         (["--data", "json:no_such_function"], "json has no function 'no_such_function'"),
-        (["--data", "data.jsonl"], "use 'synthetic' or 'package.module:function'"),
+        (["--data", "data.jsonl"], "data.jsonl' (--data): no such file or folder"),
         (["--resume"], "--resume continues the run in --out DIR"),
     ],
 )

@@ -1,12 +1,15 @@
-"""Synthetic samples and row packing: deterministic, the promised mix, nothing lost, resumable."""
+"""Synthetic samples and tokenized samples through the row stream: the promised mix, nothing lost."""
 
 import pytest
 import torch
 
+from cpvlm.constants import IGNORE_INDEX
+from cpvlm.data import DataError, RowStream, TokenIds, plan_tokenized
+from cpvlm.data.sources import ObjectSource
 from cpvlm.integrations.hf import SampleSpec, synthetic_batch, tiny_qwen2_5_vl_config
 from cpvlm.integrations.hf import tiny_qwen3_vl_config as qwen3
 from cpvlm.loss import shift_labels
-from cpvlm.train.data import IGNORE_INDEX, RowPacker, TokenIds, check_data_fits, normalize_sample
+from cpvlm.train.data import check_data_fits
 from cpvlm.train.synthetic import TEXT_BASE, TEXT_VOCAB, SyntheticVLMData
 
 CONFIG = qwen3()
@@ -35,7 +38,9 @@ def test_synthetic_mix_images_4x_apart_videos_and_text_only(make_config):
     sides, kinds, longest = [], set(), 0
     for i in range(200):
         s = data[i]
-        normalize_sample(s, TokenIds.from_config(config), i)  # valid under the protocol
+        plan_tokenized(
+            s, TokenIds.from_config(config), i, f"sample {i}"
+        )  # valid under the protocol
         longest = max(longest, s["input_ids"].numel())
         if "image_grid_thw" in s:
             kinds.add("image")
@@ -61,79 +66,69 @@ def test_synthetic_text_counts_through_a_small_vocabulary():
         assert steps.unique().numel() == 1 and int(steps[0]) in (1, 2, 3)
 
 
-def _rows(packer, n):
-    return [packer.next_row() for _ in range(n)]
+def _rows(source, seq_len, n, window=64):
+    stream = RowStream(source, lambda r: plan_tokenized(r.data, IDS, r.index, r.where),
+                       seq_len=seq_len, window=window, shuffle=False)  # fmt: skip
+    rows = stream.rows()
+    return [next(rows).row for _ in range(n)]
 
 
 def test_packing_loses_and_duplicates_nothing():
     data = SyntheticVLMData(CONFIG, seed=1)
-    rows = _rows(RowPacker(data, 200, IDS), 12)
-    stream = torch.cat([r.input_ids for r in rows])
-    expected = torch.cat([data[i]["input_ids"] for i in range(200)])[: stream.numel()]
-    assert torch.equal(stream, expected)
+    rows = _rows(ObjectSource(data, "synthetic"), 200, 12, window=32)
+    docs = sorted(d.index for r in rows for d in r.docs)
+    assert docs == sorted(set(docs)) and set(range(32)) <= set(docs)  # whole windows, once each
     for r in rows:
         assert r.num_tokens <= 200 and sum(r.doc_lens) == r.num_tokens
+        for d in r.docs:
+            assert torch.equal(d.input_ids, data[d.index]["input_ids"])  # whole, never cut
         n_images = int((r.input_ids == CONFIG.image_token_id).sum())
-        grids = r.vision.get("image_grid_thw", torch.zeros(0, 3, dtype=torch.long))
-        assert n_images == int((grids.prod(-1) // 4).sum())
+        assert n_images == int((r.grid_thw()[: len(r.images)].prod(-1) // 4).sum())
         # Labels: the ids, with the vision placeholders masked; per-document shift ends each doc.
         placeholders = torch.isin(r.input_ids, torch.tensor([IDS.image, IDS.video]))
         assert torch.equal(r.labels, r.input_ids.masked_fill(placeholders, IGNORE_INDEX))
         ends = torch.tensor(r.doc_lens).cumsum(0) - 1
         assert bool((shift_labels(r.labels, doc_lens=r.doc_lens)[ends] == IGNORE_INDEX).all())
     assert sum(len(r.doc_lens) for r in rows) > len(rows)  # several documents per row
-
-
-def test_packer_resumes_from_its_state_and_splits_data_over_dp():
-    data = SyntheticVLMData(CONFIG, seed=2)
-    a = RowPacker(data, 160, IDS, dp_rank=1, dp_size=2)
-    _rows(a, 4)
-    state = a.state_dict()
-    b = RowPacker(data, 160, IDS, dp_rank=1, dp_size=2, state=state)
-    for ra, rb in zip(_rows(a, 5), _rows(b, 5)):
-        assert torch.equal(ra.input_ids, rb.input_ids) and ra.doc_lens == rb.doc_lens
-        assert ra.vision.keys() == rb.vision.keys()
-        assert all(torch.equal(ra.vision[k], rb.vision[k]) for k in ra.vision)
-    # DP rank 1 of 2 reads the odd samples only.
-    one = torch.cat(
-        [r.input_ids for r in _rows(RowPacker(data, 160, IDS, dp_rank=1, dp_size=2), 3)]
-    )
-    odd = torch.cat([data[i]["input_ids"] for i in range(1, 60, 2)])[: one.numel()]
-    assert torch.equal(one, odd)
+    assert sum(r.num_tokens for r in rows[:-1]) / (200 * (len(rows) - 1)) > 0.9  # nearly full
 
 
 def test_user_samples_in_processor_layout_from_a_list():
-    """A list of processor-style samples ([1, L] with labels and mm_token_type_ids) is cycled."""
+    """A list of processor-style samples ([1, L] with labels and mm_token_type_ids) is cycled;
+    a text-only sample longer than a row is cut to the row."""
     samples = [
         synthetic_batch(CONFIG, [SampleSpec(images=((2, 4),), text_len=20)], seed=0),
         synthetic_batch(CONFIG, [SampleSpec(text_len=30)], seed=1),
+        synthetic_batch(CONFIG, [SampleSpec(text_len=50)], seed=2),
     ]
-    assert [s["input_ids"].shape[1] for s in samples] == [24, 30]
-    rows = _rows(RowPacker(samples, 40, IDS), 4)
-    # Text-only samples split to fill a row (the rest is a new document in the next row); the
-    # image sample moves whole to the next row when it does not fit.
-    assert [r.doc_lens for r in rows] == [[24, 16], [14, 24, 2], [28], [24, 16]]
-    assert [r.has_vision for r in rows] == [True, True, False, True]
-    assert torch.equal(rows[2].input_ids, samples[1]["input_ids"][0, 2:])
+    assert [s["input_ids"].shape[1] for s in samples] == [24, 30, 50]
+    rows = _rows(ObjectSource(samples, "samples"), 40, 4, window=3)
+    assert [[d.index for d in r.docs] for r in rows] == [[0], [1], [2], [0]]
+    assert [r.doc_lens for r in rows] == [[24], [30], [40], [24]]
+    assert rows[2].docs[0].truncated and torch.equal(
+        rows[2].input_ids, samples[2]["input_ids"][0, :40]
+    )
+    assert [bool(r.images) for r in rows] == [True, False, False, True]
 
 
 def test_bad_samples_are_named():
-    with pytest.raises(ValueError, match="sample 3: 1 image tokens"):
+    with pytest.raises(DataError, match="1 image tokens") as err:
         ids = torch.tensor([20, 21, CONFIG.image_token_id, 22])
-        normalize_sample({"input_ids": ids}, IDS, 3)
-    with pytest.raises(ValueError, match="unknown keys"):
-        normalize_sample({"input_ids": [1, 2], "pixels": 0}, IDS, 0)
+        plan_tokenized({"input_ids": ids}, IDS, 3, "sample 3")
+    assert err.value.reason == "vision_token_mismatch"
+    with pytest.raises(DataError, match="unknown keys"):
+        plan_tokenized({"input_ids": [1, 2], "pixels": 0}, IDS, 0, "sample 0")
     big = synthetic_batch(CONFIG, [SampleSpec(images=((8, 8),), text_len=60)], seed=0)
-    with pytest.raises(ValueError, match="raise --seq-len to at least 78"):
-        RowPacker([big], 64, IDS).next_row()
+    stream = RowStream(ObjectSource([big, {"input_ids": torch.arange(20, 40)}], "x"),
+                       lambda r: plan_tokenized(r.data, IDS, r.index, r.where), seq_len=64,
+                       window=2, shuffle=False)  # fmt: skip
+    first = next(stream.rows())
+    assert [(e.where, e.reason) for e in first.errors] == [("x sample 0", "too_long")]
 
     def once():
         yield {"input_ids": torch.arange(20, 40)}
 
-    packer = RowPacker(once(), 16, IDS)
-    packer.next_row()
-    with pytest.raises(ValueError, match="one-shot generator"):
-        _rows(packer, 2)
+    assert len(ObjectSource(once(), "generator")) == 1  # read once into a list, then cycled
 
 
 def test_seq_len_too_short_for_the_synthetic_images():

@@ -36,7 +36,7 @@ def test_text_only_rows_on_one_dp_rank_fsdp_equals_plain_sum(tmp_path):
     own unit) must not hang, and its losses equal those of the plain all-reduce sum (float64,
     1e-10: the two syncs add the same gradients in another order)."""
     flags = ["--cp", "2", "--dp", "2", "--steps", "2", "--seq-len", "128", "--dtype", "float64"]
-    flags += ["--data", "_train_sources:text_rows_on_dp0"]
+    flags += ["--data", "_train_sources:text_rows_on_dp0", "--no-shuffle"]
     fsdp = _train(tmp_path / "fsdp", *flags)
     plain = _train(tmp_path / "none", *flags, "--data-parallel", "none")
     for a, b in zip(fsdp, plain, strict=True):

@@ -16,6 +16,7 @@ from cpvlm.integrations.hf.models import (
     tiny_qwen2_5_vl_config,
     tiny_qwen3_vl_config,
 )
+from cpvlm.integrations.hf.vision_cost import vision_cost
 
 __all__ = [
     "CP_ATTENTION",
@@ -35,4 +36,5 @@ __all__ = [
     "synthetic_batch",
     "tiny_qwen2_5_vl_config",
     "tiny_qwen3_vl_config",
+    "vision_cost",
 ]

@@ -23,11 +23,12 @@ from torch import nn
 from cpvlm.constants import ATTN_IMPLS, FLOWS, VISION_MODES
 from cpvlm.distributed.shard_plan import pad_and_shard
 from cpvlm.loss import IGNORE_INDEX, token_mean_loss
-from cpvlm.vision import VisionDataParallel
+from cpvlm.vision import VisionDataParallel, VisionUnits, assign_vision_units
 
 from .attention import CP_ATTENTION, CPAttentionContext
 from .inputs import OPTIONAL_KEYS, PreparedBatch, prepare_batch
 from .models import model_family
+from .vision_cost import vision_cost
 
 
 @dataclass
@@ -76,7 +77,10 @@ class ContextParallelVLM(nn.Module):
         flow: ``"scalable"`` or ``"compat"`` (full ``inputs_embeds`` built, then sharded).
 
     ``forward(**batch)`` takes the same full batch on every CP rank and returns a
-    ``ContextParallelOutput`` whose ``loss`` is this rank's share.
+    ``ContextParallelOutput`` whose ``loss`` is this rank's share. With ``local_pixels=True``
+    the pixel values (images, then videos) hold only the rows of the units this rank encodes,
+    ``vision_assignment(units)[cp_rank]``, in unit order: a loader then decodes each image and
+    frame once per CP group (not with ``vision="replicate"``, which encodes every unit).
     """
 
     def __init__(
@@ -109,6 +113,7 @@ class ContextParallelVLM(nn.Module):
         self.attn, self.vision, self.flow = attn, vision, flow
         self.cp_size = dist.get_world_size(cp_group)
         self.cp_rank = dist.get_rank(cp_group)
+        self.vision_cost = vision_cost(model)  # units balanced by the tower's modelled cost
         model.model.language_model.set_attn_implementation(CP_ATTENTION)
 
     def forward(
@@ -118,17 +123,24 @@ class ContextParallelVLM(nn.Module):
         *,
         num_valid: int | None = None,
         doc_lens=None,
+        local_pixels: bool = False,
         **batch,
     ) -> ContextParallelOutput:
         unknown = set(batch) - set(OPTIONAL_KEYS)
         if unknown:
             raise ValueError(f"ContextParallelVLM: unexpected batch keys {sorted(unknown)}")
+        if local_pixels and self.vision == "replicate":
+            raise ValueError(
+                "ContextParallelVLM: vision='replicate' encodes every unit on every rank and "
+                "needs every pixel row; pass the full pixel values (local_pixels=False)"
+            )
         prep = prepare_batch(
             self.model,
             {"input_ids": input_ids, "labels": labels, **batch},
             self.cp_size,
             doc_lens=doc_lens,
             num_valid=num_valid,
+            local_pixels=local_pixels,
         )
         local = pad_and_shard(
             {
@@ -166,6 +178,11 @@ class ContextParallelVLM(nn.Module):
             local_visual_tokens=int(visual_mask_loc.sum()),
             encoded_units=encoded,
         )
+
+    def vision_assignment(self, units: VisionUnits) -> list[list[int]]:
+        """The units each CP rank encodes: ``VisionDataParallel``'s assignment, balanced by the
+        tower's modelled cost (a loader that decodes only this rank's units must use this one)."""
+        return assign_vision_units(self.vision_cost.unit_costs(units), self.cp_size)
 
     def _local_embeddings(self, prep: PreparedBatch, ids_loc, visual_mask_loc):
         """``(inputs_embeds [B, L, D], deepstack rows of the local visual positions, units)``.
@@ -207,7 +224,11 @@ class ContextParallelVLM(nn.Module):
             # With no units at all, "replicate" runs the same dummy frame as the other modes.
             mode = "allgather" if self.vision == "replicate" else self.vision
             vdp = VisionDataParallel(
-                tower, self.cp_group, mode=mode, merge_size=visual.spatial_merge_size
+                tower,
+                self.cp_group,
+                mode=mode,
+                merge_size=visual.spatial_merge_size,
+                cost=self.vision_cost,
             )
             encoded = len(vdp.assignment(vdp.units(prep.grid_thw))[self.cp_rank])
             if mode == "route":
@@ -216,9 +237,10 @@ class ContextParallelVLM(nn.Module):
                     prep.grid_thw,
                     plan=prep.plan,
                     row_positions=prep.row_positions,
+                    local_pixels=prep.local_pixels,
                 )
             else:
-                out = vdp(pixel_values, prep.grid_thw)
+                out = vdp(pixel_values, prep.grid_thw, local_pixels=prep.local_pixels)
         rows = [out[0], *out[1]] if isinstance(out, tuple) else [out]
         if self.flow == "scalable" and self.vision != "route":
             mine = _local_row_order(prep, self.cp_rank).to(rows[0].device)

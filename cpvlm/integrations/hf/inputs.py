@@ -48,6 +48,7 @@ class PreparedBatch:
     grid_thw: torch.Tensor  # [items, 3] images then videos ([0, 3] for text only)
     row_positions: torch.Tensor  # [R] b * P + p of each visual row, tower order
     pixel_width: int  # C of a pixel row
+    local_pixels: bool = False  # pixel_parts hold only this CP rank's units (see prepare_batch)
 
     def pixel_values(self, dtype: torch.dtype) -> torch.Tensor:
         """``[patches, C]`` images then videos in ``dtype``. Build it only where it is used: it
@@ -62,7 +63,9 @@ def _tokens_per_item(grids: list[tuple[int, int, int]], merge: int) -> list[int]
     return [t * h * w // merge**2 for t, h, w in grids]
 
 
-def _check_vision(kind: str, ids, token_id, pixels, grid_thw, merge) -> list[tuple[int, int, int]]:
+def _check_vision(
+    kind: str, ids, token_id, pixels, grid_thw, merge, local: bool
+) -> list[tuple[int, int, int]]:
     n_tokens = int((ids == token_id).sum())
     if grid_thw is None:
         if pixels is not None:
@@ -79,7 +82,7 @@ def _check_vision(kind: str, ids, token_id, pixels, grid_thw, merge) -> list[tup
     if pixels is None:
         raise ValueError(f"{kind}_grid_thw was given without its pixel values")
     patches = sum(t * h * w for t, h, w in grids)
-    if pixels.dim() != 2 or pixels.shape[0] != patches:
+    if pixels.dim() != 2 or (pixels.shape[0] != patches and not local):
         raise ValueError(
             f"{kind} pixel values have shape {tuple(pixels.shape)} but {kind}_grid_thw needs "
             f"{patches} patch rows (sum of t*h*w)"
@@ -148,6 +151,7 @@ def prepare_batch(
     *,
     doc_lens: Sequence[int] | torch.Tensor | None = None,
     num_valid: int | None = None,
+    local_pixels: bool = False,
 ) -> PreparedBatch:
     """Validate a full training batch and derive the replicated inputs of a CP step.
 
@@ -156,6 +160,8 @@ def prepare_batch(
     ``pixel_values``/``image_grid_thw``, ``pixel_values_videos``/``video_grid_thw`` (and
     ``second_per_grid_ts`` for Qwen2.5-VL videos). ``doc_lens`` packs one row into documents
     (positions restart, no attention across documents, labels shifted per document).
+    ``local_pixels``: the pixel values hold only the rows of the units this CP rank encodes
+    (``VisionDataParallel`` checks their count).
     """
     config = model.config
     merge = config.vision_config.spatial_merge_size
@@ -176,11 +182,11 @@ def prepare_batch(
 
     image_grids = _check_vision(
         "image", ids, config.image_token_id, batch.get("pixel_values"),
-        batch.get("image_grid_thw"), merge,
+        batch.get("image_grid_thw"), merge, local_pixels,
     )  # fmt: skip
     video_grids = _check_vision(
         "video", ids, config.video_token_id, batch.get("pixel_values_videos"),
-        batch.get("video_grid_thw"), merge,
+        batch.get("video_grid_thw"), merge, local_pixels,
     )  # fmt: skip
     mm_types = batch.get("mm_token_type_ids")
     expected_types = (ids == config.image_token_id).long() + 2 * (
@@ -271,4 +277,5 @@ def prepare_batch(
         grid_thw=grids,
         row_positions=row_positions,
         pixel_width=width,
+        local_pixels=local_pixels,
     )

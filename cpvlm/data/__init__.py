@@ -1,0 +1,43 @@
+"""Training data: records -> planned samples -> packed rows -> this rank's pixels.
+
+Model-agnostic (no ``transformers`` import): a model's processor plugs in as the ``plan`` and
+``decode`` callables (``cpvlm.integrations.hf.processor`` for Hugging Face checkpoints). Read in
+this order: sources.py (where records come from), sample.py (a planned sample), media.py (image
+headers and decoding), order.py and packing.py (which sample when, rows, DP split), rows.py (the
+global row stream), loader.py (this rank's rows, decoding in DataLoader workers), errors.py.
+"""
+
+from cpvlm.data.errors import ERRORS_FILE, REASONS, DataError, ErrorLog
+from cpvlm.data.loader import DECODE_MODES, LocalRow, RankLoader, RowJob, decode_row, patch_balanced
+from cpvlm.data.order import SampleOrder
+from cpvlm.data.packing import dp_split, pack_window
+from cpvlm.data.rows import PackedPlan, RowStream
+from cpvlm.data.sample import SamplePlan, TokenIds, VisionItem, check_tokens, plan_tokenized
+from cpvlm.data.sources import Record, open_source, parse_data_args, source_kind
+
+__all__ = [
+    "DECODE_MODES",
+    "ERRORS_FILE",
+    "REASONS",
+    "DataError",
+    "ErrorLog",
+    "LocalRow",
+    "PackedPlan",
+    "RankLoader",
+    "Record",
+    "RowJob",
+    "RowStream",
+    "SampleOrder",
+    "SamplePlan",
+    "TokenIds",
+    "VisionItem",
+    "check_tokens",
+    "decode_row",
+    "dp_split",
+    "open_source",
+    "pack_window",
+    "parse_data_args",
+    "patch_balanced",
+    "plan_tokenized",
+    "source_kind",
+]

@@ -1,0 +1,311 @@
+"""This rank's rows, step by step: the global stream split over DP, pixels only for its units.
+
+Legend: R rows per DP rank per step (batch size x grad accumulation), U vision units of a row
+(images, and video temporal patches), C pixel row width.
+
+Per step every rank takes the next R * dp rows of the global ``RowStream``, keeps its DP rank's
+R rows (``dp_split``), and for each row computes which units its CP rank encodes, with the same
+assignment as the model's ``VisionDataParallel`` (``assign``, patch-balanced by default). That
+planning runs in the main process, as the DataLoader's sampler; the decoding runs in DataLoader
+workers (``num_workers``, ``prefetch`` rows ahead each): a worker decodes and processes only the
+images and video frames of this rank's units. ``decode="all"`` decodes every unit on every rank
+(the baseline, and what ``vision="replicate"`` needs).
+
+A unit that fails to decode does not raise in the worker: the row comes back with ``error`` set,
+and the trainer agrees on it with the other CP ranks (they decoded other units) before any of
+them runs the row. ``state_dict()`` is the stream position after the last step handed out.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from cpvlm.constants import IGNORE_INDEX
+from cpvlm.data.errors import DataError
+from cpvlm.data.packing import dp_split
+from cpvlm.data.rows import PackedPlan, RowStream
+from cpvlm.data.sample import TokenIds, VisionItem
+from cpvlm.vision.assign import assign_vision_units
+from cpvlm.vision.units import VisionUnits, vision_units
+
+DECODE_MODES = ("local", "all")
+BLANK_TOKENS = 16
+
+Decoder = Callable[[VisionItem, Sequence[int] | None], torch.Tensor]
+"""``decode(item, temporal)``: pixel rows ``[len(temporal) * h * w, C]`` of the item's temporal
+patches ``temporal`` (``None``: all of them), in the processor's layout; raises ``DataError``."""
+
+Assign = Callable[[VisionUnits], list[list[int]]]
+
+
+def patch_balanced(cp_size: int) -> Assign:
+    """The assignment ``VisionDataParallel`` uses by default: balanced by patch counts."""
+    return lambda units: assign_vision_units(units.pixel_counts, cp_size)
+
+
+@dataclass
+class RowJob:
+    """A row for this rank to finish: what to decode, and what to report with it."""
+
+    step: int
+    row: PackedPlan
+    ids: TokenIds
+    units: list[int] | None  # this rank's units, ascending; None: all
+    state_after: dict  # the stream position after this row's step
+    errors: list[DataError] = field(default_factory=list)
+    truncated: int = 0
+
+
+@dataclass
+class LocalRow:
+    """One packed row as this rank trains on it: all ids and grids, pixels of its units only."""
+
+    step: int
+    input_ids: torch.Tensor  # [S]
+    labels: torch.Tensor  # [S] unshifted
+    doc_lens: list[int]
+    ids: TokenIds
+    vision: dict[str, torch.Tensor]  # grids (all items), pixel rows (this rank's units), seconds
+    local: bool  # pixel rows are this rank's units only (else every unit's)
+    units: list[int]
+    state_after: dict
+    errors: list[DataError] = field(default_factory=list)  # bad samples found while planning
+    truncated: int = 0
+    decoded: list[str] = field(default_factory=list)  # media decoded for this row on this rank
+    error: DataError | None = None  # a unit of this rank failed to decode
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def has_vision(self) -> bool:
+        return "image_grid_thw" in self.vision or "video_grid_thw" in self.vision
+
+    @property
+    def grid_thw(self) -> torch.Tensor:
+        """``[items, 3]``: the images, then the videos (the order of the units)."""
+        grids = [self.vision[k] for k in ("image_grid_thw", "video_grid_thw") if k in self.vision]
+        return torch.cat(grids) if grids else torch.zeros(0, 3, dtype=torch.long)
+
+    def batch(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """Keyword arguments of ``ContextParallelVLM`` for this row (with ``doc_lens`` apart)."""
+        ids = self.input_ids.view(1, -1)
+        mm_types = (ids == self.ids.image).long() + 2 * (ids == self.ids.video).long()
+        out = {"input_ids": ids, "labels": self.labels.view(1, -1), "mm_token_type_ids": mm_types}
+        out.update(self.vision)
+        out = {k: v.to(device) for k, v in out.items()}
+        if self.local and self.has_vision:
+            out["local_pixels"] = True
+        return out
+
+    def blank(self) -> LocalRow:
+        """A row that trains nothing (no labels, no vision), in place of one that failed."""
+        ids = torch.zeros(BLANK_TOKENS, dtype=torch.long)
+        return LocalRow(
+            self.step, ids, torch.full_like(ids, IGNORE_INDEX), [BLANK_TOKENS], self.ids, {},
+            False, [], self.state_after, self.errors, self.truncated,
+        )  # fmt: skip
+
+
+def _item_rows(decode: Decoder, item: VisionItem, temporal: list[int] | None) -> torch.Tensor:
+    if item.pixels is not None:  # tokenized samples: the rows are already made
+        if temporal is None:
+            return item.pixels
+        n = item.patches_per_frame
+        return torch.cat([item.pixels[j * n : (j + 1) * n] for j in temporal])
+    rows = decode(item, temporal)
+    t = item.grid[0] if temporal is None else len(temporal)
+    if rows.dim() != 2 or rows.shape[0] != t * item.patches_per_frame:
+        raise DataError(
+            "vision_token_mismatch",
+            f"the processor made pixel rows of shape {tuple(rows.shape)} for a {item.kind} whose "
+            f"grid {list(item.grid)} needs {t * item.patches_per_frame} rows",
+        )
+    return rows
+
+
+def _names(item: VisionItem, temporal: list[int] | None, temporal_patch: int) -> list[str]:
+    if item.pixels is not None:
+        return []
+    if item.kind == "image":
+        return [item.image.name]
+    frames = range(len(item.frames)) if temporal is None else [
+        f for j in temporal for f in range(j * temporal_patch, (j + 1) * temporal_patch)
+    ]  # fmt: skip
+    return sorted({item.frames[min(f, len(item.frames) - 1)].name for f in frames})
+
+
+def decode_row(job: RowJob, decode: Decoder, temporal_patch: int = 2) -> LocalRow:
+    """Make the pixel rows of ``job``'s units (in unit order) and return the finished row."""
+    row = job.row
+    grids = row.grid_thw()
+    images, videos = row.images, row.videos
+    vision: dict[str, torch.Tensor] = {}
+    if images:
+        vision["image_grid_thw"] = grids[: len(images)]
+    if videos:
+        vision["video_grid_thw"] = grids[len(images) :]
+        seconds = [it.second_per_grid for _, it in videos]
+        if any(s is not None for s in seconds):
+            vision["second_per_grid_ts"] = torch.tensor([s or 0.0 for s in seconds])
+    units = vision_units(grids, job.ids.merge)
+    mine = list(range(units.num_units)) if job.units is None else job.units
+    out = LocalRow(
+        job.step, row.input_ids, row.labels, row.doc_lens, job.ids, vision, job.units is not None,
+        mine, job.state_after, job.errors, job.truncated,
+    )  # fmt: skip
+    # Units of one item are consecutive: decode each item once, with the temporal patches asked.
+    wanted: dict[int, list[int]] = {}
+    first_unit = {}
+    for u, item in enumerate(units.items):
+        first_unit.setdefault(item, u)
+    for u in mine:
+        wanted.setdefault(units.items[u], []).append(u - first_unit[units.items[u]])
+    parts: dict[str, list[torch.Tensor]] = {"pixel_values": [], "pixel_values_videos": []}
+    for k, temporal in wanted.items():
+        doc, item = (images + videos)[k]
+        if item.kind == "image" or len(temporal) == item.grid[0]:
+            temporal = None
+        try:
+            rows = _item_rows(decode, item, temporal)
+        except DataError as err:
+            out.error = err.at(doc.where)
+            return out
+        except Exception as err:  # a processor failing on a strange image
+            out.error = DataError("unreadable_media", f"{type(err).__name__}: {err}", doc.where)
+            return out
+        out.decoded += _names(item, temporal, temporal_patch)
+        parts["pixel_values" if item.kind == "image" else "pixel_values_videos"].append(rows)
+    for key, grid_key in (
+        ("pixel_values", "image_grid_thw"),
+        ("pixel_values_videos", "video_grid_thw"),
+    ):
+        if grid_key in vision:
+            tensors = parts[key]
+            vision[key] = torch.cat(tensors) if tensors else torch.zeros(0, job.ids.pixel_width)
+    return out
+
+
+class _DecodeRows(torch.utils.data.Dataset):
+    """``dataset[job]`` -> ``LocalRow``: what a DataLoader worker runs."""
+
+    def __init__(self, decode: Decoder, temporal_patch: int):
+        self.decode, self.temporal_patch = decode, temporal_patch
+
+    def __getitem__(self, job: RowJob) -> LocalRow:
+        return decode_row(job, self.decode, self.temporal_patch)
+
+
+class _Jobs:
+    """The DataLoader's sampler: this rank's jobs, planned lazily in the main process."""
+
+    def __init__(self, loader: RankLoader):
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[RowJob]:
+        return self.loader._jobs()
+
+
+def _identity(x):
+    return x
+
+
+def _worker_context():
+    # fork: workers start in milliseconds, without importing torch and the processor again
+    # (training ranks are often forkserver or spawn children, whose default they would inherit).
+    methods = multiprocessing.get_all_start_methods()
+    return multiprocessing.get_context("fork" if "fork" in methods else methods[0])
+
+
+def _worker_init(_: int) -> None:
+    torch.set_num_threads(1)  # decoding is per-image work; ranks already use the cores
+
+
+class RankLoader:
+    """Rows for one (DP rank, CP rank), ``rows_per_step`` at a time (see the module docstring)."""
+
+    def __init__(
+        self,
+        stream: RowStream,
+        decode: Decoder,
+        ids: TokenIds,
+        *,
+        rows_per_step: int = 1,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        cp_rank: int = 0,
+        cp_size: int = 1,
+        assign: Assign | None = None,
+        decode_mode: str = "local",
+        num_workers: int = 0,
+        prefetch: int = 2,
+        temporal_patch: int = 2,
+        state: dict | None = None,
+    ):
+        if decode_mode not in DECODE_MODES:
+            raise ValueError(f"decode_mode must be one of {DECODE_MODES}, got {decode_mode!r}")
+        if not (0 <= dp_rank < dp_size and 0 <= cp_rank < cp_size):
+            raise ValueError(
+                f"rank (dp {dp_rank}, cp {cp_rank}) outside dp {dp_size} x cp {cp_size}"
+            )
+        self.stream, self.ids = stream, ids
+        self.rows_per_step = rows_per_step
+        self.dp_rank, self.dp_size, self.cp_rank = dp_rank, dp_size, cp_rank
+        self.assign = assign or patch_balanced(cp_size)
+        self.decode_mode = decode_mode
+        self._start = dict(state) if state else {"window": 0, "row": 0}
+        self._state = dict(self._start)
+        self._dataloader = torch.utils.data.DataLoader(
+            _DecodeRows(decode, temporal_patch),
+            batch_size=None,
+            sampler=_Jobs(self),
+            num_workers=num_workers,
+            prefetch_factor=prefetch if num_workers else None,
+            collate_fn=_identity,
+            worker_init_fn=_worker_init if num_workers else None,
+            multiprocessing_context=_worker_context() if num_workers else None,
+        )
+        self._iter = None
+
+    def _units(self, row: PackedPlan) -> list[int] | None:
+        if self.decode_mode == "all":
+            return None
+        grids = row.grid_thw()
+        if not len(grids):
+            return []
+        return sorted(self.assign(vision_units(grids, self.ids.merge))[self.cp_rank])
+
+    def _jobs(self) -> Iterator[RowJob]:
+        rows = self.stream.rows(self._start)
+        step, per_step = 0, self.rows_per_step * self.dp_size
+        while True:
+            batch = [next(rows) for _ in range(per_step)]
+            errors = [e for b in batch for e in b.errors]
+            truncated = sum(b.truncated for b in batch)
+            mine = dp_split([b.row.num_tokens for b in batch], self.dp_size)[self.dp_rank]
+            for n, i in enumerate(mine):
+                row = batch[i].row
+                yield RowJob(
+                    step, row, self.ids, self._units(row), batch[-1].state_after,
+                    errors if n == 0 else [], truncated if n == 0 else 0,
+                )  # fmt: skip
+            step += 1
+
+    def next_step(self) -> list[LocalRow]:
+        """This rank's ``rows_per_step`` rows of the next step."""
+        if self._iter is None:
+            self._iter = iter(self._dataloader)
+        rows = [next(self._iter) for _ in range(self.rows_per_step)]
+        self._state = dict(rows[-1].state_after)
+        return rows
+
+    def state_dict(self) -> dict[str, int]:
+        return dict(self._state)
+
+    def close(self) -> None:
+        self._iter = None  # shuts the workers down

@@ -1,0 +1,207 @@
+"""One planned sample: its token ids and labels, and its images and videos as grids.
+
+Legend: L tokens of the sample, a grid (t, h, w) in patches, m spatial merge size, C the width of
+a pixel row (channels * temporal patch * patch**2).
+
+A ``SamplePlan`` holds everything every rank needs (ids, labels, grids) and, per vision item,
+how to get its pixels: a reference to decode (conversations) or the pixel rows themselves
+(tokenized samples). It is built identically on every rank; pixels are made later, only for the
+units a rank encodes.
+
+Tokenized samples are dicts laid out as a Qwen-VL processor writes one sample (a leading batch
+dim of 1 is dropped): ``input_ids`` [L]; optional ``labels`` [L] (unshifted; default: the ids
+with image/video tokens set to -100), ``attention_mask`` (right padding, cut off);
+``pixel_values`` [patches, C] + ``image_grid_thw`` [n, 3]; ``pixel_values_videos`` +
+``video_grid_thw``; ``second_per_grid_ts`` [n_videos]; ``mm_token_type_ids`` (ignored: derived).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from cpvlm.constants import IGNORE_INDEX
+from cpvlm.data.errors import DataError
+from cpvlm.data.media import ImageRef
+
+TOKENIZED_KEYS = (
+    "input_ids",
+    "labels",
+    "attention_mask",
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_values_videos",
+    "video_grid_thw",
+    "second_per_grid_ts",
+    "mm_token_type_ids",
+)
+
+
+@dataclass(frozen=True)
+class TokenIds:
+    """The ids and sizes the data path needs from a model config (read, not imported)."""
+
+    image: int
+    video: int
+    merge: int
+    vocab_size: int | None = None
+    pixel_width: int = 0  # C of a pixel row: channels * temporal patch * patch**2
+
+    @classmethod
+    def from_config(cls, model_config) -> TokenIds:
+        text = getattr(model_config, "text_config", model_config)
+        vision = model_config.vision_config
+        return cls(
+            image=model_config.image_token_id,
+            video=model_config.video_token_id,
+            merge=vision.spatial_merge_size,
+            vocab_size=getattr(text, "vocab_size", None),
+            pixel_width=vision.in_channels * vision.temporal_patch_size * vision.patch_size**2,
+        )
+
+
+@dataclass(frozen=True)
+class VisionItem:
+    """One image or video of a sample, in patches, and how to get its pixel rows."""
+
+    kind: str  # "image" or "video"
+    grid: tuple[int, int, int]  # (t, h, w) in patches
+    image: ImageRef | None = None  # an image to decode
+    frames: tuple[ImageRef, ...] = ()  # a video's frames to decode
+    fps: float | None = None  # frames per second of ``frames`` (None: unknown)
+    second_per_grid: float | None = None  # seconds per temporal patch (Qwen2.5-VL positions)
+    pixels: torch.Tensor | None = None  # [t*h*w, C] when already made (tokenized samples)
+
+    @property
+    def patches_per_frame(self) -> int:
+        return self.grid[1] * self.grid[2]
+
+
+@dataclass
+class SamplePlan:
+    """A sample as every rank plans it; ``len`` is its token count."""
+
+    index: int
+    where: str
+    input_ids: torch.Tensor  # [L] long
+    labels: torch.Tensor  # [L] long, unshifted, -100 = not learned
+    images: tuple[VisionItem, ...] = ()
+    videos: tuple[VisionItem, ...] = ()
+    truncated: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def has_vision(self) -> bool:
+        return bool(self.images or self.videos)
+
+    def truncate(self, n: int) -> SamplePlan:
+        """The first ``n`` tokens (text-only samples only: an image is never cut)."""
+        assert not self.has_vision
+        return SamplePlan(
+            self.index, self.where, self.input_ids[:n], self.labels[:n], truncated=True
+        )
+
+
+def check_tokens(plan: SamplePlan, ids: TokenIds) -> None:
+    """Placeholder counts against the grids, and ids inside the vocabulary."""
+    for kind, token, items in (
+        ("image", ids.image, plan.images),
+        ("video", ids.video, plan.videos),
+    ):
+        have = int((plan.input_ids == token).sum())
+        need = sum(t * h * w // ids.merge**2 for t, h, w in (it.grid for it in items))
+        if have != need:
+            grids = [list(it.grid) for it in items]
+            raise DataError(
+                "vision_token_mismatch",
+                f"{have} {kind} tokens (id {token}) but the {kind} grids {grids} need {need} "
+                f"(t*h*w/{ids.merge}**2 each)",
+            )
+    if ids.vocab_size is not None and len(plan):
+        lo, hi = int(plan.input_ids.min()), int(plan.input_ids.max())
+        if lo < 0 or hi >= ids.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise DataError(
+                "out_of_vocab",
+                f"token id {bad} is outside the model's vocabulary (0..{ids.vocab_size - 1}); "
+                "the tokenizer and the model do not match",
+            )
+
+
+def _as_1d_long(name: str, value) -> torch.Tensor:
+    t = torch.as_tensor(value)
+    if t.dim() == 2 and t.shape[0] == 1:
+        t = t[0]
+    if t.dim() != 1 or t.is_floating_point() or t.is_complex():
+        raise DataError(
+            "bad_record",
+            f"{name} must be a 1-d integer sequence (or [1, L]), got shape {tuple(t.shape)} "
+            f"dtype {t.dtype}",
+        )
+    return t.long()
+
+
+def _tokenized_items(raw, kind, pix_key, grid_key) -> tuple[VisionItem, ...]:
+    grid, pixels = raw.get(grid_key), raw.get(pix_key)
+    if grid is None and pixels is None:
+        return ()
+    if grid is None or pixels is None:
+        raise DataError("vision_token_mismatch", f"{pix_key} and {grid_key} come together")
+    grids = [tuple(int(v) for v in g) for g in torch.as_tensor(grid).long().reshape(-1, 3)]
+    pixels = torch.as_tensor(pixels)
+    patches = sum(t * h * w for t, h, w in grids)
+    if pixels.dim() != 2 or pixels.shape[0] != patches:
+        raise DataError(
+            "vision_token_mismatch",
+            f"{grid_key} {[list(g) for g in grids]} needs {patches} rows of {pix_key}, got shape "
+            f"{tuple(pixels.shape)}",
+        )
+    seconds = raw.get("second_per_grid_ts") if kind == "video" else None
+    seconds = None if seconds is None else torch.as_tensor(seconds).reshape(-1).tolist()
+    items, start = [], 0
+    for i, g in enumerate(grids):
+        n = g[0] * g[1] * g[2]
+        sec = None if seconds is None else float(seconds[i])
+        items.append(VisionItem(kind, g, pixels=pixels[start : start + n], second_per_grid=sec))
+        start += n
+    return tuple(items)
+
+
+def plan_tokenized(raw: Mapping, ids: TokenIds, index: int, where: str) -> SamplePlan:
+    """A tokenized sample dict (the layout above) as a checked ``SamplePlan``."""
+    unknown = set(raw) - set(TOKENIZED_KEYS)
+    if unknown:
+        raise DataError("bad_record", f"unknown keys {sorted(unknown)}; known: {TOKENIZED_KEYS}")
+    input_ids = _as_1d_long("input_ids", raw["input_ids"])
+    placeholder = (input_ids == ids.image) | (input_ids == ids.video)
+    if raw.get("labels") is None:
+        labels = input_ids.masked_fill(placeholder, IGNORE_INDEX)
+    else:
+        labels = _as_1d_long("labels", raw["labels"])
+    if labels.shape != input_ids.shape:
+        raise DataError(
+            "bad_record", f"labels have {labels.numel()} tokens, input_ids {input_ids.numel()}"
+        )
+    if raw.get("attention_mask") is not None:
+        keep = _as_1d_long("attention_mask", raw["attention_mask"]).bool()
+        n = int(keep.sum())
+        if keep.shape != input_ids.shape or not bool(keep[:n].all()):
+            raise DataError("bad_record", "attention_mask must be right padding (1s then 0s)")
+        input_ids, labels = input_ids[:n], labels[:n]
+    if input_ids.numel() == 0:
+        raise DataError("bad_record", "no tokens")
+    plan = SamplePlan(
+        index,
+        where,
+        input_ids,
+        labels,
+        images=_tokenized_items(raw, "image", "pixel_values", "image_grid_thw"),
+        videos=_tokenized_items(raw, "video", "pixel_values_videos", "video_grid_thw"),
+    )
+    check_tokens(plan, ids)
+    return plan

@@ -1,0 +1,389 @@
+"""A checkpoint's processor as the data path uses it: conversations -> planned samples -> pixels.
+
+Legend: L tokens of a sample; a grid (t, h, w) in patches; m spatial merge size.
+
+``ChatEncoder(model_dir, model_config)`` loads the tokenizer, chat template and image processor
+of a checkpoint directory (either layout: ``preprocessor_config.json`` + a template in
+``tokenizer_config.json`` / ``chat_template.json``, or transformers 5's ``processor_config.json``
++ ``chat_template.jinja``) and gives the data path its two callables:
+
+- ``plan(record)``: what ``processor.apply_chat_template(messages, tokenize=True)`` returns,
+  without pixels: the template rendered, each image/video placeholder expanded by the processor's
+  own ``replace_image_token`` / ``replace_video_token`` for grids computed from the image headers
+  (``cpvlm.integrations.hf.resize``), tokenized; labels on the assistant turns only (or on every
+  text token with ``train_on="all"``), image/video tokens never labelled.
+- ``decode(item, temporal)``: the pixel rows of one image (the image processor itself) or of some
+  temporal patches of a video (its pipeline in ``resize.py``), checked against the planned grid.
+
+Assistant turns are found without template markers: for the i-th message (an assistant turn)
+the conversation up to it is rendered with the generation prompt; what the full rendering adds
+after that prefix, up to the end of the rendering of messages[:i+1] (trailing whitespace off),
+is the turn. A template for which those renderings are not prefixes of each other is reported.
+
+``AutoProcessor`` needs torchvision for Qwen-VL processors (their video processors); where it
+fails, the processor class is built around the image processor with a stand-in for the video
+processor, so that its token-replacement code still runs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from cpvlm.constants import IGNORE_INDEX
+from cpvlm.data.errors import DataError
+from cpvlm.data.media import image_ref, video_frames
+from cpvlm.data.sample import SamplePlan, TokenIds, VisionItem, check_tokens, plan_tokenized
+from cpvlm.data.sources import Record
+
+from .resize import VideoSettings, image_grid
+
+TRAIN_ON = ("assistant", "all")
+DEFAULT_VIDEO_PROCESSOR = {
+    "qwen2_vl": "Qwen2VLVideoProcessor",
+    "qwen2_5_vl": "Qwen2VLVideoProcessor",
+    "qwen3_vl": "Qwen3VLVideoProcessor",
+    "qwen3_vl_moe": "Qwen3VLVideoProcessor",
+}
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def load_chat_template(model_dir: Path, tokenizer) -> str:
+    """The template from ``chat_template.jinja``/``tokenizer_config.json`` (the tokenizer reads
+    those), else ``chat_template.json`` or ``processor_config.json``."""
+    template = getattr(tokenizer, "chat_template", None)
+    for name in ("chat_template.json", "processor_config.json"):
+        template = template or _read_json(model_dir / name).get("chat_template")
+    if not isinstance(template, str) or not template:
+        raise ValueError(
+            f"{model_dir}: no chat template (chat_template.jinja, tokenizer_config.json, "
+            "chat_template.json or processor_config.json); the data path renders conversations "
+            "with the model's own template"
+        )
+    return template
+
+
+def video_settings(model_dir: Path, model_type: str, image_processor) -> VideoSettings:
+    """The video processor's settings: its config file (either layout) over the class defaults;
+    patch, merge and temporal sizes default to the image processor's."""
+    config = _read_json(model_dir / "video_preprocessor_config.json")
+    config = config or _read_json(model_dir / "processor_config.json").get("video_processor", {})
+    for key in ("patch_size", "merge_size", "temporal_patch_size"):
+        config.setdefault(key, getattr(image_processor, key))
+    return VideoSettings.from_config(
+        config, DEFAULT_VIDEO_PROCESSOR.get(model_type, "Qwen2VLVideoProcessor")
+    )
+
+
+def _processor_class(model_dir: Path, model_type: str):
+    import transformers
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    name = _read_json(model_dir / "processor_config.json").get("processor_class")
+    name = name or _read_json(model_dir / "preprocessor_config.json").get("processor_class")
+    name = name or PROCESSOR_MAPPING_NAMES.get(model_type)
+    if not name or not hasattr(transformers, name):
+        raise ValueError(f"{model_dir}: no processor class known for model_type {model_type!r}")
+    return getattr(transformers, name)
+
+
+def build_processor(model_dir: Path, model_type: str, tokenizer, image_processor, video, template):
+    """The checkpoint's processor class around these parts, without its video processor.
+
+    Its ``__init__`` type-checks every part, and the video processor class cannot be built without
+    torchvision; only its ``merge_size`` / ``temporal_patch_size`` are read by the methods used.
+    """
+    cls = _processor_class(model_dir, model_type)
+    lenient = type(cls.__name__, (cls,), {"check_argument_for_proper_class": lambda *a: None})
+    stand_in = SimpleNamespace(
+        merge_size=video.merge_size,
+        temporal_patch_size=video.temporal_patch_size,
+        patch_size=video.patch_size,
+        model_input_names=["pixel_values_videos", "video_grid_thw"],
+    )
+    return lenient(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=stand_in,
+        chat_template=template,
+    )
+
+
+def _clean(value):
+    """Drop ``None`` entries (Arrow rows carry every struct key; templates test ``'image' in c``)."""
+    if isinstance(value, Mapping):
+        return {k: _clean(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    return value
+
+
+class ChatEncoder:
+    """``plan`` and ``decode`` of the data path for a Hugging Face checkpoint directory."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        model_config,
+        *,
+        train_on: str = "assistant",
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+        video_min_pixels: int | None = None,
+        video_max_pixels: int | None = None,
+    ):
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        if train_on not in TRAIN_ON:
+            raise ValueError(f"train_on must be one of {TRAIN_ON}, got {train_on!r}")
+        self._args = (model_dir, model_config)
+        self._kwargs = dict(
+            train_on=train_on,
+            min_pixels=min_pixels,
+            max_pixels=max_pixels,
+            video_min_pixels=video_min_pixels,
+            video_max_pixels=video_max_pixels,
+        )
+        self.model_dir = Path(model_dir)
+        self.train_on = train_on
+        self.ids = TokenIds.from_config(model_config)
+        model_type = model_config.model_type
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
+        self.image_processor = AutoImageProcessor.from_pretrained(
+            self.model_dir, local_files_only=True
+        )
+        size = self.image_processor.size
+        self.image_processor.size = type(size)(
+            shortest_edge=min_pixels or size["shortest_edge"],
+            longest_edge=max_pixels or size["longest_edge"],
+        )
+        self.video = video_settings(self.model_dir, model_type, self.image_processor)
+        if video_min_pixels or video_max_pixels:
+            self.video = VideoSettings(
+                **{
+                    **self.video.__dict__,
+                    "min_pixels": video_min_pixels or self.video.min_pixels,
+                    "max_pixels": video_max_pixels or self.video.max_pixels,
+                }
+            )
+        template = load_chat_template(self.model_dir, self.tokenizer)
+        self.processor = build_processor(
+            self.model_dir, model_type, self.tokenizer, self.image_processor, self.video, template
+        )
+        self.chat_template = template
+        self._seconds = "second_per_grid_ts" in self.processor.model_input_names
+        merge = self.image_processor.merge_size
+        if merge != self.ids.merge:
+            raise ValueError(
+                f"{self.model_dir}: the image processor merges {merge}x{merge} patches, the "
+                f"model {self.ids.merge}x{self.ids.merge}"
+            )
+
+    def __reduce__(self):
+        # Rebuilt from its arguments in a spawned DataLoader worker (the processor class made
+        # by build_processor cannot be pickled by name).
+        return _rebuild, (self._args, self._kwargs)
+
+    # ---- planning (every rank, every sample) --------------------------------------------------
+
+    def plan(self, record: Record) -> SamplePlan:
+        data = record.data
+        if not isinstance(data, Mapping):
+            raise DataError("bad_record", f"expected a JSON object, got {type(data).__name__}")
+        if "input_ids" in data:
+            return plan_tokenized(data, self.ids, record.index, record.where)
+        messages = data.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise DataError("bad_record", "no 'messages' list (or 'input_ids') in the record")
+        messages, images, videos = self._vision_items(_clean(messages), data, record.base_dir)
+        text = self._expand(self._render(messages), images, videos)
+        enc = self.tokenizer(
+            text,
+            add_special_tokens=not self._starts_with_bos(text),
+            return_offsets_mapping=self.train_on == "assistant",
+        )
+        input_ids = torch.tensor(enc["input_ids"], dtype=torch.long)
+        if self.train_on == "assistant":
+            spans = self._assistant_spans(messages, images, videos, text)
+            labels = self._labels_in_spans(input_ids, enc["offset_mapping"], spans)
+            if not spans or bool((labels == IGNORE_INDEX).all()):
+                raise DataError(
+                    "no_assistant_turn", "nothing to learn (no assistant turn with text)"
+                )
+        else:
+            labels = input_ids.clone()
+        vision = (input_ids == self.ids.image) | (input_ids == self.ids.video)
+        plan = SamplePlan(
+            record.index,
+            record.where,
+            input_ids,
+            labels.masked_fill(vision, IGNORE_INDEX),
+            images=tuple(images),
+            videos=tuple(videos),
+        )
+        check_tokens(plan, self.ids)
+        return plan
+
+    def _vision_items(self, messages, data, base_dir):
+        """Messages with every image/video item resolved; the items in order, with grids."""
+        pools = {kind: list(data.get(kind + "s") or []) for kind in ("image", "video")}
+        images, videos = [], []
+        for message in messages:
+            if not isinstance(message, Mapping) or "role" not in message:
+                raise DataError("bad_record", f"a message must have a role, got {message!r}")
+            content = message.get("content")
+            if not isinstance(content, list):
+                continue
+            for item in content:
+                kind = item.get("type") or next((k for k in ("image", "video") if k in item), None)
+                if kind not in ("image", "video"):
+                    continue
+                value = item.get(kind)
+                if value is None:  # refers to the record's "images" / "videos" list, in order
+                    if not pools[kind]:
+                        raise DataError("bad_record", f"a {kind} item without a {kind} to use")
+                    value = pools[kind].pop(0)
+                    item[kind] = "<from column>"
+                if kind == "image":
+                    images.append(self._image_item(value, base_dir))
+                else:
+                    videos.append(self._video_item(value, item.get("fps"), base_dir))
+        return messages, images, videos
+
+    def _image_item(self, value, base_dir) -> VisionItem:
+        ref = image_ref(value, base_dir)
+        height, width = ref.size()
+        try:
+            grid = image_grid(self.image_processor, height, width)
+        except ValueError as err:  # e.g. an aspect ratio the processor refuses
+            raise DataError("unreadable_media", f"{ref.name}: {err}") from None
+        return VisionItem("image", grid, image=ref)
+
+    def _video_item(self, value, fps, base_dir) -> VisionItem:
+        frames = video_frames(value, base_dir)
+        height, width = frames[0].size()
+        try:
+            grid = self.video.grid(len(frames), height, width)
+        except ValueError as err:
+            raise DataError("unreadable_media", f"video {frames[0].name}: {err}") from None
+        fps = float(fps) if fps is not None else None
+        seconds = self.video.temporal_patch_size / (fps or 24.0) if self._seconds else None
+        return VisionItem("video", grid, frames=frames, fps=fps, second_per_grid=seconds)
+
+    def _render(self, messages, *, generation_prompt: bool = False) -> str:
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        prompts, _ = render_jinja_template(
+            conversations=[messages],
+            chat_template=self.chat_template,
+            add_generation_prompt=generation_prompt,
+            **self.tokenizer.special_tokens_map,
+        )
+        return prompts[0]
+
+    def _expand(self, text: str, images, videos) -> str:
+        """The processor's own placeholder expansion, for the planned grids."""
+        from transformers.video_utils import VideoMetadata
+
+        image_inputs = {"image_grid_thw": torch.tensor([it.grid for it in images]).reshape(-1, 3)}
+        video_inputs = {
+            "video_grid_thw": torch.tensor([it.grid for it in videos]).reshape(-1, 3),
+            "video_metadata": [
+                VideoMetadata(
+                    total_num_frames=len(it.frames),
+                    fps=it.fps,
+                    frames_indices=list(range(len(it.frames))),
+                )
+                for it in videos
+            ],
+        }
+        p = self.processor
+        image_repl = [p.replace_image_token(image_inputs, image_idx=i) for i in range(len(images))]
+        video_repl = [p.replace_video_token(video_inputs, video_idx=i) for i in range(len(videos))]
+        n_image, n_video = text.count(p.image_token), text.count(p.video_token)
+        if (n_image, n_video) != (len(images), len(videos)):
+            raise DataError(
+                "vision_token_mismatch",
+                f"the chat template wrote {n_image} image and {n_video} video placeholders for "
+                f"{len(images)} images and {len(videos)} videos",
+            )
+        expanded, _ = p.get_text_with_replacements([text], image_repl, video_repl)
+        return expanded[0]
+
+    def _starts_with_bos(self, text: str) -> bool:
+        bos = self.tokenizer.bos_token
+        return bos is not None and text.startswith(bos)
+
+    def _assistant_spans(self, messages, images, videos, full: str) -> list[tuple[int, int]]:
+        """Character spans of the assistant turns in the expanded text ``full``."""
+        spans = []
+        n_img = n_vid = 0
+        for i, message in enumerate(messages):
+            content = message.get("content")
+            if isinstance(content, list):
+                kinds = [c.get("type") or ("image" if "image" in c else "") for c in content]
+                counts = (kinds.count("image"), kinds.count("video"))
+            else:
+                counts = (0, 0)
+            if message["role"] == "assistant":
+                prefix = self._render(messages[:i], generation_prompt=True)
+                upto = self._render(messages[: i + 1])
+                start = len(self._expand(prefix, images[:n_img], videos[:n_vid]))
+                upto = self._expand(upto, images[: n_img + counts[0]], videos[: n_vid + counts[1]])
+                end = len(upto.rstrip())
+                if not (full.startswith(upto) and upto[:start] == full[:start] and start <= end):
+                    raise DataError(
+                        "bad_record",
+                        "the chat template does not render the conversation up to an assistant "
+                        "turn as a prefix of the whole (cannot find the turn); use --train-on all",
+                    )
+                spans.append((start, end))
+            n_img, n_vid = n_img + counts[0], n_vid + counts[1]
+        return spans
+
+    @staticmethod
+    def _labels_in_spans(input_ids, offsets, spans) -> torch.Tensor:
+        labels = torch.full_like(input_ids, IGNORE_INDEX)
+        for t, (a, b) in enumerate(offsets):
+            if b > a and any(s <= a and b <= e for s, e in spans):
+                labels[t] = input_ids[t]
+        return labels
+
+    # ---- decoding (only the rank that encodes the unit) ---------------------------------------
+
+    def decode(self, item: VisionItem, temporal) -> torch.Tensor:
+        if item.kind == "image":
+            out = self.image_processor(images=[item.image.load()], return_tensors="pt")
+            grid = tuple(int(v) for v in out["image_grid_thw"][0])
+            if grid != item.grid:
+                raise DataError(
+                    "vision_token_mismatch",
+                    f"{item.image.name}: the image processor made a grid {list(grid)}, the image "
+                    f"header gave {list(item.grid)}",
+                )
+            return out["pixel_values"]
+        import numpy as np
+
+        tp = self.video.temporal_patch_size
+        temporal = range(item.grid[0]) if temporal is None else temporal
+        last = len(item.frames) - 1
+        frames = []
+        for j in temporal:
+            for f in range(j * tp, (j + 1) * tp):
+                pil = item.frames[min(f, last)].load()  # past the end: the last frame again
+                frames.append(torch.from_numpy(np.array(pil)))
+        sizes = {tuple(f.shape) for f in frames}
+        if len(sizes) > 1:
+            raise DataError("unreadable_media", f"video frames of different sizes {sorted(sizes)}")
+        return self.video.pixels(torch.stack(frames), item.grid[1:])
+
+
+def _rebuild(args, kwargs) -> ChatEncoder:
+    return ChatEncoder(*args, **kwargs)

@@ -1,0 +1,170 @@
+"""How a Hugging Face processor sizes images and videos, and its video pixel pipeline.
+
+Legend: H, W pixels; a grid (t, h, w) in patches of p pixels, m the spatial merge size, tp the
+temporal patch size, C = 3 * tp * p * p the width of a pixel row.
+
+The grids (and so the token counts) of every image are computed on every rank from the image
+header and the processor's own resize rule, before any pixel is decoded; the rank that encodes
+an image then runs the processor and checks that it made that grid. Images go through the
+model's image processor itself. Video processors need torchvision, which is often missing or
+broken on CPU machines, so their pipeline is written out here as transformers 5.x runs it:
+resize every frame to the video's size (bicubic with antialias on uint8, as torchvision's
+``resize``), rescale and normalise in one step (float32), patchify with frames padded to a
+multiple of tp by repeating the last. Where torchvision works, tests compare it with the real
+video processor.
+
+Rules are keyed by the processor class (``Pil``/``Fast`` suffixes dropped); a family whose
+processor differs adds its rule here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import (
+    smart_resize as smart_resize_video,
+)
+
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+IMAGE_RULES = ("Qwen2VLImageProcessor",)
+VIDEO_DEFAULTS = {
+    # The class defaults of transformers' video processors (their configs override them).
+    "Qwen2VLVideoProcessor": {
+        "size": {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768},
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": list(OPENAI_CLIP_MEAN),
+        "image_std": list(OPENAI_CLIP_STD),
+        "rescale_factor": 1 / 255,
+        "cap_pixels_per_frame": None,
+        "max_video_tokens": 128000,
+    },
+    "Qwen3VLVideoProcessor": {
+        "size": {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768},
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "rescale_factor": 1 / 255,
+        "cap_pixels_per_frame": None,
+        "max_video_tokens": 768,
+    },
+}
+
+
+def base_class_name(name: str) -> str:
+    for suffix in ("Pil", "Fast"):
+        name = name.removesuffix(suffix)
+    return name
+
+
+def image_grid(image_processor, height: int, width: int) -> tuple[int, int, int]:
+    """``(1, h, w)``: the grid the image processor gives an image of ``height x width``."""
+    name = base_class_name(type(image_processor).__name__)
+    if name not in IMAGE_RULES:
+        raise ValueError(
+            f"no resize rule for the image processor {type(image_processor).__name__}; "
+            f"cpvlm knows {', '.join(IMAGE_RULES)} (add yours in cpvlm/integrations/hf/resize.py)"
+        )
+    p, m = image_processor.patch_size, image_processor.merge_size
+    size = image_processor.size
+    h, w = smart_resize(
+        height, width, p * m, min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"]
+    )
+    return 1, h // p, w // p
+
+
+@dataclass(frozen=True)
+class VideoSettings:
+    """A video processor's settings (its config over its class defaults)."""
+
+    processor: str  # the class name, e.g. "Qwen3VLVideoProcessor"
+    min_pixels: int
+    max_pixels: int
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    image_mean: tuple[float, ...]
+    image_std: tuple[float, ...]
+    rescale_factor: float
+    cap_pixels_per_frame: bool
+    max_video_tokens: int
+
+    @classmethod
+    def from_config(cls, config: dict, default_class: str) -> VideoSettings:
+        name = base_class_name(config.get("video_processor_type") or default_class)
+        if name not in VIDEO_DEFAULTS:
+            raise ValueError(
+                f"no video rule for {name}; cpvlm knows {', '.join(VIDEO_DEFAULTS)} (add yours in "
+                "cpvlm/integrations/hf/resize.py)"
+            )
+        merged = {**VIDEO_DEFAULTS[name], **{k: v for k, v in config.items() if v is not None}}
+        size = dict(merged["size"])
+        size["shortest_edge"] = merged.get("min_pixels", size["shortest_edge"])
+        size["longest_edge"] = merged.get("max_pixels", size["longest_edge"])
+        return cls(
+            processor=name,
+            min_pixels=int(size["shortest_edge"]),
+            max_pixels=int(size["longest_edge"]),
+            patch_size=int(merged["patch_size"]),
+            temporal_patch_size=int(merged["temporal_patch_size"]),
+            merge_size=int(merged["merge_size"]),
+            image_mean=tuple(merged["image_mean"]),
+            image_std=tuple(merged["image_std"]),
+            rescale_factor=float(merged["rescale_factor"]),
+            cap_pixels_per_frame=bool(merged["cap_pixels_per_frame"]),
+            max_video_tokens=int(merged["max_video_tokens"]),
+        )
+
+    def grid(self, num_frames: int, height: int, width: int) -> tuple[int, int, int]:
+        """``(t, h, w)`` of a video of ``num_frames`` frames of ``height x width``."""
+        p, tp = self.patch_size, self.temporal_patch_size
+        factor = p * self.merge_size
+        max_pixels = self.max_pixels
+        if self.processor == "Qwen3VLVideoProcessor":
+            if self.cap_pixels_per_frame:
+                frame_cap = self.max_video_tokens * factor * factor
+                per_frame = max(
+                    min(frame_cap, self.max_pixels // num_frames), int(self.min_pixels * 1.05)
+                )
+                max_pixels = per_frame * num_frames
+            h, w = smart_resize_video(
+                num_frames, height, width, tp, factor, self.min_pixels, max_pixels
+            )
+        else:
+            if self.cap_pixels_per_frame:
+                total = int(self.max_video_tokens * factor * factor * 0.9)
+                max_pixels = max(
+                    min(max_pixels, total * tp // num_frames), int(self.min_pixels * 1.05)
+                )
+            h, w = smart_resize(height, width, factor, self.min_pixels, max_pixels)
+        return math.ceil(num_frames / tp), h // p, w // p
+
+    def pixels(self, frames_THWC: torch.Tensor, grid_hw: tuple[int, int]) -> torch.Tensor:
+        """Pixel rows ``[T/tp * h * w, C]`` of uint8 frames (T a multiple of tp)."""
+        p, tp, m = self.patch_size, self.temporal_patch_size, self.merge_size
+        gh, gw = grid_hw
+        x = frames_THWC.permute(0, 3, 1, 2).contiguous()
+        if tuple(x.shape[-2:]) != (gh * p, gw * p):
+            x = F.interpolate(x, size=(gh * p, gw * p), mode="bicubic", antialias=True)
+        mean = torch.tensor(self.image_mean) * (1.0 / self.rescale_factor)
+        std = torch.tensor(self.image_std) * (1.0 / self.rescale_factor)
+        x = x.to(torch.float32).sub(mean.view(-1, 1, 1)).div(std.view(-1, 1, 1))
+        return patchify_video(x, p, m, tp)
+
+
+def patchify_video(x_TCHW: torch.Tensor, p: int, m: int, tp: int) -> torch.Tensor:
+    """The Qwen-VL video patch layout: rows (t, h/m, w/m, m, m), features (C, tp, p, p)."""
+    T, C, H, W = x_TCHW.shape
+    gt, gh, gw = T // tp, H // p, W // p
+    x = x_TCHW.view(gt, tp, C, gh // m, m, p, gw // m, m, p)
+    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return x.reshape(gt * gh * gw, C * tp * p * p)

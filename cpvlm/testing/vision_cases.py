@@ -1,0 +1,54 @@
+"""Vision cases shared by the balance tests and benchmarks/vision_dp.py: batches of items whose
+units differ in size, and the vision towers of published checkpoints.
+
+Grids (t, h, w) in patch units (h, w multiples of the merge size 2), as in ``image_grid_thw``.
+"""
+
+from __future__ import annotations
+
+# 12 images from 256 to 4096 patches and a 16-frame video of 1024-patch frames.
+CURRENT_MIX = [
+    (1, 16, 16), (1, 64, 64), (1, 24, 40), (1, 32, 32), (1, 48, 32), (1, 16, 32),
+    (16, 32, 32),
+    (1, 56, 56), (1, 24, 24), (1, 32, 64), (1, 40, 24), (1, 16, 16), (1, 48, 48),
+]  # fmt: skip
+
+# NeMo Automodel's case: 4 images of 1024 patches among 400 of 112 patches.
+AUTOMODEL_MIX = [g for _ in range(4) for g in [(1, 32, 32), *[(1, 8, 14)] * 100]]
+
+# A long video (50 frames of 1536 patches) and 300 small images of 64 to 256 patches.
+_SMALL = [(1, 8, 8), (1, 8, 12), (1, 12, 16), (1, 16, 16)]
+LONG_VIDEO_MIX = [(50, 32, 48), *[_SMALL[i % 4] for i in range(300)]]
+
+MIXES = {"current": CURRENT_MIX, "automodel": AUTOMODEL_MIX, "long video": LONG_VIDEO_MIX}
+
+# The vision_config of published checkpoints (their config.json; fields the cost model reads),
+# by top-level model_type: build with transformers.AutoConfig.for_model(model_type,
+# vision_config=...). Qwen2-VL's hidden_size is its output width; embed_dim is the tower's.
+PUBLISHED_TOWERS = {
+    "Qwen2-VL-7B": (
+        "qwen2_vl",
+        {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "hidden_size": 3584,
+         "patch_size": 14, "temporal_patch_size": 2, "spatial_merge_size": 2, "in_channels": 3},
+    ),
+    "Qwen2.5-VL-7B": (
+        "qwen2_5_vl",
+        {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+         "out_hidden_size": 3584, "patch_size": 14, "temporal_patch_size": 2,
+         "spatial_merge_size": 2, "in_channels": 3, "window_size": 112,
+         "fullatt_block_indexes": [7, 15, 23, 31]},
+    ),
+    "Qwen3-VL-8B": (
+        "qwen3_vl",
+        {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
+         "out_hidden_size": 4096, "patch_size": 16, "temporal_patch_size": 2,
+         "spatial_merge_size": 2, "in_channels": 3, "num_position_embeddings": 2304,
+         "deepstack_visual_indexes": [8, 16, 24]},
+    ),
+    "GLM-4.1V-9B": (
+        "glm4v",
+        {"depth": 24, "hidden_size": 1536, "intermediate_size": 13696, "num_heads": 12,
+         "out_hidden_size": 4096, "patch_size": 14, "temporal_patch_size": 2,
+         "spatial_merge_size": 2, "in_channels": 3, "image_size": 336},
+    ),
+}  # fmt: skip
