@@ -5,9 +5,14 @@ orientation applied, so that every rank can compute the grids and token counts o
 while only the rank that encodes an image decodes it. Decoding gives what transformers'
 ``load_image`` gives: EXIF-transposed, RGB.
 
-A video is a folder of frames (image files, in name order) or a list of frame references; each
-frame is decoded only by the rank that encodes its temporal patch. Video files (mp4, ...) are not
-decoded here: extract their frames first (e.g. ``ffmpeg -i clip.mp4 -r 2 clip/%05d.png``).
+A video is a folder of frames (image files, in name order), a list of frame references, or a
+video file (mp4, mkv, webm, mov, avi; read with PyAV, the ``[video]`` extra). A video file's frames
+are sampled at the record's ``fps`` (default 2 per second, as the Qwen video processors sample):
+``n = min(total, max(1, int(total / file_fps * fps)))`` frames at ``int(i * total / n)``, and the
+frame count and size come from the container (packets counted, nothing decoded). Each frame is
+decoded only by the rank that encodes its temporal patch: a rank decodes a file from its start
+up to the last frame it needs (frames are counted, not sought by timestamp, which variable frame
+rates make inexact). Rotation metadata of a file is not applied (frames as stored).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from pathlib import Path
 from cpvlm.data.errors import DataError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+VIDEO_SUFFIXES = (".mp4", ".m4v", ".mkv", ".webm", ".mov", ".avi")
+DEFAULT_VIDEO_FPS = 2.0  # frames sampled per second of a video file when the record gives none
 _ORIENTATION = 0x0112
 _TRANSPOSED = (5, 6, 7, 8)  # EXIF orientations that swap width and height
 
@@ -71,6 +78,94 @@ class ImageRef:
             raise DataError("unreadable_media", f"{self.name}: {err}") from None
 
 
+@dataclass(frozen=True)
+class VideoFrameRef:
+    """Frame ``index`` (in decoding order) of a video file, whose frames are ``height x width``
+    (from the container); ``size`` and ``load`` as ``ImageRef``'s."""
+
+    path: str
+    index: int
+    height: int
+    width: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.path}#frame{self.index}"
+
+    def size(self) -> tuple[int, int]:
+        return self.height, self.width
+
+    def load(self):
+        return load_frames([self])[0]
+
+
+def _open_video(path: str):
+    try:
+        import av
+    except ImportError:
+        raise DataError(
+            "unreadable_media",
+            f"{path}: video files need PyAV (pip install 'cpvlm[video]'), or give a folder of "
+            "frames",
+        ) from None
+    if not Path(path).is_file():
+        raise DataError("missing_media", f"no such video file {path}")
+    try:
+        container = av.open(path)
+        if not container.streams.video:
+            container.close()
+            raise DataError("unreadable_media", f"{path}: no video stream")
+    except DataError:
+        raise
+    except Exception as err:  # PyAV raises its own error types for a file it cannot read
+        raise DataError("unreadable_media", f"{path}: {err}") from None
+    return container
+
+
+def _video_info(path: str) -> tuple[int, int, int, float]:
+    """``(frames, height, width, fps)`` of a video file, from its container (no decoding)."""
+    with _open_video(path) as container:
+        stream = container.streams.video[0]
+        height, width = stream.codec_context.height, stream.codec_context.width
+        rate = stream.average_rate or stream.guessed_rate
+        try:
+            frames = sum(1 for packet in container.demux(stream) if packet.size)
+        except Exception as err:
+            raise DataError("unreadable_media", f"{path}: {err}") from None
+    if not frames or not rate or not height or not width:
+        raise DataError("unreadable_media", f"{path}: no frames, size or frame rate")
+    return frames, height, width, float(rate)
+
+
+def load_frames(refs) -> list:
+    """Decoded RGB ``PIL.Image``s of ``refs`` (``ImageRef`` / ``VideoFrameRef``), in order; each
+    video file is decoded once, from its start up to the last frame asked of it."""
+    out: list = [None] * len(refs)
+    by_file: dict[str, list[int]] = {}
+    for i, ref in enumerate(refs):
+        if isinstance(ref, VideoFrameRef):
+            by_file.setdefault(ref.path, []).append(i)
+        else:
+            out[i] = ref.load()
+    for path, slots in by_file.items():
+        wanted = {refs[i].index for i in slots}
+        frames = {}
+        with _open_video(path) as container:
+            try:
+                for k, frame in enumerate(container.decode(video=0)):
+                    if k in wanted:
+                        frames[k] = frame.to_image().convert("RGB")
+                    if len(frames) == len(wanted):
+                        break
+            except Exception as err:
+                raise DataError("unreadable_media", f"{path}: {err}") from None
+        for i in slots:
+            if refs[i].index not in frames:
+                raise DataError("unreadable_media", f"{refs[i].name}: the file ends before it")
+            out[i] = frames[refs[i].index]
+    return out
+
+
 def _orientation(im) -> int:
     """The EXIF orientation without decoding: PIL's ``getexif`` decodes a PNG to find an eXIf
     chunk after the image data, so PNG chunks are walked here instead (headers only)."""
@@ -114,23 +209,36 @@ def image_ref(value, base_dir: Path | None) -> ImageRef:
     return ImageRef(path=str(path))
 
 
-def video_frames(value, base_dir: Path | None) -> tuple[ImageRef, ...]:
-    """The frames of a video value: a folder of image files or a list of frame references."""
+def video_frames(value, base_dir: Path | None, fps: float | None = None):
+    """``(frames, fps)`` of a video value: a folder of image files or a list of frame references
+    (all frames; ``fps`` as given), or a video file (frames sampled at ``fps``, default
+    ``DEFAULT_VIDEO_FPS``; the rate of the sampled frames returned)."""
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
         frames = tuple(image_ref(v, base_dir) for v in value)
     else:
         ref = image_ref(value, base_dir)
+        if ref.path is not None and Path(ref.path).suffix.lower() in VIDEO_SUFFIXES:
+            return _sampled_frames(ref.path, fps)
         if ref.path is None or not Path(ref.path).is_dir():
             if ref.path is not None and not Path(ref.path).exists():
-                raise DataError("missing_media", f"no such video folder {ref.path}")
+                raise DataError("missing_media", f"no such video {ref.path}")
             raise DataError(
                 "unreadable_media",
-                f"{ref.name}: videos must be folders of frames (or lists of frame files); "
-                "extract the frames of a video file first, e.g. ffmpeg -i clip.mp4 -r 2 "
-                "clip/%05d.png",
+                f"{ref.name}: a video must be a video file ({', '.join(VIDEO_SUFFIXES)}), a "
+                "folder of frames or a list of frame files",
             )
         files = sorted(p for p in Path(ref.path).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
         frames = tuple(ImageRef(path=str(p)) for p in files)
     if not frames:
         raise DataError("missing_media", f"video {value!r} has no frames")
-    return frames
+    return frames, fps
+
+
+def _sampled_frames(path: str, fps: float | None) -> tuple[tuple[VideoFrameRef, ...], float]:
+    fps = DEFAULT_VIDEO_FPS if fps is None else fps
+    if not fps > 0:
+        raise DataError("bad_record", f"{path}: fps must be > 0, got {fps}")
+    total, height, width, file_fps = _video_info(path)
+    n = min(total, max(1, int(total / file_fps * fps)))
+    frames = tuple(VideoFrameRef(path, i * total // n, height, width) for i in range(n))
+    return frames, n * file_fps / total

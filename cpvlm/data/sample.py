@@ -24,7 +24,7 @@ import torch
 
 from cpvlm.constants import IGNORE_INDEX
 from cpvlm.data.errors import DataError
-from cpvlm.data.media import ImageRef
+from cpvlm.data.media import ImageRef, VideoFrameRef
 
 TOKENIZED_KEYS = (
     "input_ids",
@@ -69,7 +69,7 @@ class VisionItem:
     kind: str  # "image" or "video"
     grid: tuple[int, int, int]  # (t, h, w) in patches
     image: ImageRef | None = None  # an image to decode
-    frames: tuple[ImageRef, ...] = ()  # a video's frames to decode
+    frames: tuple[ImageRef | VideoFrameRef, ...] = ()  # a video's frames to decode
     fps: float | None = None  # frames per second of ``frames`` (None: unknown)
     second_per_grid: float | None = None  # seconds per temporal patch (Qwen2.5-VL positions)
     pixels: torch.Tensor | None = None  # [t*h*w, C] when already made (tokenized samples)

@@ -178,6 +178,26 @@ def write_frames(folder: str | Path, frames: int, height: int, width: int, *, se
     return Path(folder)
 
 
+def write_video(path: str | Path, frames: int, height: int, width: int, *, fps: int = 10, seed=0):
+    """A video file of ``frames`` random frames at ``fps`` (MPEG-4 part 2, which every FFmpeg build
+    of PyAV encodes); returns its path."""
+    import av
+
+    rng = np.random.default_rng(seed)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.height, stream.width, stream.pix_fmt = height, width, "yuv420p"
+        for _ in range(frames):
+            pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
 _WORDS = ("a red square", "two cats", "a blue field", "one, two, three", "yes", "no", "a ball")
 
 

@@ -227,3 +227,73 @@ def test_bad_samples_raise_a_data_error_naming_the_reason(checkpoint, tmp_path, 
     with pytest.raises(DataError) as err:
         encoder.plan(Record(3, "data.jsonl line 4", record, tmp_path))
     assert err.value.reason == reason
+
+
+def _decoded_with_pyav(path) -> list:
+    """Every frame of a video file, decoded by PyAV directly (the reference)."""
+    import av
+
+    with av.open(str(path)) as container:
+        return [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+
+
+def test_video_file_sampled_at_fps_equals_the_same_frames_as_a_folder(checkpoint, tmp_path):
+    """A video file's frames are sampled at the record's fps (25 frames at 10 fps, fps 4: 10
+    frames at int(i * 25 / 10)); its ids, grid and pixel rows equal those of a folder holding the
+    same decoded frames, and each temporal patch decoded alone gives its rows."""
+    pytest.importorskip("av")
+    from cpvlm.testing.tiny_processor import write_video
+
+    _, encoder = checkpoint
+    clip = write_video(tmp_path / "clip.mp4", 25, 30, 40, fps=10, seed=3)
+    every = _decoded_with_pyav(clip)
+    assert len(every) == 25
+    picked = [0, 2, 5, 7, 10, 12, 15, 17, 20, 22]
+    (tmp_path / "frames").mkdir()
+    for k, i in enumerate(picked):
+        Image.fromarray(every[i]).save(tmp_path / "frames" / f"{k:05d}.png")
+
+    def plan(video, fps):
+        messages = [
+            {"role": "user", "content": [{"type": "video", "video": str(video), "fps": fps}]},
+            {"role": "assistant", "content": "a ball"},
+        ]
+        return encoder.plan(Record(0, "test", {"messages": messages}, None))
+
+    from_file, from_folder = plan(clip, 4), plan(tmp_path / "frames", 4.0)
+    (video,), (folder_video,) = from_file.videos, from_folder.videos
+    assert [f.index for f in video.frames] == picked and video.fps == 4.0
+    assert video.grid == folder_video.grid and video.grid[0] == 5
+    assert video.second_per_grid == folder_video.second_per_grid
+    assert torch.equal(from_file.input_ids, from_folder.input_ids)
+    whole = encoder.decode(video, None)
+    assert torch.equal(whole, encoder.decode(folder_video, None))
+    parts = [encoder.decode(video, [j]) for j in range(video.grid[0])]
+    assert torch.equal(whole, torch.cat(parts))
+
+
+def test_video_file_default_fps_and_bad_files(checkpoint, tmp_path):
+    pytest.importorskip("av")
+    from cpvlm.testing.tiny_processor import write_video
+
+    _, encoder = checkpoint
+    clip = write_video(tmp_path / "clip.mp4", 25, 30, 40, fps=10)
+    (tmp_path / "broken.mp4").write_bytes(b"\x00not a video" * 50)
+
+    def plan(video, **item):
+        messages = [
+            {"role": "user", "content": [{"type": "video", "video": str(video), **item}]},
+            {"role": "assistant", "content": "a ball"},
+        ]
+        return encoder.plan(Record(0, "test", {"messages": messages}, None))
+
+    (video,) = plan(clip).videos  # no fps: 2 frames per second of the 2.5 s clip
+    assert [f.index for f in video.frames] == [0, 5, 10, 15, 20] and video.fps == 2.0
+    with pytest.raises(DataError, match="broken.mp4") as info:
+        plan(tmp_path / "broken.mp4")
+    assert info.value.reason == "unreadable_media"
+    with pytest.raises(DataError, match="no such video") as info:
+        plan(tmp_path / "missing.mp4")
+    assert info.value.reason == "missing_media"
+    with pytest.raises(DataError, match="fps must be > 0"):
+        plan(clip, fps=0)

@@ -36,7 +36,7 @@ import torch
 
 from cpvlm.constants import IGNORE_INDEX
 from cpvlm.data.errors import DataError
-from cpvlm.data.media import image_ref, video_frames
+from cpvlm.data.media import image_ref, load_frames, video_frames
 from cpvlm.data.sample import SamplePlan, TokenIds, VisionItem, check_tokens, plan_tokenized
 from cpvlm.data.sources import Record
 
@@ -267,13 +267,13 @@ class ChatEncoder:
         return VisionItem("image", grid, image=ref)
 
     def _video_item(self, value, fps, base_dir) -> VisionItem:
-        frames = video_frames(value, base_dir)
+        fps = float(fps) if fps is not None else None
+        frames, fps = video_frames(value, base_dir, fps)
         height, width = frames[0].size()
         try:
             grid = self.video.grid(len(frames), height, width)
         except ValueError as err:
             raise DataError("unreadable_media", f"video {frames[0].name}: {err}") from None
-        fps = float(fps) if fps is not None else None
         seconds = self.video.temporal_patch_size / (fps or 24.0) if self._seconds else None
         return VisionItem("video", grid, frames=frames, fps=fps, second_per_grid=seconds)
 
@@ -374,11 +374,9 @@ class ChatEncoder:
         tp = self.video.temporal_patch_size
         temporal = range(item.grid[0]) if temporal is None else temporal
         last = len(item.frames) - 1
-        frames = []
-        for j in temporal:
-            for f in range(j * tp, (j + 1) * tp):
-                pil = item.frames[min(f, last)].load()  # past the end: the last frame again
-                frames.append(torch.from_numpy(np.array(pil)))
+        # Past the end: the last frame again. A video file is decoded once for all its frames.
+        refs = [item.frames[min(f, last)] for j in temporal for f in range(j * tp, (j + 1) * tp)]
+        frames = [torch.from_numpy(np.array(pil)) for pil in load_frames(refs)]
         sizes = {tuple(f.shape) for f in frames}
         if len(sizes) > 1:
             raise DataError("unreadable_media", f"video frames of different sizes {sorted(sizes)}")
