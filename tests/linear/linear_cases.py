@@ -13,33 +13,12 @@ needs a float64 reference of the same definition.
 
 from __future__ import annotations
 
-import inspect
-import sys
-import textwrap
-
 import torch
 import torch.distributed as dist
 
 from cpvlm import ShardPlan
 from cpvlm.attention.linear import cp_causal_conv1d, cp_gated_delta_rule
-
-
-def float64_twin(fn):
-    """transformers' ``fn`` with every ``torch.float32`` in its source read as ``torch.float64``.
-
-    The same code line for line, so that a float64 test compares with transformers' algorithm
-    and not with a rewrite of it. Fails if there is no float32 cast left to replace.
-    """
-    fn = inspect.unwrap(fn)
-    lines = textwrap.dedent(inspect.getsource(fn)).splitlines()
-    while lines[0].startswith("@"):
-        lines.pop(0)  # the hub-kernel decorator
-    source = "\n".join(lines)
-    if "torch.float32" not in source:
-        raise AssertionError(f"{fn.__name__} has no float32 cast any more: update the test")
-    namespace = dict(vars(sys.modules[fn.__module__]))
-    exec(source.replace("torch.float32", "torch.float64"), namespace)
-    return namespace[fn.__name__]
+from cpvlm.testing.float64_twins import float64_twin
 
 
 def case(doc_lens, *, b=1, hk=2, hv=4, dk=8, dv=6, width=4, chunk_size=64, seed=0, bias=True):

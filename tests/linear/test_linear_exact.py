@@ -11,7 +11,6 @@ import pytest
 import torch
 from linear_cases import (
     case,
-    float64_twin,
     naive_cp,
     no_grad_and_grad_outputs,
     reference,
@@ -20,6 +19,7 @@ from linear_cases import (
 )
 
 from cpvlm.testing import rel_err, run_distributed
+from cpvlm.testing.float64_twins import float64_twin
 
 NAMES = ("out", "dx", "dg", "dbeta", "dweight", "dbias")
 
