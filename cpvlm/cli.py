@@ -14,7 +14,7 @@ import sys
 SUBCOMMANDS = {
     "train": (
         "cpvlm.train.command",
-        "train a Qwen-VL model with context parallelism (synthetic data by default)",
+        "train a VLM with context parallelism (synthetic data by default)",
     ),
     "verify": (
         "cpvlm.verify",

@@ -95,7 +95,7 @@ class LocalRow:
     def batch(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """Keyword arguments of ``ContextParallelVLM`` for this row (with ``doc_lens`` apart)."""
         ids = self.input_ids.view(1, -1)
-        mm_types = (ids == self.ids.image).long() + 2 * (ids == self.ids.video).long()
+        mm_types = self.ids.mm_token_type_ids(ids)
         out = {"input_ids": ids, "labels": self.labels.view(1, -1), "mm_token_type_ids": mm_types}
         out.update(self.vision)
         out = {k: v.to(device) for k, v in out.items()}

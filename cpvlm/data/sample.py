@@ -17,7 +17,7 @@ with image/video tokens set to -100), ``attention_mask`` (right padding, cut off
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -41,16 +41,23 @@ TOKENIZED_KEYS = (
 
 @dataclass(frozen=True)
 class TokenIds:
-    """The ids and sizes the data path needs from a model config (read, not imported)."""
+    """The ids and sizes the data path needs from a model config (read, not imported), and the
+    family's token-type rule where placeholder ids alone do not say it (GLM-4V writes video
+    frames with image tokens; its rule looks at the enclosing video markers)."""
 
     image: int
     video: int
     merge: int
     vocab_size: int | None = None
     pixel_width: int = 0  # C of a pixel row: channels * temporal patch * patch**2
+    types: Callable[[torch.Tensor], torch.Tensor] | None = field(
+        default=None, compare=False, repr=False
+    )
 
     @classmethod
-    def from_config(cls, model_config) -> TokenIds:
+    def from_config(cls, model_config, types=None) -> TokenIds:
+        """``types``: ``input_ids -> mm_token_type_ids``, the family's rule (default: 1 at the
+        image token, 2 at the video token)."""
         text = getattr(model_config, "text_config", model_config)
         vision = model_config.vision_config
         return cls(
@@ -59,7 +66,14 @@ class TokenIds:
             merge=vision.spatial_merge_size,
             vocab_size=getattr(text, "vocab_size", None),
             pixel_width=vision.in_channels * vision.temporal_patch_size * vision.patch_size**2,
+            types=types,
         )
+
+    def mm_token_type_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """1 at image placeholders, 2 at video placeholders, 0 elsewhere (same shape)."""
+        if self.types is not None:
+            return self.types(input_ids)
+        return (input_ids == self.image).long() + 2 * (input_ids == self.video).long()
 
 
 @dataclass(frozen=True)
@@ -109,11 +123,12 @@ class SamplePlan:
 
 def check_tokens(plan: SamplePlan, ids: TokenIds) -> None:
     """Placeholder counts against the grids, and ids inside the vocabulary."""
-    for kind, token, items in (
-        ("image", ids.image, plan.images),
-        ("video", ids.video, plan.videos),
+    types = ids.mm_token_type_ids(plan.input_ids)
+    for kind, type_id, token, items in (
+        ("image", 1, ids.image, plan.images),
+        ("video", 2, ids.video, plan.videos),
     ):
-        have = int((plan.input_ids == token).sum())
+        have = int((types == type_id).sum())
         need = sum(t * h * w // ids.merge**2 for t, h, w in (it.grid for it in items))
         if have != need:
             grids = [list(it.grid) for it in items]
@@ -178,7 +193,7 @@ def plan_tokenized(raw: Mapping, ids: TokenIds, index: int, where: str) -> Sampl
     if unknown:
         raise DataError("bad_record", f"unknown keys {sorted(unknown)}; known: {TOKENIZED_KEYS}")
     input_ids = _as_1d_long("input_ids", raw["input_ids"])
-    placeholder = (input_ids == ids.image) | (input_ids == ids.video)
+    placeholder = ids.mm_token_type_ids(input_ids) != 0
     if raw.get("labels") is None:
         labels = input_ids.masked_fill(placeholder, IGNORE_INDEX)
     else:

@@ -24,7 +24,7 @@ from cpvlm.train.config import (
 )
 
 DESCRIPTION = """\
-Train a Qwen2.5-VL / Qwen3-VL model with context parallelism (CP): every packed sequence is split
+Train a VLM (Qwen2/2.5/3-VL, Qwen3-VL-MoE, GLM-4V) with context parallelism (CP): every packed sequence is split
 over --cp ranks, with gradients equal to the one-device run. Without a launcher this starts
 dp * cp local CPU processes (gloo); under torchrun it uses torchrun's ranks (NCCL on GPUs):
     torchrun --nproc-per-node 8 -m cpvlm.train --cp 4          (dp = 8 / 4 = 2)
@@ -38,13 +38,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model",
         default=m.name,
-        help="qwen3-vl-tiny, qwen2.5-vl-tiny, or a local checkpoint directory",
+        help="a tiny model (<family>-tiny: qwen2-vl, qwen2.5-vl, qwen3-vl, qwen3-vl-moe, glm4v, "
+        "glm46v, glm4v-moe) or a local checkpoint directory",
     )
     g.add_argument("--dtype", default=m.dtype, choices=DTYPES, help="parameter and compute dtype")
     g.add_argument(
         "--freeze-vision",
         action="store_true",
-        help="freeze the vision encoder (its mergers still train)",
+        help="freeze the vision encoder (its projector, e.g. the mergers, still trains)",
     )
     g = p.add_argument_group("parallelism")
     g.add_argument("--cp", type=int, default=par.cp, help="context-parallel ranks per sequence")

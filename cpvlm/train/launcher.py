@@ -44,7 +44,7 @@ def under_torchrun() -> bool:
 
 def model_config(name: str):
     """The HF config of ``--model`` (a tiny name or a local checkpoint directory)."""
-    from cpvlm.integrations.hf.models import TINY_MODELS, model_family
+    from cpvlm.integrations.hf import TINY_MODELS, adapter_for
 
     if name in TINY_MODELS:
         return TINY_MODELS[name]()
@@ -57,7 +57,7 @@ def model_config(name: str):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    model_family(config)
+    adapter_for(config)
     return config
 
 

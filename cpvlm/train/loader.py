@@ -42,6 +42,14 @@ def has_processor(model_name: str) -> bool:
     return path.is_dir() and any((path / f).is_file() for f in PROCESSOR_FILES)
 
 
+def token_ids(model_config) -> TokenIds:
+    """The data path's ids of ``model_config``, with its family's token-type rule (the adapter's:
+    GLM-4V's video frames are image tokens inside video markers)."""
+    from cpvlm.integrations.hf import adapter_for
+
+    return TokenIds.from_config(model_config, types=adapter_for(model_config).mm_token_type_ids)
+
+
 def _tokenized_only(ids: TokenIds):
     def plan(record):
         if not isinstance(record.data, dict) or "input_ids" not in record.data:
@@ -75,7 +83,7 @@ def build_source(config: TrainConfig, model_config):
 def build_encoder(config: TrainConfig, model_config):
     """``(plan, decode, temporal patch)``: the checkpoint's processor, or tokenized samples only."""
     if not has_processor(config.model.name):
-        return (*_tokenized_only(TokenIds.from_config(model_config)), 2)
+        return (*_tokenized_only(token_ids(model_config)), 2)
     from cpvlm.integrations.hf.processor import ChatEncoder
 
     d = config.data
@@ -105,7 +113,7 @@ def build_loader(config: TrainConfig, model_config, groups, *, assign, state=Non
     return RankLoader(
         stream,
         decode,
-        TokenIds.from_config(model_config),
+        token_ids(model_config),
         rows_per_step=d.batch_size * d.grad_accum,
         dp_rank=groups.dp_rank,
         dp_size=config.parallel.dp,

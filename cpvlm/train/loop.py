@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cpvlm.data import ErrorLog
-from cpvlm.integrations.hf import ContextParallelVLM, build_model
+from cpvlm.integrations.hf import ContextParallelVLM, adapter_for, build_model
 from cpvlm.loss import count_valid_labels, shift_labels
 from cpvlm.parallelize import build_mesh, mesh_groups, parallelize, sync_gradients
 from cpvlm.train.checkpoint import (
@@ -39,9 +39,6 @@ from cpvlm.train.config import TrainConfig
 from cpvlm.train.loader import agree_on_decode_failures, build_loader, report_planning_errors
 from cpvlm.train.metrics import MetricsLog, Progress, StepMemory, summarize
 
-VISION_TRAINABLE_PREFIXES = ("merger", "deepstack_merger_list")
-"""Parts of the vision tower that ``--freeze-vision`` leaves trainable: the projectors."""
-
 _STATS = (
     "loss",
     "tokens",
@@ -54,9 +51,9 @@ _STATS = (
 
 
 def freeze_vision_encoder(model: nn.Module) -> None:
-    for name, p in model.model.visual.named_parameters():
-        if not name.startswith(VISION_TRAINABLE_PREFIXES):
-            p.requires_grad_(False)
+    """``--freeze-vision``: the tower is frozen except its projector (the family's adapter says
+    which modules those are: Qwen's mergers, GLM's downsample and merger)."""
+    adapter_for(model).freeze_vision_encoder(model)
 
 
 def global_grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
@@ -75,10 +72,11 @@ def _setup_model(config: TrainConfig, device: torch.device, groups, mesh):
     model.to(device)
     p = config.parallel
     cp_model = ContextParallelVLM(model, groups.cp_group, attn=p.attn, vision=p.vision, flow=p.flow)
-    # FSDP2 units: each decoder layer and the vision tower (the root keeps embeddings, head, norm).
-    # The tower is a safe unit because ContextParallelVLM calls it exactly once per forward on
-    # every rank, at the same point, with a dummy frame where there is nothing to encode.
-    units = [*model.model.language_model.layers, model.model.visual]
+    # FSDP2 units from the adapter: each decoder layer and the vision tower (the root keeps
+    # embeddings, head, norm). The tower is a safe unit because ContextParallelVLM calls it exactly
+    # once per forward on every rank, at the same point, with a dummy frame where there is nothing
+    # to encode.
+    units = adapter_for(model).fsdp_units(model)
     runner = parallelize(
         cp_model, mesh, data_parallel=p.data_parallel, groups=groups, fsdp_units=units
     )
@@ -134,7 +132,12 @@ def train_rank(config: TrainConfig, device: torch.device) -> dict | None:
         loss_sum = torch.zeros((), dtype=torch.float64)
         units = visual_tokens = 0
         for row in rows:
-            out = runner(**row.batch(device), doc_lens=row.doc_lens, num_valid=num_valid)
+            out = runner(
+                **row.batch(device),
+                doc_lens=row.doc_lens,
+                num_valid=num_valid,
+                num_batches=dp * loader.rows_per_step,  # per-row losses (MoE router) average
+            )
             out.loss.backward()
             loss_sum += out.loss.detach().double().cpu()
             units += out.encoded_units

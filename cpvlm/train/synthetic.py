@@ -3,10 +3,11 @@
 Sample ``i`` is a pure function of ``(seed, i)``, so any rank can produce any sample without
 communication and a resumed run reads exactly the samples an uninterrupted run would.
 
-Each sample is one document in the layout a Qwen-VL processor writes (built with
-``cpvlm.integrations.hf.synthetic_batch``): text-only (2 in 5), one or two images (9 in 20) (grids from 2x2
-to 8x8 patches: sides spread 4x, areas 16x), or a video (3 in 20; 2 to 4 temporal patch-frames; Qwen3-VL
-writes a timestamp + <vision_start> pads <vision_end> group per frame). Pixels are random.
+Each sample is one document in the layout the model family's processor writes (built with
+``cpvlm.testing.hf_batches.synthetic_batch`` from the family's adapter): text-only (2 in 5), one or
+two images (9 in 20) (grids from 2x2 to 8x8 patches: sides spread 4x, areas 16x), or a video (3 in
+20; 2 to 4 temporal patch-frames; Qwen3-VL and GLM-4V write a group with a timestamp per frame).
+Pixels are random.
 
 The text is learnable: the text tokens of a document count upwards through a small vocabulary,
 ``TEXT_BASE + (start + j * stride) % TEXT_VOCAB`` with a per-document start and a stride of 1, 2
@@ -21,8 +22,8 @@ import hashlib
 
 import torch
 
-from cpvlm.integrations.hf import SampleSpec, model_family, synthetic_batch
-from cpvlm.integrations.hf.models import QWEN3_TIMESTAMP_TOKENS
+from cpvlm.integrations.hf import adapter_for
+from cpvlm.testing.hf_batches import VISION_KEYS, SampleSpec, synthetic_batch
 
 TEXT_BASE = 16  # above the tiny configs' pad/bos/eos ids
 TEXT_VOCAB = 64
@@ -40,16 +41,10 @@ class SyntheticVLMData:
 
     def __init__(self, model_config, *, seed: int = 0):
         self.config = model_config
-        self.family = model_family(model_config)
+        self.adapter = adapter_for(model_config)
         self.seed = seed
-        self.merge = model_config.vision_config.spatial_merge_size
         vocab = model_config.text_config.vocab_size
-        specials = (
-            model_config.image_token_id,
-            model_config.video_token_id,
-            model_config.vision_start_token_id,
-            model_config.vision_end_token_id,
-        )
+        specials = self.adapter.special_token_ids
         self.text_ids = torch.arange(TEXT_BASE, TEXT_BASE + TEXT_VOCAB)
         if vocab < TEXT_BASE + TEXT_VOCAB or any(
             TEXT_BASE <= s < TEXT_BASE + TEXT_VOCAB for s in specials
@@ -91,23 +86,17 @@ class SyntheticVLMData:
         ids = ids.clone()
         ids[text] = self.text_ids[(start + j * stride) % TEXT_VOCAB]
         sample = {"input_ids": ids}
-        for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
-            if key in batch:
-                sample[key] = batch[key]
-        if "second_per_grid_ts" in batch:
-            sample["second_per_grid_ts"] = batch["second_per_grid_ts"]
+        sample.update({key: batch[key] for key in VISION_KEYS if key in batch})
         return sample
 
     def max_sample_len(self) -> int:
         """The longest sample this source can produce, in tokens."""
-        m2 = self.merge**2
-        image = max(h * w for h, w in IMAGE_GRIDS) // m2 + 2
-        frame = VIDEO_HW[0] * VIDEO_HW[1] // m2
-        t = VIDEO_FRAMES[1]
-        if self.family == "qwen3_vl":
-            video = t * (QWEN3_TIMESTAMP_TOKENS + frame + 2)
-        else:
-            video = t * frame + 2
+
+        def tokens(kind, grid) -> int:
+            return len(self.adapter.item_tokens(kind, grid, lambda n: [0] * n))
+
+        image = max(tokens("image", (1, h, w)) for h, w in IMAGE_GRIDS)
+        video = tokens("video", (VIDEO_FRAMES[1], *VIDEO_HW))
         return TEXT_LEN[1] + max(MAX_IMAGES * image, video)
 
     def _sample_seed(self, index: int, stream: str = "pixels") -> int:

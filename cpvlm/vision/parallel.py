@@ -134,6 +134,7 @@ class VisionDataParallel(nn.Module):
         plan: ShardPlan | None = None,
         row_positions: torch.Tensor | None = None,
         local_pixels: bool = False,
+        with_unit_count: bool = False,
     ):
         """Encode this rank's units and return what the unwrapped tower would.
 
@@ -145,6 +146,7 @@ class VisionDataParallel(nn.Module):
         route mode: ``plan`` is the batch's ShardPlan and ``row_positions[g]`` the position of
         output row g in the padded batch, ``b * plan.padded_len + p`` (see ``cpvlm.vision.route``);
         the result holds this rank's visual rows sorted by local index in its ``[B, S_loc]`` shard.
+        ``with_unit_count``: return ``(result, units this rank encoded)``.
         """
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         units = self.units(grid_thw)
@@ -177,7 +179,8 @@ class VisionDataParallel(nn.Module):
             gathered_rows = torch.cat([units.row_index(a) for a in assignment])
             back = torch.argsort(gathered_rows).to(gathered[0].device)
             moved = [t.index_select(0, back) for t in gathered]
-        return _join_output(moved, has_deepstack)
+        out = _join_output(moved, has_deepstack)
+        return (out, len(mine)) if with_unit_count else out
 
     # ---- pieces -------------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
-"""Tiny Qwen2.5-VL / Qwen3-VL models: builds, synthetic batches, the float64 reference step, and
-the transformers 5.x behaviours the CP integration relies on (docs/hf_internals.md).
+"""Tiny models of every family: builds, synthetic batches, the float64 reference step, and the
+transformers 5.x behaviours the CP integration relies on (docs/hf_internals.md).
 
 Tolerances: float64 runs that take a different but equivalent path (a boolean mask instead of
 is_causal, another row order) agree to round-off, checked at 1e-12 relative; transformers' own
@@ -14,6 +14,15 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from hf_families import (
+    DEEPSTACK,
+    FAMILIES,
+    FAMILY_OF,
+    GLM,
+    cached_model,
+    mixes,
+    reset_text_attention,
+)  # noqa: E402
 from transformers import AttentionInterface, AttentionMaskInterface  # noqa: E402
 from transformers.masking_utils import sdpa_mask  # noqa: E402
 
@@ -21,17 +30,19 @@ from cpvlm.integrations.hf import (  # noqa: E402
     IGNORE_INDEX,
     TINY_MODELS,
     SampleSpec,
+    adapter_for,
     build_model,
     causal_lm_loss,
     model_family,
     mrope_position_ids,
     reference_loss_and_grads,
+    supported,
     synthetic_batch,
     tiny_qwen2_5_vl_config,
     tiny_qwen3_vl_config,
 )
 
-NAMES = list(TINY_MODELS)
+NAMES = FAMILIES
 # Two images of different sizes, one video (2 temporal patch-frames), one text-only sample.
 SAMPLES = [
     SampleSpec(images=((4, 6),), text_len=10),
@@ -39,6 +50,14 @@ SAMPLES = [
     SampleSpec(text_len=12),
 ]
 ONE_SAMPLE = [SampleSpec(images=((4, 6),), videos=((2, 4, 4),), text_len=10)]
+
+
+def samples(name, which):
+    """``which`` for ``name``; for a model whose own forward takes only one kind of vision input
+    per call (GLM-4V), the video of a mixed sample becomes a second image."""
+    if mixes(name):
+        return which
+    return [SampleSpec(s.images + ((4, 4),) * len(s.videos), (), s.text_len) for s in which]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -62,6 +81,7 @@ def registered(name, attention, mask=None):
     try:
         yield name
     finally:
+        reset_text_attention()  # a failed test must not leave a cached model on this name
         AttentionInterface._global_mapping.pop(name, None)
         AttentionMaskInterface._global_mapping.pop(name, None)
 
@@ -74,10 +94,20 @@ def causal_sdpa(module, query, key, value, attention_mask, scaling=None, dropout
     return out.transpose(1, 2).contiguous(), None
 
 
-def position_masked_sdpa(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    # Row 0 of [4,B,S] position ids reaches the attention as `position_ids` [B,S]: a causal mask
-    # over those global positions makes the attention independent of the local token order.
-    pos = kwargs["position_ids"]
+def position_masked_sdpa(text_row):
+    """sdpa under a causal mask over the global text positions ``text_row`` [B,S]: the attention
+    no longer depends on the local token order. (Most families also pass row 0 of [4,B,S] position
+    ids to the attention as ``position_ids``; GLM-4.5V passes its rotary rows instead.)"""
+
+    def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        if kwargs["position_ids"].dim() == 2:
+            assert torch.equal(kwargs["position_ids"], text_row)
+        return _position_masked(text_row, query, key, value, scaling)
+
+    return attention
+
+
+def _position_masked(pos, query, key, value, scaling):
     allowed = pos[:, None, :, None] >= pos[:, None, None, :]
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=allowed, scale=scaling, enable_gqa=True
@@ -90,13 +120,12 @@ def model_inputs(batch):
 
 
 def embed_multimodal(model, batch):
-    """inputs_embeds, visual_pos_masks, deepstack_visual_embeds as Qwen*Model.forward builds them."""
+    """inputs_embeds, visual_pos_masks, deepstack_visual_embeds as the model's forward builds
+    them."""
     base, ids = model.model, batch["input_ids"]
     embeds = base.get_input_embeddings()(ids)
-    masks = {
-        "image": ids == model.config.image_token_id,
-        "video": ids == model.config.video_token_id,
-    }
+    types = adapter_for(model).mm_token_type_ids(ids)
+    masks = {"image": types == 1, "video": types == 2}
     keys = {
         "image": ("pixel_values", "image_grid_thw"),
         "video": ("pixel_values_videos", "video_grid_thw"),
@@ -107,7 +136,7 @@ def embed_multimodal(model, batch):
             feats[kind] = base.get_image_features(batch[pix], batch[grid])
             rows = torch.cat(feats[kind].pooler_output).to(embeds.dtype)
             embeds = embeds.masked_scatter(masks[kind][..., None], rows)
-    if model_family(model) == "qwen2_5_vl":
+    if not hasattr(model.config.vision_config, "deepstack_visual_indexes"):
         return embeds, None, None
     visual = masks["image"] | masks["video"]
     deepstack = []
@@ -135,21 +164,20 @@ def language_model_hidden(model, embeds, position_ids, visual, deepstack):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_tiny_model_builds(name):
-    model = build_model(name, dtype=torch.float64)
+    model = cached_model(name)
     config = model.config
     assert model.training and model.dtype == torch.float64
-    assert (
-        model_family(model) == {"qwen3-vl-tiny": "qwen3_vl", "qwen2.5-vl-tiny": "qwen2_5_vl"}[name]
-    )
+    assert model_family(model) == adapter_for(config).family == FAMILY_OF[name]
+    assert type(model).__name__ in supported()
     assert sum(p.numel() for p in model.parameters()) < 400_000
     assert config.text_config._attn_implementation == "sdpa"
     assert config.vision_config._attn_implementation == "sdpa"
     vocab = config.text_config.vocab_size
-    for key in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
-        assert getattr(config, key) < vocab
+    specials = adapter_for(model).special_token_ids
+    assert len(specials) >= 4 and max(specials) < vocab
     assert config.text_config.num_attention_heads == 2 * config.text_config.num_key_value_heads
     # Same seed, same weights in every dtype.
-    model32 = build_model(name)
+    model32 = cached_model(name, torch.float32)
     for (n, p64), (_, p32) in zip(model.named_parameters(), model32.named_parameters()):
         assert torch.equal(p64, p32.double()), n
 
@@ -169,6 +197,37 @@ def test_tiny_config_overrides():
         model_family(config.text_config)
 
 
+def test_unsupported_model_gets_the_list_of_supported_ones():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from cpvlm.integrations.hf import ContextParallelVLM
+
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    text_only = Qwen2ForCausalLM(config)
+    for make in (adapter_for, ContextParallelVLM):
+        with pytest.raises(ValueError, match=r"unsupported model class Qwen2ForCausalLM") as info:
+            make(text_only)
+        for family_class in (
+            "Qwen2VLForConditionalGeneration",
+            "Qwen2_5_VLForConditionalGeneration",
+            "Qwen3VLForConditionalGeneration",
+            "Qwen3VLMoeForConditionalGeneration",
+            "Glm4vForConditionalGeneration",
+            "Glm46VForConditionalGeneration",
+            "Glm4vMoeForConditionalGeneration",
+        ):
+            assert family_class in str(info.value)
+    with pytest.raises(ValueError, match=r"unsupported config model_type 'qwen2'"):
+        adapter_for(config)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_synthetic_batch_layout(name):
     config = TINY_MODELS[name]()
@@ -181,15 +240,29 @@ def test_synthetic_batch_layout(name):
     row = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
     assert batch["pixel_values"].shape == (24 + 32, row)
     assert batch["pixel_values_videos"].shape == (32, row)
-    assert (ids == config.image_token_id).sum() == (24 + 32) // merge**2
-    assert (ids == config.video_token_id).sum() == 32 // merge**2
-    expected_types = (ids == config.image_token_id).long() + 2 * (ids == config.video_token_id)
-    assert torch.equal(batch["mm_token_type_ids"], expected_types)
-    frames = 2 if model_family(config) == "qwen3_vl" else 1  # one start/end pair per frame
-    assert (ids == config.vision_start_token_id).sum() == 2 + frames
-    assert (ids == config.vision_end_token_id).sum() == 2 + frames
+    types = batch["mm_token_type_ids"]
+    if name in GLM:  # video frames are image tokens inside <|begin_of_video|> ... <|end_of_video|>
+        assert (ids == config.image_token_id).sum() == (24 + 32 + 32) // merge**2
+        video_span = (ids == config.video_start_token_id).cumsum(-1) > (
+            ids == config.video_end_token_id
+        ).cumsum(-1)
+        expected_types = (ids == config.image_token_id).long() * (1 + video_span.long())
+        # one <|begin_of_image|> group per image and per frame; one video group
+        assert (ids == config.image_start_token_id).sum() == 2 + 2
+        assert (ids == config.image_end_token_id).sum() == 2 + 2
+        assert (ids == config.video_start_token_id).sum() == 1
+        assert (ids == config.video_end_token_id).sum() == 1
+    else:
+        assert (ids == config.image_token_id).sum() == (24 + 32) // merge**2
+        assert (ids == config.video_token_id).sum() == 32 // merge**2
+        expected_types = (ids == config.image_token_id).long() + 2 * (ids == config.video_token_id)
+        frames = 2 if name in DEEPSTACK else 1  # Qwen3-VL: one start/end pair per frame
+        assert (ids == config.vision_start_token_id).sum() == 2 + frames
+        assert (ids == config.vision_end_token_id).sum() == 2 + frames
+    assert torch.equal(types, expected_types)
+    assert (types == 1).sum() == (24 + 32) // merge**2 and (types == 2).sum() == 32 // merge**2
     labels = batch["labels"]
-    ignored = (batch["mm_token_type_ids"] != 0) | (mask == 0)
+    ignored = (types != 0) | (mask == 0)
     assert torch.equal(labels == IGNORE_INDEX, ignored)
     assert torch.equal(labels[~ignored], ids[~ignored])
     assert mask[2].sum() == 12 and not mask[2, 12:].any()  # the text-only sample, right-padded
@@ -200,8 +273,8 @@ def test_synthetic_batch_layout(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_reference_loss_and_grads(name):
-    model = build_model(name, dtype=torch.float64)
-    batch = synthetic_batch(model.config, SAMPLES, seed=1)
+    model = cached_model(name)
+    batch = synthetic_batch(model.config, samples(name, SAMPLES), seed=1)
     loss, grads = reference_loss_and_grads(model, batch)
     assert loss.dtype == torch.float64
     assert all(p.grad is None for p in model.parameters())
@@ -210,14 +283,17 @@ def test_reference_loss_and_grads(name):
     for n, g in grads.items():
         assert torch.isfinite(g).all() and g.abs().sum() > 0, n
 
-    # transformers' own loss (float32 cross-entropy) on the same model, and on the float32 model.
+    # transformers' own loss (float32 cross-entropy; an MoE model adds its float32 router loss)
+    # on the same model, and on the float32 model.
     hf = model(**batch, use_cache=False)
     assert abs(hf.loss.item() - loss.item()) < 1e-5
     hf.loss.backward()
     for n, p in model.named_parameters():
         assert rel(p.grad, grads[n]) < 1e-4, n
-    model32 = build_model(name)
-    hf32 = model32(**synthetic_batch(model32.config, SAMPLES, seed=1), use_cache=False)
+    model.zero_grad(set_to_none=True)
+    model32 = cached_model(name, torch.float32)
+    batch32 = synthetic_batch(model32.config, samples(name, SAMPLES), seed=1)
+    hf32 = model32(**batch32, use_cache=False)
     assert abs(hf32.loss.item() - loss.item()) < 1e-5
 
 
@@ -230,11 +306,11 @@ def test_causal_lm_loss_without_valid_labels():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_mm_token_type_ids_is_required(name):
-    model = build_model(name, dtype=torch.float64)
-    batch = model_inputs(synthetic_batch(model.config, ONE_SAMPLE, seed=1))
+    model = cached_model(name)
+    batch = model_inputs(synthetic_batch(model.config, samples(name, ONE_SAMPLE), seed=1))
     without = {k: v for k, v in batch.items() if k != "mm_token_type_ids"}
     with torch.no_grad():
-        if model_family(model) == "qwen3_vl":
+        if name != "qwen2.5-vl-tiny":
             with pytest.raises(ValueError, match="mm_token_type_ids"):
                 model(**without, use_cache=False)
         else:  # Qwen2.5-VL silently falls back to 1-D positions.
@@ -247,8 +323,8 @@ def test_mm_token_type_ids_is_required(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_custom_text_attention_matches_sdpa(name):
-    model = build_model(name, dtype=torch.float64)
-    batch = model_inputs(synthetic_batch(model.config, ONE_SAMPLE, seed=1))
+    model = cached_model(name)
+    batch = model_inputs(synthetic_batch(model.config, samples(name, ONE_SAMPLE), seed=1))
     with torch.no_grad():
         expected = model(**batch, use_cache=False).logits
     calls = []
@@ -274,13 +350,17 @@ def test_custom_text_attention_matches_sdpa(name):
         assert k == v == (1, text.num_key_value_heads, seq, head_dim)
         assert module.num_key_value_groups == 2 and module.is_causal
         assert attention_mask is None and scaling == head_dim**-0.5
-        assert kw["position_ids"] is None  # only [4,B,S] position ids pass a text row
+        if name == "glm4v-moe-tiny":  # passes its [3,B,S] rotary positions on (CP ignores them)
+            assert kw["position_ids"].shape == (3, 1, seq)
+        else:
+            assert kw["position_ids"] is None  # only [4,B,S] position ids pass a text row
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_mask_registry_decides_the_mask_a_custom_attention_gets(name):
-    model = build_model(name, dtype=torch.float64)
-    batch = model_inputs(synthetic_batch(model.config, ONE_SAMPLE + [SampleSpec()], seed=1))
+    model = cached_model(name)
+    one = samples(name, ONE_SAMPLE)
+    batch = model_inputs(synthetic_batch(model.config, one + [SampleSpec()], seed=1))
     real = batch["attention_mask"].bool()
     with torch.no_grad():
         expected = model(**batch, use_cache=False).logits
@@ -309,8 +389,8 @@ def test_mask_registry_decides_the_mask_a_custom_attention_gets(name):
 def test_language_model_runs_on_reordered_local_tokens(name):
     """The decoder stack, given inputs_embeds, [4,B,S] positions, visual_pos_masks and deepstack
     rows in local order, is the model's; a head-tail reordering changes nothing but round-off."""
-    model = build_model(name, dtype=torch.float64)
-    batch = model_inputs(synthetic_batch(model.config, ONE_SAMPLE, seed=1))
+    model = cached_model(name)
+    batch = model_inputs(synthetic_batch(model.config, samples(name, ONE_SAMPLE), seed=1))
     with torch.no_grad():
         full = model.model(**batch, use_cache=False).last_hidden_state
         logits = model(**batch, use_cache=False).logits
@@ -330,7 +410,7 @@ def test_language_model_runs_on_reordered_local_tokens(name):
             order = (visual.long().cumsum(-1) - 1)[:, perm][visual[:, perm]]
             deepstack = [d[order] for d in deepstack]
             visual = visual[:, perm]
-        with registered("cpvlm_test_pos", position_masked_sdpa):
+        with registered("cpvlm_test_pos", position_masked_sdpa(pos4[0])):
             model.set_attn_implementation({"text_config": "cpvlm_test_pos"})
             local = language_model_hidden(model, embeds[:, perm], pos4, visual, deepstack)
             model.set_attn_implementation({"text_config": "sdpa"})
@@ -342,19 +422,24 @@ def test_language_model_runs_on_reordered_local_tokens(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_packed_documents_with_per_document_positions(name):
-    model = build_model(name, dtype=torch.float64)
+    model = cached_model(name)
+    second = {"videos": [(2, 4, 4)]} if mixes(name) else {"images": [(4, 4)]}
     docs = [
         model_inputs(synthetic_batch(model.config, images=[(4, 6)], text_len=9, seed=2)),
-        model_inputs(synthetic_batch(model.config, videos=[(2, 4, 4)], text_len=6, seed=3)),
+        model_inputs(synthetic_batch(model.config, **second, text_len=6, seed=3)),
     ]
     with torch.no_grad():
         alone = [model(**d, use_cache=False).logits for d in docs]
         lens = [d["input_ids"].shape[1] for d in docs]
         mrope = torch.cat([mrope_position_ids(model, d) for d in docs], dim=-1)
         text_row = torch.cat([torch.arange(n) for n in lens]).view(1, 1, -1)
-        # One packed row: doc 0 holds the image, doc 1 the video.
+        # One packed row: doc 0 holds an image, doc 1 the video (GLM: another image).
         vision = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
-        packed = {k: v for d in docs for k, v in d.items() if k in vision}
+        packed = {
+            k: torch.cat([d[k] for d in docs if k in d])
+            for k in vision
+            if k in docs[1] or k in docs[0]
+        }
         packed["input_ids"] = torch.cat([d["input_ids"] for d in docs], dim=-1)
         pos4 = torch.cat([text_row, mrope])
         logits = model(**packed, position_ids=pos4, use_cache=False).logits
@@ -373,22 +458,38 @@ def test_packed_documents_with_per_document_positions(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_vision_tower_encodes_images_and_frames_independently(name):
-    model = build_model(name, dtype=torch.float64)
+    """One tower call on every item equals one call per image and per video frame. GLM's tower
+    takes frames only ((1, h, w) grids; get_video_features flattens videos), so its items are
+    called as the model calls them: the adapter's ``encode``."""
+    model = cached_model(name)
     batch = synthetic_batch(model.config, SAMPLES, seed=1, dtype=torch.float64)
     pixels = torch.cat([batch["pixel_values"], batch["pixel_values_videos"]])
     grids = torch.cat([batch["image_grid_thw"], batch["video_grid_thw"]])
     units = torch.tensor([[1, 4, 6], [1, 8, 4], [1, 4, 4], [1, 4, 4]])  # video split per frame
     assert units.prod(-1).sum() == pixels.shape[0]
+    adapter = adapter_for(model)
+    tower = adapter.vision_tower(model)
+
+    def encode(rows, g):
+        if name in GLM:
+            return adapter.encode(tower, rows, g)
+        out = tower(rows, grid_thw=g)
+        return (
+            (out.pooler_output, out.deepstack_features) if name in DEEPSTACK else out.pooler_output
+        )
+
     with torch.no_grad():
-        together = model.model.visual(pixels, grid_thw=grids)
+        together = encode(pixels, grids)
         parts = [
-            model.model.visual(rows, grid_thw=g[None])
+            encode(rows, g[None])
             for rows, g in zip(torch.split(pixels, units.prod(-1).tolist()), units)
         ]
-    assert rel(torch.cat([p.pooler_output for p in parts]), together.pooler_output) < 1e-12
-    if model_family(model) == "qwen3_vl":
-        for level, feat in enumerate(together.deepstack_features):
-            assert rel(torch.cat([p.deepstack_features[level] for p in parts]), feat) < 1e-12
+    if name in DEEPSTACK:
+        assert rel(torch.cat([p[0] for p in parts]), together[0]) < 1e-12
+        for level, feat in enumerate(together[1]):
+            assert rel(torch.cat([p[1][level] for p in parts]), feat) < 1e-12
+    else:
+        assert rel(torch.cat(parts), together) < 1e-12
 
 
 @pytest.mark.parametrize("name", NAMES)

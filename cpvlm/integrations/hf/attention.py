@@ -1,4 +1,4 @@
-"""The text attention of Qwen-VL models under CP, registered with transformers' AttentionInterface.
+"""The text attention of the VLMs under CP, registered with transformers' AttentionInterface.
 
 Legend: q [B,Hq,S_loc,D], k/v [B,Hkv,S_loc,D] (GQA not expanded), output [B,S_loc,Hq,D].
 
@@ -11,7 +11,9 @@ and the mask function registered under the same name is sdpa's, so the model sta
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,12 +31,13 @@ treatment such as unpadding)."""
 
 @dataclass(frozen=True)
 class CPAttentionContext:
-    """What the attention of one CP forward needs besides q, k, v."""
+    """What the attention of one CP forward needs besides q, k, v: the plan, the CP group, and the
+    ``cp_attention`` implementation with its options, passed through as they are."""
 
     plan: ShardPlan
-    cp_rank: int
     group: dist.ProcessGroup | None
     impl: str = "ring"
+    options: Mapping[str, Any] = field(default_factory=dict)
 
 
 def context_parallel_attention(
@@ -66,11 +69,11 @@ def context_parallel_attention(
         key,
         value,
         plan=cpvlm_cp.plan,
-        cp_rank=cpvlm_cp.cp_rank,
         group=cpvlm_cp.group,
         impl=cpvlm_cp.impl,
         causal=True,
         scale=scaling,
+        **cpvlm_cp.options,
     )
     return out.transpose(1, 2).contiguous(), None
 

@@ -1,4 +1,4 @@
-"""ContextParallelVLM: a transformers Qwen2.5-VL / Qwen3-VL model trained under context parallelism.
+"""ContextParallelVLM: a transformers VLM trained under context parallelism, any supported family.
 
 Legend: B batch, S full length, L = S_loc local length, D hidden size, V vocabulary, R visual rows.
 
@@ -6,29 +6,39 @@ Every CP rank passes the same full batch. The scalable flow (DESIGN section 3) n
 full-length float tensor: positions and labels are computed on the full integer sequence, then
 each rank embeds its own tokens, gets the vision rows of its own visual positions (each image or
 frame encoded once, on one rank, rows routed to their owners), runs the decoder on its shard with
-CP attention, and returns its share of the global token-mean loss. The compatibility flow builds
-the full ``inputs_embeds`` as the model itself would and cuts it with ``ShardPlan.shard``; it is
-the reference the scalable flow is tested against. Nothing in transformers or torch is patched:
-the attention is selected through transformers' AttentionInterface for the text model only.
+CP attention, and returns its share of the global token-mean loss (plus its share of the model's
+extra losses, such as an MoE router's load-balancing loss). The compatibility flow builds the full
+``inputs_embeds`` as the model itself would and cuts it with ``ShardPlan.shard``; it is the
+reference the scalable flow is tested against. Nothing in transformers or torch is patched: the
+attention is selected through transformers' AttentionInterface for the text model only. What is
+particular to a family (module paths, tower call, positions, decoder keywords, extra losses) comes
+from its adapter (``cpvlm.integrations.hf.adapter``).
+
+Extra losses are defined per forward batch, as transformers defines them (its MoE models compute
+the router loss over the rows given to one forward call). A training step of several microbatches
+and DP replicas averages them over its ``num_batches`` forward batches, so that with the token-mean
+cross-entropy the summed gradients are those of the one-device run of the same forward batches:
+``loss = CE / N + sum_f sum_extra weight * aux_f / num_batches``. (A step-wide router
+statistic would need every microbatch's forward before the first backward.)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from cpvlm.constants import ATTN_IMPLS, FLOWS, VISION_MODES
+from cpvlm.constants import ATTN_IMPLS, FLOWS, IGNORE_INDEX, VISION_MODES
 from cpvlm.distributed.shard_plan import pad_and_shard
-from cpvlm.loss import IGNORE_INDEX, token_mean_loss
-from cpvlm.vision import VisionDataParallel, VisionUnits, assign_vision_units
+from cpvlm.loss import token_mean_loss
+from cpvlm.vision import VisionDataParallel, VisionUnits
 
+from .adapter import LossContext, VLMAdapter
 from .attention import CP_ATTENTION, CPAttentionContext
-from .inputs import OPTIONAL_KEYS, PreparedBatch, prepare_batch
-from .models import model_family
-from .vision_cost import vision_cost
+from .inputs import BASE_KEYS, PreparedBatch, prepare_batch
+from .registry import adapter_for
 
 
 @dataclass
@@ -40,21 +50,19 @@ class ContextParallelOutput:
     local_labels: int  # valid labels on this rank
     local_visual_tokens: int  # visual positions in this rank's shard
     encoded_units: int  # vision units (images, frames) this rank encoded
+    extra_losses: dict[str, torch.Tensor] = field(default_factory=dict)  # shares, unweighted
 
 
-class _Tower(nn.Module):
-    """``visual(pixel_values, grid_thw)`` as VisionDataParallel expects: rows, or (rows, deepstack)."""
+class TowerCall:
+    """``encoder(pixel_values, grid_thw)`` as VisionDataParallel calls it: the adapter's ``encode``
+    on the model's tower. A plain callable, not a module, so the tower's parameters keep one owner
+    (the model) in ``state_dict`` and FSDP."""
 
-    def __init__(self, visual: nn.Module, deepstack: bool):
-        super().__init__()
-        self.visual = visual
-        self.deepstack = deepstack
+    def __init__(self, adapter: VLMAdapter, tower: nn.Module):
+        self.adapter, self.tower = adapter, tower
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
-        out = self.visual(pixel_values, grid_thw=grid_thw, return_dict=True)
-        if self.deepstack:
-            return out.pooler_output, list(out.deepstack_features)
-        return out.pooler_output
+    def __call__(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
+        return self.adapter.encode(self.tower, pixel_values, grid_thw)
 
 
 def _local_row_order(prep: PreparedBatch, cp_rank: int) -> torch.Tensor:
@@ -64,17 +72,23 @@ def _local_row_order(prep: PreparedBatch, cp_rank: int) -> torch.Tensor:
     return mine[torch.argsort(local[mine])]
 
 
+def _as_rows(out) -> list[torch.Tensor]:
+    return [out[0], *out[1]] if isinstance(out, tuple) else [out]
+
+
 class ContextParallelVLM(nn.Module):
-    """Wrap a Qwen-VL ``*ForConditionalGeneration`` model for training on a CP group.
+    """Wrap a transformers VLM (``*ForConditionalGeneration`` of a supported family) for training
+    on a CP group.
 
     Args:
-        model: ``Qwen2_5_VLForConditionalGeneration`` or ``Qwen3VLForConditionalGeneration``.
+        model: the model; ``cpvlm.integrations.hf.supported()`` lists the classes.
         cp_group: the CP process group (``None``: the default group).
-        attn: ``"ring"`` or ``"allgather"`` CP attention.
+        attn: the CP attention implementation (``cpvlm.constants.ATTN_IMPLS``).
         vision: ``"route"`` (each unit encoded once, rows sent to their owners), ``"allgather"``
             (each unit encoded once, every rank gets every row) or ``"replicate"`` (every rank
             encodes every unit: the simple baseline).
         flow: ``"scalable"`` or ``"compat"`` (full ``inputs_embeds`` built, then sharded).
+        attn_options: extra keywords for ``cp_attention``, passed through unchanged.
 
     ``forward(**batch)`` takes the same full batch on every CP rank and returns a
     ``ContextParallelOutput`` whose ``loss`` is this rank's share. With ``local_pixels=True``
@@ -91,9 +105,11 @@ class ContextParallelVLM(nn.Module):
         attn: str = "ring",
         vision: str = "route",
         flow: str = "scalable",
+        attn_options: dict | None = None,
     ):
         super().__init__()
-        self.family = model_family(model)
+        self.adapter = adapter_for(model)
+        self.family = self.adapter.family
         for name, value, allowed in (
             ("attn", attn, ATTN_IMPLS),
             ("vision", vision, VISION_MODES),
@@ -111,10 +127,22 @@ class ContextParallelVLM(nn.Module):
         self.model = model
         self.cp_group = cp_group
         self.attn, self.vision, self.flow = attn, vision, flow
+        self.attn_options = dict(attn_options or {})
         self.cp_size = dist.get_world_size(cp_group)
         self.cp_rank = dist.get_rank(cp_group)
-        self.vision_cost = vision_cost(model)  # units balanced by the tower's modelled cost
-        model.model.language_model.set_attn_implementation(CP_ATTENTION)
+        self.adapter.text_model(model).set_attn_implementation(CP_ATTENTION)
+        self.encode = TowerCall(self.adapter, self.adapter.vision_tower(model))
+        self.vision_cost = self.adapter.vision_cost()  # units balanced by the tower's cost
+        # "replicate" with no units at all runs the same dummy frame as the other modes.
+        self.vision_dp = VisionDataParallel(
+            self.encode,
+            cp_group,
+            mode="allgather" if vision == "replicate" else vision,
+            merge_size=self.adapter.merge_size,
+            split_frames=self.adapter.split_frames,
+            cost=self.vision_cost,
+        )
+        self.batch_keys = (*BASE_KEYS, *self.adapter.video_keys)
 
     def forward(
         self,
@@ -123,12 +151,23 @@ class ContextParallelVLM(nn.Module):
         *,
         num_valid: int | None = None,
         doc_lens=None,
+        num_batches: int = 1,
         local_pixels: bool = False,
         **batch,
     ) -> ContextParallelOutput:
-        unknown = set(batch) - set(OPTIONAL_KEYS)
+        """One forward batch. ``num_valid``: the step's global count of valid shifted labels
+        (default: this batch's); ``num_batches``: the step's forward batches (microbatches x DP
+        replicas) that per-batch extra losses are averaged over."""
+        unknown = set(batch) - set(self.batch_keys)
         if unknown:
-            raise ValueError(f"ContextParallelVLM: unexpected batch keys {sorted(unknown)}")
+            raise ValueError(
+                f"ContextParallelVLM: unexpected batch keys {sorted(unknown)} for "
+                f"{self.family} (known: {list(self.batch_keys)})"
+            )
+        if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 1:
+            raise ValueError(
+                f"ContextParallelVLM: num_batches must be an int >= 1, got {num_batches!r}"
+            )
         if local_pixels and self.vision == "replicate":
             raise ValueError(
                 "ContextParallelVLM: vision='replicate' encodes every unit on every rank and "
@@ -140,6 +179,7 @@ class ContextParallelVLM(nn.Module):
             self.cp_size,
             doc_lens=doc_lens,
             num_valid=num_valid,
+            adapter=self.adapter,
             local_pixels=local_pixels,
         )
         local = pad_and_shard(
@@ -148,41 +188,45 @@ class ContextParallelVLM(nn.Module):
                 "labels": prep.labels,
                 "position_ids": prep.position_ids,
                 "visual_mask": prep.visual_mask,
+                "real_mask": prep.real_mask,
             },
             prep.plan,
             self.cp_rank,
-            seq_dims={"visual_mask": 1},
+            seq_dims={"visual_mask": 1, "real_mask": 1},
         )
         visual_mask_loc = local["visual_mask"]
         x_loc, deepstack, encoded = self._local_embeddings(
             prep, local["input_ids"], visual_mask_loc
         )
-        lm_kwargs = {}
-        if self.family == "qwen3_vl":
-            lm_kwargs = {"visual_pos_masks": visual_mask_loc, "deepstack_visual_embeds": deepstack}
-        context = CPAttentionContext(prep.plan, self.cp_rank, self.cp_group, self.attn)
-        hidden = self.model.model.language_model(
+        context = CPAttentionContext(prep.plan, self.cp_group, self.attn, self.attn_options)
+        decoder_out = self.adapter.text_model(self.model)(
             inputs_embeds=x_loc,
             position_ids=local["position_ids"],
             attention_mask=None,
             use_cache=False,
             cpvlm_cp=context,
-            **lm_kwargs,
-        ).last_hidden_state
-        logits = self.model.lm_head(hidden)
+            **self.adapter.decoder_kwargs(visual_mask_loc, deepstack),
+        )
+        logits = self.adapter.lm_head(self.model)(decoder_out.last_hidden_state)
         loss = token_mean_loss(logits, local["labels"], prep.num_valid)
+        extras = self.adapter.extra_losses(
+            decoder_out, LossContext(group=self.cp_group, real_mask=local["real_mask"])
+        )
+        for term in extras.values():
+            loss = loss + term.share * (term.weight / num_batches)
         return ContextParallelOutput(
             loss=loss,
             num_valid=prep.num_valid,
             local_labels=int((local["labels"] != IGNORE_INDEX).sum()),
             local_visual_tokens=int(visual_mask_loc.sum()),
             encoded_units=encoded,
+            extra_losses={name: term.share for name, term in extras.items()},
         )
 
     def vision_assignment(self, units: VisionUnits) -> list[list[int]]:
         """The units each CP rank encodes: ``VisionDataParallel``'s assignment, balanced by the
         tower's modelled cost (a loader that decodes only this rank's units must use this one)."""
-        return assign_vision_units(self.vision_cost.unit_costs(units), self.cp_size)
+        return self.vision_dp.assignment(units)
 
     def _local_embeddings(self, prep: PreparedBatch, ids_loc, visual_mask_loc):
         """``(inputs_embeds [B, L, D], deepstack rows of the local visual positions, units)``.
@@ -191,7 +235,7 @@ class ContextParallelVLM(nn.Module):
         decoder runs (autograd keeps only their indices).
         """
         rows, encoded = self._vision_rows(prep)
-        embed = self.model.get_input_embeddings()
+        embed = self.adapter.embed_tokens(self.model)
         if self.flow == "scalable":
             x_loc = embed(ids_loc)
             x_loc = x_loc.masked_scatter(visual_mask_loc.unsqueeze(-1), rows[0].to(x_loc.dtype))
@@ -210,38 +254,23 @@ class ContextParallelVLM(nn.Module):
         """This rank's visual rows (scalable flow) or all of them (compat), main then deepstack.
 
         The tower runs on every rank even without images (VisionDataParallel then encodes a dummy
-        frame and keeps none of it), so every rank makes the same collectives and gradients.
+        frame and keeps none of it), so every rank makes the same collectives and gradients, and
+        FSDP's per-module collectives and the set of gradients match across DP ranks.
         """
-        visual = self.model.model.visual
-        tower = _Tower(visual, deepstack=self.family == "qwen3_vl")
-        # Text-only batches give [0, C] pixels: the tower still runs (on a dummy frame) on every
-        # rank, so FSDP's per-module collectives and the set of gradients match across DP ranks.
-        pixel_values = prep.pixel_values(visual.dtype)
+        pixel_values = prep.pixel_values(self.adapter.vision_tower(self.model).dtype)
         if self.vision == "replicate" and len(prep.grid_thw):
-            out = tower(pixel_values, prep.grid_thw)
-            encoded = int(prep.grid_thw[:, 0].sum())
+            rows = _as_rows(self.encode(pixel_values, prep.grid_thw))
+            encoded = self.vision_dp.units(prep.grid_thw).num_units
         else:
-            # With no units at all, "replicate" runs the same dummy frame as the other modes.
-            mode = "allgather" if self.vision == "replicate" else self.vision
-            vdp = VisionDataParallel(
-                tower,
-                self.cp_group,
-                mode=mode,
-                merge_size=visual.spatial_merge_size,
-                cost=self.vision_cost,
+            route = {"plan": prep.plan, "row_positions": prep.row_positions}
+            out, encoded = self.vision_dp(
+                pixel_values,
+                prep.grid_thw,
+                local_pixels=prep.local_pixels,
+                with_unit_count=True,
+                **(route if self.vision == "route" else {}),
             )
-            encoded = len(vdp.assignment(vdp.units(prep.grid_thw))[self.cp_rank])
-            if mode == "route":
-                out = vdp(
-                    pixel_values,
-                    prep.grid_thw,
-                    plan=prep.plan,
-                    row_positions=prep.row_positions,
-                    local_pixels=prep.local_pixels,
-                )
-            else:
-                out = vdp(pixel_values, prep.grid_thw, local_pixels=prep.local_pixels)
-        rows = [out[0], *out[1]] if isinstance(out, tuple) else [out]
+            rows = _as_rows(out)
         if self.flow == "scalable" and self.vision != "route":
             mine = _local_row_order(prep, self.cp_rank).to(rows[0].device)
             rows = [t.index_select(0, mine) for t in rows]

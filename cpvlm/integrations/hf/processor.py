@@ -40,6 +40,7 @@ from cpvlm.data.media import image_ref, load_frames, video_frames
 from cpvlm.data.sample import SamplePlan, TokenIds, VisionItem, check_tokens, plan_tokenized
 from cpvlm.data.sources import Record
 
+from .registry import adapter_for
 from .resize import VideoSettings, image_grid
 
 TRAIN_ON = ("assistant", "all")
@@ -153,7 +154,9 @@ class ChatEncoder:
         )
         self.model_dir = Path(model_dir)
         self.train_on = train_on
-        self.ids = TokenIds.from_config(model_config)
+        self.ids = TokenIds.from_config(
+            model_config, types=adapter_for(model_config).mm_token_type_ids
+        )
         model_type = model_config.model_type
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
         self.image_processor = AutoImageProcessor.from_pretrained(

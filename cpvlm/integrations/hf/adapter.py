@@ -1,0 +1,257 @@
+"""The family adapter: what one transformers VLM family does differently, and nothing else.
+
+Legend: B batch, S full length, L local length, D hidden size, R visual rows, E experts.
+
+The core (``prepare_batch``, ``ContextParallelVLM``) knows the CP step: replicated integer inputs,
+the plan, local embeddings, vision data parallelism, the decoder on the shard, the token-mean
+loss. An adapter answers the family's questions:
+
+- tokens: how the processor writes an image or a video into the sequence (``item_tokens``),
+  which token type each placeholder has (``mm_token_type_ids``: 0 text, 1 image, 2 video);
+- modules: where the text model, embeddings, lm head and vision tower are, which modules are
+  FSDP units, what stays trainable when the encoder is frozen, the module groups that
+  ``cpvlm verify`` reports;
+- vision: how the tower is called and what it returns (``encode``: rows, or rows and deepstack
+  levels), whether video frames are independent units, the per-unit cost model (``vision_cost``);
+- positions: ``rope_index`` per document (M-RoPE families: the model's own ``get_rope_index``;
+  1D-RoPE families return None and the core uses the plan's per-document positions);
+- decoder: extra keywords of the text model's forward (``decoder_kwargs``: deepstack rows, router
+  logits); extra losses (``extra_losses``: the MoE router's load-balancing loss).
+
+The defaults are the Qwen2-VL layout: one ``<vision_start> pads <vision_end>`` group per item, a
+tower ``visual(pixel_rows, grid_thw)`` with the merger inside that returns ``pooler_output``, M-RoPE
+from ``model.model.get_rope_index``, no extra keywords or losses. A family overrides what differs.
+
+Adding a family is one file plus its tests:
+1. ``cpvlm/integrations/hf/families/<family>.py``: a ``VLMAdapter`` subclass decorated with
+   ``@register``, naming ``family``, ``model_classes`` (the transformers
+   ``*ForConditionalGeneration`` class names it serves), ``model_types`` (their ``config.model_type``), ``tiny_configs`` (a tiny
+   config built from the real config class, under a ``<family>-tiny`` name), and the overrides.
+   Import the module in ``families/__init__.py``.
+2. ``tests/hf/``: add the tiny name to ``FAMILIES`` in ``tests/hf/hf_families.py`` (the shared
+   exactness, checkpoint and verify tests then run on it) and test what is particular to it.
+3. README: the families table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cpvlm.router_loss import load_balancing_loss_share
+from cpvlm.vision.cost import VisionCost
+
+from .vision_cost import qwen2_vl_vision_cost
+
+VisionRows = torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]
+"""What ``encode`` returns: ``[R, D]`` rows, or ``([R, D], [[R, D_l], ...])`` with deepstack
+levels."""
+
+
+@dataclass(frozen=True)
+class LossContext:
+    """What an extra loss needs besides the decoder's output."""
+
+    group: dist.ProcessGroup | None  # the CP group: the batch's tokens are spread over it
+    real_mask: torch.Tensor  # [B, L] bool: this rank's positions holding a real token (not padding)
+
+
+@dataclass(frozen=True)
+class RouterLoss:
+    """The model's router load-balancing loss: ``weight * aux`` over its top-``top_k`` routing."""
+
+    top_k: int
+    weight: float
+
+
+@dataclass(frozen=True)
+class ExtraLoss:
+    """One extra loss term, ``weight * share``; the CP ranks' shares sum to the batch's loss."""
+
+    share: torch.Tensor
+    weight: float
+
+
+class VLMAdapter:
+    """The Qwen2-VL layout; subclasses override what their family does differently."""
+
+    family: ClassVar[str] = ""
+    model_classes: ClassVar[tuple[str, ...]] = ()
+    model_types: ClassVar[tuple[str, ...]] = ()
+    tiny_configs: ClassVar[dict[str, Callable[..., Any]]] = {}
+    video_keys: ClassVar[tuple[str, ...]] = ()
+    """Batch keys with one entry per video besides pixels and grid (second_per_grid_ts)."""
+    split_frames: ClassVar[bool] = True
+    """The tower treats a video's temporal frames independently: each frame is a vision unit."""
+    projector: ClassVar[tuple[str, ...]] = ("merger",)
+    """Tower submodules (name prefixes) that stay trainable when the vision encoder is frozen."""
+    mixes_images_and_videos: ClassVar[bool] = True
+    """The model's own forward takes images and videos in one call (GLM-4V's does not)."""
+    float32_groups: ClassVar[tuple[str, ...]] = ()
+    """Module groups (``module_groups`` labels) whose gradients the model computes in float32 even
+    in a float64 model; float64 checks hold them to float32 round-off. ``("*",)``: every group and
+    the loss (a float32 part in the forward, such as GLM-4.5V's router)."""
+    float64_load_kwargs: ClassVar[dict[str, str]] = {}
+    cost_model: ClassVar[Callable[[Any], VisionCost]] = staticmethod(qwen2_vl_vision_cost)
+    """The tower's cost model from its ``vision_config`` (``cpvlm.integrations.hf.vision_cost``)."""
+    """Loading keywords a float64 model needs (MoE: eager experts; grouped_mm rejects float64)."""
+
+    def __init__(self, config):
+        self.config = config
+        self.merge_size = int(config.vision_config.spatial_merge_size)
+
+    # ---- tokens: the processor's layout ---------------------------------------------------------
+
+    @property
+    def image_token_id(self) -> int:
+        return self.config.image_token_id
+
+    @property
+    def video_token_id(self) -> int:
+        return self.config.video_token_id
+
+    @property
+    def special_token_ids(self) -> tuple[int, ...]:
+        """Every id the layout writes around or for vision items (never drawn as text)."""
+        c = self.config
+        return (c.image_token_id, c.video_token_id, c.vision_start_token_id, c.vision_end_token_id)
+
+    @property
+    def pixel_width(self) -> int:
+        """Values in one pixel row (one patch): channels * temporal patch * patch * patch."""
+        v = self.config.vision_config
+        return v.in_channels * v.temporal_patch_size * v.patch_size**2
+
+    def mm_token_type_ids(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``[B, S]`` long: 1 at image placeholders, 2 at video placeholders, 0 elsewhere (the
+        processor's ``mm_token_type_ids``; padding is 0)."""
+        types = (input_ids == self.image_token_id).long()
+        types += 2 * (input_ids == self.video_token_id).long()
+        return types if attention_mask is None else types * attention_mask.bool()
+
+    def item_tokens(
+        self, kind: str, grid: tuple[int, int, int], text: Callable[[int], list[int]]
+    ) -> list[int]:
+        """The token ids the processor writes for one image or video of ``grid`` (t, h, w) in
+        patches; ``text(n)`` gives n text tokens where the layout has text (timestamps)."""
+        t, h, w = grid
+        c = self.config
+        pad = c.image_token_id if kind == "image" else c.video_token_id
+        frame = h * w // self.merge_size**2
+        return [c.vision_start_token_id] + [pad] * (t * frame) + [c.vision_end_token_id]
+
+    # ---- modules --------------------------------------------------------------------------------
+
+    def text_model(self, model: nn.Module) -> nn.Module:
+        """The decoder: ``forward(inputs_embeds=, position_ids=, ...)`` -> last_hidden_state."""
+        return model.model.language_model
+
+    def decoder_layers(self, model: nn.Module) -> list[nn.Module]:
+        return list(self.text_model(model).layers)
+
+    def embed_tokens(self, model: nn.Module) -> nn.Module:
+        return model.get_input_embeddings()
+
+    def lm_head(self, model: nn.Module) -> nn.Module:
+        return model.lm_head
+
+    def vision_tower(self, model: nn.Module) -> nn.Module:
+        """The module ``encode`` calls; its parameters are the vision side of the model."""
+        return model.model.visual
+
+    def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
+        """FSDP2 units: each decoder layer and the vision tower (ContextParallelVLM calls the
+        tower exactly once per forward on every rank, so its parameter all-gathers match)."""
+        return [*self.decoder_layers(model), self.vision_tower(model)]
+
+    def freeze_vision_encoder(self, model: nn.Module) -> None:
+        """Freeze the tower except its projector (``projector`` prefixes)."""
+        for name, p in self.vision_tower(model).named_parameters():
+            if not name.startswith(self.projector):
+                p.requires_grad_(False)
+
+    def module_groups(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """``(label, parameter-name regexes)`` that ``cpvlm verify`` reports; first match wins."""
+        return (
+            ("vision patch embed", (r"model\.visual\.(patch_embed|pos_embed)\.",)),
+            ("vision blocks", (r"model\.visual\.blocks\.",)),
+            ("vision merger", (r"model\.visual\.merger\.",)),
+            ("token embeddings", (r"model\.language_model\.embed_tokens\.",)),
+            ("decoder layers", (r"model\.language_model\.(layers|norm)\.",)),
+            ("lm head", (r"lm_head\.",)),
+        )
+
+    # ---- vision ---------------------------------------------------------------------------------
+
+    def encode(
+        self, tower: nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+    ) -> VisionRows:
+        """Run the tower on pixel rows ``[patches, C]`` of the items of ``grid_thw``; return one row
+        per merged token, in item order (and the deepstack levels, for families that have them)."""
+        return tower(pixel_values, grid_thw=grid_thw, return_dict=True).pooler_output
+
+    def vision_cost(self) -> VisionCost:
+        """The per-unit cost model of this family's tower, by which vision units are balanced
+        over the CP ranks (VisionDataParallel and a loader that decodes local pixels use it)."""
+        return self.cost_model(self.config.vision_config)
+
+    # ---- positions ------------------------------------------------------------------------------
+
+    def rope_index(
+        self,
+        model: nn.Module,
+        input_ids: torch.Tensor,
+        mm_token_type_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        image_grid_thw: torch.Tensor | None,
+        video_grid_thw: torch.Tensor | None,
+        video_extras: dict[str, torch.Tensor],
+    ) -> torch.Tensor | None:
+        """``[3, B, S]`` M-RoPE positions of one document with vision items, from the model's own
+        ``get_rope_index``; None for 1D-RoPE families (the core then uses per-document
+        positions)."""
+        position_ids, _ = model.model.get_rope_index(
+            input_ids,
+            mm_token_type_ids=mm_token_type_ids,
+            image_grid_thw=image_grid_thw,
+            video_grid_thw=video_grid_thw,
+            attention_mask=attention_mask,
+            **video_extras,
+        )
+        return position_ids
+
+    @property
+    def rope_rows(self) -> int:
+        """Rows of the position ids the text model takes: 3 (M-RoPE) or 0 (``[B, S]``, 1D RoPE)."""
+        return 3
+
+    # ---- decoder and losses ---------------------------------------------------------------------
+
+    def router_loss(self) -> RouterLoss | None:
+        """The MoE load-balancing loss the model adds (None: no router loss, or not enabled)."""
+        return None
+
+    def decoder_kwargs(
+        self, visual_mask: torch.Tensor, deepstack: Sequence[torch.Tensor]
+    ) -> dict[str, Any]:
+        """Extra keywords of the text model's forward on a shard: ``visual_mask`` [B, L] marks the
+        local visual positions, ``deepstack`` the local deepstack rows in their order."""
+        return {"output_router_logits": True} if self.router_loss() is not None else {}
+
+    def extra_losses(self, decoder_out, ctx: LossContext) -> dict[str, ExtraLoss]:
+        """Losses the model adds to the cross-entropy, as this rank's shares: the router's
+        load-balancing loss from statistics summed over the CP group (``cpvlm.router_loss``)."""
+        spec = self.router_loss()
+        if spec is None:
+            return {}
+        share = load_balancing_loss_share(
+            decoder_out.router_logits, ctx.real_mask, top_k=spec.top_k, group=ctx.group
+        )
+        return {"router_aux": ExtraLoss(share, spec.weight)}

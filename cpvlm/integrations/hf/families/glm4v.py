@@ -1,0 +1,194 @@
+"""GLM-4.1V / GLM-4.6V (glm4v, glm46v) and GLM-4.5V (glm4v_moe): M-RoPE, video frames as images.
+
+A GLM video is ``<|begin_of_video|>`` then, per temporal patch-frame, ``<|begin_of_image|>``
+image-token pads ``<|end_of_image|>`` and its timestamp as text, then ``<|end_of_video|>``: video
+placeholders are *image* tokens, and ``mm_token_type_ids`` (2 inside a video, 1 elsewhere) is what
+tells them apart. The tower encodes every frame as its own (1, h, w) grid (``get_video_features``
+flattens videos; the tower cannot take t > 1), so frames are independent units. Its patch merger is
+a strided convolution (``downsample``) and an MLP (``merger``). The model's own forward puts image
+features at every image-token position, so it cannot take images and videos in one call; the CP
+path can (it places rows by token type).
+
+GLM-4.5V's MoE layers route with a sigmoid router computed in float32 whatever the model dtype,
+so a float64 GLM-4.5V is exact under CP only to float32 round-off (~1e-7); its optional
+load-balancing loss (``output_router_logits``) is computed like Qwen3-VL-MoE's.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Glm4vConfig, Glm4vMoeConfig, Glm46VConfig
+
+from ..adapter import RouterLoss, VLMAdapter
+from ..registry import register
+from ..tiny import (
+    IMAGE_TOKEN_ID,
+    TEXT,
+    VIDEO_END_TOKEN_ID,
+    VIDEO_START_TOKEN_ID,
+    VIDEO_TOKEN_ID,
+    VISION,
+    VISION_END_TOKEN_ID,
+    VISION_START_TOKEN_ID,
+    split_overrides,
+    with_overrides,
+)
+from ..vision_cost import glm4v_vision_cost
+
+TIMESTAMP_TOKENS = 1
+"""Text tokens of the timestamp the processor writes after every video frame (``int(seconds)``)."""
+
+_TOKENS = {
+    "image_token_id": IMAGE_TOKEN_ID,
+    "video_token_id": VIDEO_TOKEN_ID,
+    "image_start_token_id": VISION_START_TOKEN_ID,
+    "image_end_token_id": VISION_END_TOKEN_ID,
+    "video_start_token_id": VIDEO_START_TOKEN_ID,
+    "video_end_token_id": VIDEO_END_TOKEN_ID,
+}
+_VISION = {
+    **VISION,
+    "intermediate_size": 2 * TEXT["hidden_size"],  # the merger's width (the text MLP's, as in GLM)
+    "image_size": 64,  # an 8 x 8 table of position embeddings, interpolated per grid
+}
+_TEXT = {
+    **TEXT,
+    # head_dim 16, half of it rotary: 4 frequencies in T, H, W sections.
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": [2, 1, 1],
+        "partial_rotary_factor": 0.5,
+    },
+}
+
+
+def _tiny(config_class, text_defaults: dict, overrides: dict):
+    vision, text, top = split_overrides(overrides)
+    top = with_overrides({**_TOKENS, "attn_implementation": "sdpa"}, top)
+    return config_class(
+        text_config=with_overrides(text_defaults, text),
+        vision_config=with_overrides(_VISION, vision),
+        **top,
+    )
+
+
+def tiny_glm4v_config(**overrides) -> Glm4vConfig:
+    """A GLM-4.1V config small enough for float64 CPU tests (~200k parameters)."""
+    return _tiny(Glm4vConfig, _TEXT, overrides)
+
+
+def tiny_glm46v_config(**overrides) -> Glm46VConfig:
+    """A GLM-4.6V config (GLM-4.1V text and vision configs under the glm46v wrapper)."""
+    overrides.setdefault("text_config", {})
+    overrides["text_config"] = {"model_type": "glm4v_text", **overrides["text_config"]}
+    overrides.setdefault("vision_config", {})
+    overrides["vision_config"] = {"model_type": "glm4v_vision", **overrides["vision_config"]}
+    return _tiny(Glm46VConfig, _TEXT, overrides)
+
+
+def tiny_glm4v_moe_config(**overrides) -> Glm4vMoeConfig:
+    """A GLM-4.5V config: layer 0 dense, layer 1 MoE (4 routed experts, top 2, one shared)."""
+    text = {
+        **_TEXT,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+    }
+    return _tiny(Glm4vMoeConfig, text, overrides)
+
+
+class _GlmLayout(VLMAdapter):
+    projector = ("downsample", "merger")
+    cost_model = staticmethod(glm4v_vision_cost)
+    mixes_images_and_videos = False
+    # The position table is resampled by a float32 bicubic grid_sample: its gradient is a float32
+    # sum over the patches of one tower call (docs/hf_internals.md section 8).
+    float32_groups = ("vision position table",)
+
+    @property
+    def special_token_ids(self):
+        c = self.config
+        return (
+            c.image_token_id,
+            c.video_token_id,
+            c.image_start_token_id,
+            c.image_end_token_id,
+            c.video_start_token_id,
+            c.video_end_token_id,
+        )
+
+    def mm_token_type_ids(self, input_ids, attention_mask=None):
+        c = self.config
+        inside = (input_ids == c.video_start_token_id).long().cumsum(-1) > (
+            input_ids == c.video_end_token_id
+        ).long().cumsum(-1)
+        pads = input_ids == c.image_token_id
+        types = pads.long() + (pads & inside).long()
+        return types if attention_mask is None else types * attention_mask.bool()
+
+    def item_tokens(self, kind, grid, text):
+        c = self.config
+        t, h, w = grid
+        frame = [c.image_start_token_id] + [c.image_token_id] * (h * w // self.merge_size**2)
+        frame.append(c.image_end_token_id)
+        if kind == "image":
+            return frame * t
+        tokens = [c.video_start_token_id]
+        for _ in range(t):
+            tokens += frame + text(TIMESTAMP_TOKENS)
+        return tokens + [c.video_end_token_id]
+
+    def module_groups(self):
+        v = r"model\.visual\."
+        return (
+            ("vision position table", (v + r"embeddings\.position_embedding\.",)),
+            ("vision patch embed", (v + r"(patch_embed|post_conv_layernorm)\.",)),
+            ("vision blocks", (v + r"blocks\.",)),
+            ("vision merger", (v + r"(post_layernorm|downsample|merger)\.",)),
+            *super().module_groups()[3:],
+        )
+
+    def encode(self, tower, pixel_values, grid_thw):
+        # One (1, h, w) grid per frame, as get_video_features passes videos.
+        hw = torch.repeat_interleave(grid_thw[:, 1:], grid_thw[:, 0], dim=0)
+        frames = torch.cat([hw.new_ones(hw.shape[0], 1), hw], dim=1)
+        return tower(pixel_values, grid_thw=frames, return_dict=True).pooler_output
+
+
+@register
+class Glm4vAdapter(_GlmLayout):
+    family = "glm4v"
+    model_classes = ("Glm4vForConditionalGeneration", "Glm46VForConditionalGeneration")
+    model_types = ("glm4v", "glm46v")
+    tiny_configs = {"glm4v-tiny": tiny_glm4v_config, "glm46v-tiny": tiny_glm46v_config}
+
+
+@register
+class Glm4vMoeAdapter(_GlmLayout):
+    family = "glm4v_moe"
+    model_classes = ("Glm4vMoeForConditionalGeneration",)
+    model_types = ("glm4v_moe",)
+    tiny_configs = {"glm4v-moe-tiny": tiny_glm4v_moe_config}
+    float64_load_kwargs = {"experts_implementation": "eager"}
+    # The sigmoid router casts its input and weight to float32 (any model dtype): its backward
+    # rounds every gradient upstream of an MoE layer to float32, and its routing weights the loss.
+    float32_groups = ("*",)
+
+    def router_loss(self):
+        text = self.config.text_config
+        if not text.output_router_logits:
+            return None
+        return RouterLoss(top_k=text.num_experts_per_tok, weight=text.router_aux_loss_coef)
+
+    def module_groups(self):
+        layer = r"model\.language_model\.layers\.\d+\.mlp\."
+        groups = list(super().module_groups())
+        i = [label for label, _ in groups].index("decoder layers")
+        groups[i:i] = [
+            ("router", (layer + r"gate\.",)),
+            ("experts", (layer + r"(experts|shared_experts)\.",)),
+        ]
+        return tuple(groups)

@@ -1,0 +1,57 @@
+"""Qwen2.5-VL: Qwen2-VL's layout with window attention in the tower and video time steps.
+
+Videos carry ``second_per_grid_ts`` (one entry per video), which ``get_rope_index`` turns into
+temporal position steps; the tower's windows are per frame, so frames stay independent units.
+"""
+
+from __future__ import annotations
+
+from transformers import Qwen2_5_VLConfig
+
+from ..adapter import VLMAdapter
+from ..registry import register
+from ..tiny import QWEN_SPECIAL_TOKEN_IDS, TEXT, VISION, split_overrides, with_overrides
+from ..vision_cost import qwen2_5_vl_vision_cost
+
+
+def tiny_qwen2_5_vl_config(**overrides) -> Qwen2_5_VLConfig:
+    """A Qwen2.5-VL config small enough for float64 CPU tests (~200k parameters).
+
+    Window attention is on (window of 2x2 merged tokens) in block 0, full attention in the last
+    block, as in the real checkpoints.
+    """
+    vision, text, top = split_overrides(overrides)
+    vision = with_overrides(
+        {
+            **VISION,
+            "window_size": 32,  # pixels: 32 // merge 2 // patch 8 = 2 merged tokens per side
+            "tokens_per_second": 2,
+        },
+        vision,
+    )
+    vision.setdefault("fullatt_block_indexes", [vision["depth"] - 1])
+    text = with_overrides(
+        {
+            **TEXT,  # head_dim = hidden_size / num_attention_heads = 16
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1e6,
+                "mrope_section": [2, 3, 3],
+            },
+        },
+        text,
+    )
+    top = with_overrides({**QWEN_SPECIAL_TOKEN_IDS, "attn_implementation": "sdpa"}, top)
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **top)
+
+
+@register
+class Qwen2_5_VLAdapter(VLMAdapter):
+    family = "qwen2_5_vl"
+    model_classes = ("Qwen2_5_VLForConditionalGeneration",)
+    model_types = ("qwen2_5_vl",)
+    tiny_configs = {"qwen2.5-vl-tiny": tiny_qwen2_5_vl_config}
+    video_keys = ("second_per_grid_ts",)
+    cost_model = staticmethod(qwen2_5_vl_vision_cost)

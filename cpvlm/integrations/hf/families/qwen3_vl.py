@@ -1,0 +1,92 @@
+"""Qwen3-VL: deepstack levels from the tower, a timestamp before every video frame.
+
+Legend: L local length, N local visual rows, D text width.
+
+The tower returns the merged rows and one ``[R, D]`` deepstack level per entry of
+``vision_config.deepstack_visual_indexes``; the text model adds level l after decoder layer l at
+the visual positions (``visual_pos_masks``, ``deepstack_visual_embeds``), which on a shard are
+the local visual mask and the local rows in their order. The processor writes each temporal
+patch-frame of a video as ``<t seconds><vision_start> pads <vision_end>``, and ``get_rope_index``
+needs that text between frames.
+"""
+
+from __future__ import annotations
+
+from transformers import Qwen3VLConfig
+
+from ..adapter import VLMAdapter
+from ..registry import register
+from ..tiny import QWEN_SPECIAL_TOKEN_IDS, TEXT, VISION, split_overrides, with_overrides
+from ..vision_cost import qwen3_vl_vision_cost
+
+TIMESTAMP_TOKENS = 3
+"""Text tokens of the timestamp the processor writes before every video frame ("<0.5 seconds>")."""
+
+
+def tiny_vision(vision: dict | None) -> dict:
+    vision = with_overrides({**VISION, "num_position_embeddings": 64}, vision)
+    vision.setdefault("deepstack_visual_indexes", sorted({0, vision["depth"] - 1}))
+    bad = [i for i in vision["deepstack_visual_indexes"] if not 0 <= i < vision["depth"]]
+    if bad:
+        raise ValueError(
+            f"vision_config.deepstack_visual_indexes {bad} are outside the vision depth "
+            f"{vision['depth']}; pass indexes in [0, depth)"
+        )
+    return vision
+
+
+TINY_TEXT = {
+    **TEXT,
+    "head_dim": 16,
+    # head_dim/2 = 8 frequencies, interleaved T,H,W as in the real checkpoints.
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 5_000_000.0,
+        "mrope_section": [4, 2, 2],
+        "mrope_interleaved": True,
+    },
+}
+
+
+def tiny_qwen3_vl_config(**overrides) -> Qwen3VLConfig:
+    """A Qwen3-VL config small enough for float64 CPU tests (~250k parameters). Deepstack taps
+    the first and last vision block unless ``deepstack_visual_indexes`` is given."""
+    vision, text, top = split_overrides(overrides)
+    top = with_overrides({**QWEN_SPECIAL_TOKEN_IDS, "attn_implementation": "sdpa"}, top)
+    return Qwen3VLConfig(
+        text_config=with_overrides(TINY_TEXT, text), vision_config=tiny_vision(vision), **top
+    )
+
+
+@register
+class Qwen3VLAdapter(VLMAdapter):
+    family = "qwen3_vl"
+    model_classes = ("Qwen3VLForConditionalGeneration",)
+    model_types = ("qwen3_vl",)
+    tiny_configs = {"qwen3-vl-tiny": tiny_qwen3_vl_config}
+    projector = ("merger", "deepstack_merger_list")
+    cost_model = staticmethod(qwen3_vl_vision_cost)
+
+    def item_tokens(self, kind, grid, text):
+        if kind == "image":
+            return super().item_tokens(kind, grid, text)
+        t, h, w = grid
+        frame = super().item_tokens(kind, (1, h, w), text)
+        return [tok for _ in range(t) for tok in text(TIMESTAMP_TOKENS) + frame]
+
+    def module_groups(self):
+        groups = list(super().module_groups())
+        groups.insert(3, ("deepstack mergers", (r"model\.visual\.deepstack_merger_list\.",)))
+        return tuple(groups)
+
+    def encode(self, tower, pixel_values, grid_thw):
+        out = tower(pixel_values, grid_thw=grid_thw, return_dict=True)
+        return out.pooler_output, list(out.deepstack_features)
+
+    def decoder_kwargs(self, visual_mask, deepstack):
+        kwargs = super().decoder_kwargs(visual_mask, deepstack)
+        return {
+            **kwargs,
+            "visual_pos_masks": visual_mask,
+            "deepstack_visual_embeds": list(deepstack),
+        }

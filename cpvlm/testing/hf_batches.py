@@ -1,0 +1,216 @@
+"""Synthetic training batches for any supported VLM family, laid out as its processor writes them.
+
+Legend: B batch, S padded sequence length; a grid (t, h, w) is in patch units (h, w divisible by
+the spatial merge size m), and one merged vision token covers m*m patches.
+
+Used by the tests, ``cpvlm verify`` and the trainer's synthetic data. The layout of each image or
+video (placeholders, start/end tokens, timestamps) and the token types come from the family's
+adapter, so every family gets batches its own forward accepts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cpvlm.constants import IGNORE_INDEX
+from cpvlm.integrations.hf.registry import adapter_for
+
+VISION_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_values_videos",
+    "video_grid_thw",
+    "second_per_grid_ts",
+)
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """One sample of a synthetic batch: ``text_len`` free text tokens spread around the images
+    (grids (h, w)) and then the videos (grids (t, h, w)), all in patch units."""
+
+    images: tuple[tuple[int, int], ...] = ()
+    videos: tuple[tuple[int, int, int], ...] = ()
+    text_len: int = 16
+
+
+def _samples(samples, images, videos, text_len) -> list[SampleSpec]:
+    if samples is not None and (images or videos):
+        raise ValueError("pass images/videos inside samples, or samples=None; not both")
+    if samples is None:
+        samples = [SampleSpec(tuple(images), tuple(videos), text_len)]
+    samples = [s if isinstance(s, SampleSpec) else SampleSpec(**s) for s in samples]
+    if not samples:
+        raise ValueError("samples is empty; pass at least one SampleSpec")
+    return samples
+
+
+def _items(sample: SampleSpec, i: int, merge: int) -> list[tuple[str, tuple[int, int, int]]]:
+    items = [("image", (1, h, w)) for h, w in sample.images]
+    items += [("video", tuple(g)) for g in sample.videos]
+    for kind, (t, h, w) in items:
+        if t < 1 or h % merge or w % merge or h < merge or w < merge:
+            raise ValueError(
+                f"sample {i}: {kind} grid {(t, h, w)} must have t >= 1 and h, w positive "
+                f"multiples of the spatial merge size {merge}"
+            )
+    if sample.text_len < 0 or (sample.text_len == 0 and not items):
+        raise ValueError(f"sample {i}: text_len must be >= 0 and the sample non-empty")
+    return items
+
+
+def _row(adapter, items, text_len: int, text) -> list[int]:
+    """Text chunks around the items, as evenly as possible; earlier chunks get the remainder."""
+    chunks = [text_len // (len(items) + 1)] * (len(items) + 1)
+    for j in range(text_len % (len(items) + 1)):
+        chunks[j] += 1
+    tokens = []
+    for chunk, (kind, grid) in zip(chunks, items):
+        tokens += text(chunk) + adapter.item_tokens(kind, grid, text)
+    return tokens + text(chunks[-1])
+
+
+def _pad(rows: list[list[int]], pad_token_id: int, multiple: int):
+    seq_len = max(len(r) for r in rows)
+    seq_len = -(-seq_len // multiple) * multiple
+    input_ids = torch.full((len(rows), seq_len), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), seq_len), dtype=torch.long)
+    for b, r in enumerate(rows):
+        input_ids[b, : len(r)] = torch.tensor(r, dtype=torch.long)
+        attention_mask[b, : len(r)] = 1
+    return input_ids, attention_mask
+
+
+def synthetic_batch(
+    config,
+    samples: Sequence[SampleSpec | Mapping] | None = None,
+    *,
+    images: Sequence[tuple[int, int]] = (),
+    videos: Sequence[tuple[int, int, int]] = (),
+    text_len: int = 16,
+    seed: int = 0,
+    pad_token_id: int | None = None,
+    pad_to_multiple_of: int = 1,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
+    """A valid training batch for a model of ``config``'s family, laid out like processor output.
+
+    ``samples`` lists one ``SampleSpec`` (or dict of its fields) per batch row; without it, one
+    sample is built from ``images``, ``videos``, ``text_len``. Rows are right-padded with
+    ``pad_token_id`` (default: the text config's, else 0) to the longest row, rounded up to
+    ``pad_to_multiple_of``. Returns ``input_ids``, ``attention_mask``, ``mm_token_type_ids``
+    (0 text, 1 image, 2 video), ``labels`` (unshifted, -100 on vision placeholders and padding),
+    and when present ``pixel_values`` / ``image_grid_thw``, ``pixel_values_videos`` /
+    ``video_grid_thw`` (+ ``second_per_grid_ts`` for families that take it). Pixel rows are random,
+    ``t*h*w`` per grid.
+    """
+    adapter = adapter_for(config)
+    if pad_to_multiple_of < 1:
+        raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
+    samples = _samples(samples, images, videos, text_len)
+    text_config = config.text_config
+    if pad_token_id is None:
+        pad_token_id = getattr(text_config, "pad_token_id", None)
+        pad_token_id = 0 if pad_token_id is None else pad_token_id
+    text_hi = min(*adapter.special_token_ids, text_config.vocab_size)
+    gen = torch.Generator().manual_seed(seed)
+
+    def text(n: int) -> list:
+        return torch.randint(1, text_hi, (n,), generator=gen).tolist()
+
+    rows, grids = [], {"image": [], "video": []}
+    for i, sample in enumerate(samples):
+        items = _items(sample, i, adapter.merge_size)
+        rows.append(_row(adapter, items, sample.text_len, text))
+        for kind, grid in items:
+            grids[kind].append(grid)
+    input_ids, attention_mask = _pad(rows, pad_token_id, pad_to_multiple_of)
+    mm_token_type_ids = adapter.mm_token_type_ids(input_ids, attention_mask)
+    labels = input_ids.masked_fill((mm_token_type_ids != 0) | (attention_mask == 0), IGNORE_INDEX)
+    batch = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "mm_token_type_ids": mm_token_type_ids,
+        "labels": labels,
+    }
+    batch.update(_vision_inputs(adapter, grids, gen, dtype))
+    return batch
+
+
+def _vision_inputs(adapter, grids: dict, gen: torch.Generator, dtype: torch.dtype) -> dict:
+    def pixels(kind_grids: list) -> torch.Tensor:
+        n_rows = sum(t * h * w for t, h, w in kind_grids)
+        return torch.randn(n_rows, adapter.pixel_width, generator=gen, dtype=torch.float64).to(
+            dtype
+        )
+
+    out = {}
+    if grids["image"]:
+        out["pixel_values"] = pixels(grids["image"])
+        out["image_grid_thw"] = torch.tensor(grids["image"], dtype=torch.long)
+    if grids["video"]:
+        out["pixel_values_videos"] = pixels(grids["video"])
+        out["video_grid_thw"] = torch.tensor(grids["video"], dtype=torch.long)
+        if "second_per_grid_ts" in adapter.video_keys:
+            # the processor's temporal_patch_size / fps, with its default fps of 2
+            tps = adapter.config.vision_config.temporal_patch_size
+            out["second_per_grid_ts"] = torch.full((len(grids["video"]),), tps / 2.0)
+    return out
+
+
+def pack_documents(parts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One packed row (no attention_mask) from single-row, unpadded batches, in order; pair it
+    with ``doc_lens = [p["input_ids"].shape[1] for p in parts]``."""
+    packed = {}
+    for key in ("input_ids", "labels", "mm_token_type_ids"):
+        if key in parts[0]:
+            packed[key] = torch.cat([p[key] for p in parts], dim=1)
+    for key in VISION_KEYS:
+        present = [p[key] for p in parts if key in p]
+        if present:
+            packed[key] = torch.cat(present)
+    return packed
+
+
+def split_documents(
+    config, batch: Mapping[str, torch.Tensor], doc_lens: Sequence[int]
+) -> list[dict]:
+    """The single-document batches of a packed row (``pack_documents``' inverse): each document's
+    tokens with its own images, videos and per-video keys."""
+    adapter = adapter_for(config)
+    types = adapter.mm_token_type_ids(batch["input_ids"])
+    m2 = adapter.merge_size**2
+    kinds = (
+        ("image", 1, "pixel_values", "image_grid_thw"),
+        ("video", 2, "pixel_values_videos", "video_grid_thw"),
+    )
+    seen = {"image": 0, "video": 0}
+    docs, start = [], 0
+    for n in doc_lens:
+        a, b = start, start + n
+        start = b
+        doc = {
+            k: batch[k][:, a:b] for k in ("input_ids", "labels", "mm_token_type_ids") if k in batch
+        }
+        for kind, type_id, pix_key, grid_key in kinds:
+            need = int((types[0, a:b] == type_id).sum())
+            if not need:
+                continue
+            grids, first = batch[grid_key], seen[kind]
+            last, got = first, 0
+            while got < need:
+                got += int(grids[last].prod()) // m2
+                last += 1
+            rows_before = int(grids[:first].prod(-1).sum())
+            doc[grid_key] = grids[first:last]
+            doc[pix_key] = batch[pix_key][
+                rows_before : rows_before + int(grids[first:last].prod(-1).sum())
+            ]
+            if kind == "video":
+                doc.update({k: batch[k][first:last] for k in adapter.video_keys if k in batch})
+            seen[kind] = last
+        docs.append(doc)
+    return docs
