@@ -131,6 +131,7 @@ class ContextParallelVLM(nn.Module):
         self.cp_size = dist.get_world_size(cp_group)
         self.cp_rank = dist.get_rank(cp_group)
         self.adapter.text_model(model).set_attn_implementation(CP_ATTENTION)
+        self.adapter.install_context_parallel(model)
         self.encode = TowerCall(self.adapter, self.adapter.vision_tower(model))
         self.vision_cost = self.adapter.vision_cost()  # units balanced by the tower's cost
         # "replicate" with no units at all runs the same dummy frame as the other modes.
