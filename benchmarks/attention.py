@@ -1,7 +1,21 @@
-"""CP attention on CPU: cpvlm ring and all-gather against one-process SDPA and PyTorch's ring.
+"""CP attention on CPU: every cpvlm implementation against one-process SDPA (and PyTorch's ring).
 
-    python benchmarks/attention.py                      # S in 4096 8192 16384, a few minutes
-    python benchmarks/attention.py --seq-lens 4096 --repeats 2
+    python benchmarks/attention.py                      # both parts, S in 4096 8192 16384
+    python benchmarks/attention.py --part impls --seq-lens 4096 --repeats 1
+    python benchmarks/attention.py --part torch         # only the comparison with PyTorch's ring
+
+Part "impls" (``attention_impls.json``): ring, all-gather and Ulysses at CP=2 and CP=4, and hybrid
+at CP=4 as 2 x 2, causal fwd+bwd, float32, B=1, D=64, Hq/Hkv = 8/2 (GQA) and 8/8 (MHA), on one
+long sequence and on one packed row of 64 equal documents (head-tail, and the balanced layout for
+the packed row). Each CP pool also runs the one-process baseline on its rank 0 with 2 threads
+while the other ranks wait in a barrier (per document for the packed row: SDPA on each document).
+Per run: the slowest rank's wall time over the baseline's (best repeat; with CP=4 four processes
+share the 2 cores, so its wall ratios carry a factor of about 2 that is the machine's, not the
+method's), the CPU seconds of all ranks over the baseline's (the work done), the bytes each rank
+sends (``cpvlm.attention.cost.wire_bytes``, counted exactly in tests/attention/test_attn_wire.py),
+the error against the baseline, and what ``impl="auto"`` picks for the shapes.
+
+Part "torch" (``attention.json``), the original comparison:
 
 Causal, fwd+bwd, float32, B=1, Hq=8, Hkv=2, D=64, on 2 CPU cores:
   (a) one process, 2 threads, full-sequence fused SDPA (F.scaled_dot_product_attention, GQA);
@@ -28,7 +42,7 @@ import torch.nn.functional as F
 from _common import print_table, write_json
 
 from cpvlm import ShardPlan
-from cpvlm.attention import attention_schedule, cp_attention
+from cpvlm.attention import Shapes, attention_schedule, choose_impl, cp_attention, wire_bytes
 from cpvlm.attention import block as attn_block
 from cpvlm.attention import ring as attn_ring
 from cpvlm.distributed import compat
@@ -175,11 +189,163 @@ def _unshard(plan, shards):
     return full
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192, 16384])
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+# ---- part "impls": every implementation at CP 2 and 4 ----------------------------------------
+
+IMPL_RUNS = {
+    2: [("ring", None), ("allgather", None), ("ulysses", None)],
+    4: [("ring", None), ("allgather", None), ("ulysses", None), ("hybrid", 2)],
+}
+
+
+def _doc_sdpa(q, k, v, dout, doc_lens):
+    """One process: causal SDPA on each document (the packed row's baseline), fwd + bwd."""
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    bounds = torch.tensor([0, *doc_lens]).cumsum(0).tolist()
+    outs = [
+        F.scaled_dot_product_attention(
+            *(t[:, :, a:b] for t in leaves), is_causal=True, enable_gqa=True
+        )
+        for a, b in zip(bounds[:-1], bounds[1:])
+    ]
+    out = torch.cat(outs, dim=2)
+    out.backward(dout)
+    return [out.detach(), *(t.grad for t in leaves)]
+
+
+def _impls_worker(rank, world_size, seq_len, hq, hkv, doc_lens, layouts, repeats):
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(B, h, seq_len, D, generator=g) for h in (hq, hkv, hkv, hq)]
+    runs = {"a": None}
+    for layout in layouts:
+        plan = ShardPlan(seq_len, world_size, doc_lens=doc_lens, layout=layout)
+        shards = [plan.shard(plan.pad(t, seq_dim=2), rank, seq_dim=2) for t in full]
+        for impl, u in IMPL_RUNS[world_size]:
+            runs[(impl, u, layout)] = (plan, shards)
+    wall = {key: [] for key in runs}
+    cpu = {key: [] for key in runs}
+    results = {}
+    for i in range(repeats + 1):  # the first round warms up gloo and the thread pools
+        for key, value in runs.items():
+            torch.set_num_threads(2 if key == "a" else 1)
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            if key == "a":
+                result = _doc_sdpa(*full, doc_lens) if rank == 0 else None
+            else:
+                (impl, u, _), (plan, (q, k, v, dout)) = key, value
+                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+                out = cp_attention(*leaves, plan=plan, group=group, impl=impl, ulysses_size=u)
+                out.backward(dout)
+                result = [out.detach(), *(t.grad for t in leaves)]
+            c1 = time.process_time()
+            dist.barrier()
+            if i > 0:
+                wall[key].append(time.perf_counter() - t0)
+                cpu[key].append(c1 - c0)
+            results[key] = result
+    torch.set_num_threads(1)
+    # Errors against the baseline, shard by shard: rank 0 sends the baseline to everyone.
+    ref = results["a"] if rank == 0 else [torch.empty_like(full[i]) for i in (0, 0, 1, 2)]
+    for t in ref:
+        dist.broadcast(t, 0)
+    errors = {}
+    for key, value in runs.items():
+        if key == "a":
+            continue
+        plan = value[0]
+        diff = torch.tensor(
+            [
+                (x - plan.shard(plan.pad(r, seq_dim=2), rank, seq_dim=2)).abs().max().item()
+                for x, r in zip(results[key], ref)
+            ]
+        )
+        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+        errors[key] = max((diff / torch.tensor([r.abs().max() for r in ref])).tolist())
+    return {"wall": wall, "cpu": cpu, "errors": errors}
+
+
+IMPL_COLUMNS = ["S", "heads", "docs", "cp", "impl", "layout", "wall/a", "cpu/a", "MiB/rank"]
+IMPL_COLUMNS += ["err", "auto"]
+
+
+def impls_main(args) -> None:
+    rows = []
+    for seq_len in args.seq_lens:
+        for hq, hkv in ((8, 2), (8, 8)):
+            for docs_name, doc_lens in (
+                ("one sequence", [seq_len]),
+                ("64 documents", [seq_len // 64] * 64),
+            ):
+                layouts = ["head_tail"] if len(doc_lens) == 1 else ["head_tail", "balanced"]
+                for cp in (2, 4):
+                    ranks = run_distributed(
+                        _impls_worker,
+                        cp,
+                        seq_len,
+                        hq,
+                        hkv,
+                        doc_lens,
+                        layouts,
+                        args.repeats,
+                        timeout=3600,
+                    )
+                    new = _impl_rows(ranks, seq_len, hq, hkv, docs_name, doc_lens, cp)
+                    print_table(new, IMPL_COLUMNS)
+                    rows += new
+                    # Written after every configuration, so that an interrupted run keeps them.
+                    _write_impls(rows, args)
+    print()
+    print_table(
+        rows,
+        IMPL_COLUMNS,
+        title=f"CP attention fwd+bwd, causal, float32, B={B} D={D}: time over one-process SDPA "
+        f"(wall: slowest rank, best of {args.repeats}; cpu: all ranks' CPU seconds), MiB each "
+        "rank sends, max error vs one process, what impl='auto' picks for the shapes",
+    )
+
+
+def _write_impls(rows, args) -> None:
+    config = {"B": B, "D": D, "dtype": "float32", "causal": True, "repeats": args.repeats}
+    write_json("attention_impls", {"config": config, "rows": rows})
+
+
+def _impl_rows(ranks, seq_len, hq, hkv, docs_name, doc_lens, cp):
+    shapes = Shapes(B, hq, hkv, D, torch.float32)
+    repeats = len(ranks[0]["wall"]["a"])
+    a_wall = min(ranks[0]["wall"]["a"])
+    a_cpu = min(ranks[0]["cpu"]["a"])
+    rows = []
+    for key in ranks[0]["wall"]:
+        if key == "a":
+            continue
+        impl, u, layout = key
+        plan = ShardPlan(seq_len, cp, doc_lens=doc_lens, layout=layout)
+        wall = min(max(r["wall"][key][i] for r in ranks) for i in range(repeats))
+        cpu = sum(min(r["cpu"][key]) for r in ranks)
+        auto = choose_impl(plan, True, shapes)
+        rows.append(
+            {
+                "S": seq_len,
+                "heads": f"{hq}/{hkv}",
+                "docs": docs_name,
+                "cp": cp,
+                "impl": impl if u is None else f"{impl} {u}x{cp // u}",
+                "layout": layout,
+                "wall/a": wall / a_wall,
+                "cpu/a": cpu / a_cpu,
+                "MiB/rank": max(wire_bytes(impl, plan, shapes, u)) / 2**20,
+                "err": f"{ranks[0]['errors'][key]:.1e}",
+                "auto": auto[0] if auto[1] is None else f"{auto[0]} {auto[1]}x{cp // auto[1]}",
+                "wall_s": wall,
+                "a_wall_s": a_wall,
+                "load": f"{os.getloadavg()[0]:.1f}",
+            }
+        )
+    return rows
+
+
+def torch_main(args):
     rows = []
     for seq_len in args.seq_lens:
         warmup = 1 if seq_len == args.seq_lens[0] else 0
@@ -251,6 +417,18 @@ def main():
             "rows": rows,
         },
     )
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192, 16384])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--part", choices=["all", "impls", "torch"], default="all")
+    args = parser.parse_args()
+    if args.part in ("all", "impls"):
+        impls_main(args)
+    if args.part in ("all", "torch"):
+        torch_main(args)
 
 
 if __name__ == "__main__":

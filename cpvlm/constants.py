@@ -7,8 +7,13 @@ parsing and config validation name the choices without building anything.
 IGNORE_INDEX = -100
 """Label value that takes no part in the loss (padding, prompt and image tokens, document ends)."""
 
-ATTN_IMPLS = ("ring", "allgather")
-"""CP attention implementations (``cp_attention(impl=...)``, ``--attn``)."""
+ATTN_IMPLS = ("ring", "allgather", "ulysses", "hybrid", "auto")
+"""CP attention implementations (``cp_attention(impl=...)``, ``--attn``); "hybrid" also takes a
+Ulysses size, "auto" picks one of the others by a cost model (``cpvlm.attention.cost``)."""
+
+LAYOUTS = ("head_tail", "balanced")
+"""How ``ShardPlan`` places documents on the CP ranks (``ShardPlan(layout=...)``, ``--layout``):
+head-tail chunks of every document, or long documents head-tail and short ones whole, balanced."""
 
 VISION_MODES = ("route", "allgather", "replicate")
 """How the CP ranks of a replica share the vision tower (``ContextParallelVLM(vision=...)``,

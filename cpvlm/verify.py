@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from cpvlm.constants import ATTN_IMPLS
+
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 TOLERANCES = {
     # Round-off only: the CP run sums the same terms in another order.
@@ -78,9 +80,26 @@ class Case:
     vision: str
     flow: str
     batch: str
+    ulysses_size: int | None = None
+
+    @property
+    def attn_label(self) -> str:
+        u = self.ulysses_size
+        return self.attn if u is None else f"{self.attn} {u}x{self.cp // u}"
 
     def __str__(self) -> str:
-        return f"cp={self.cp} attn={self.attn} vision={self.vision} flow={self.flow} batch={self.batch}"
+        return (
+            f"cp={self.cp} attn={self.attn_label} vision={self.vision} flow={self.flow} "
+            f"batch={self.batch}"
+        )
+
+
+def hybrid_size(cp: int, ulysses_size: int | None) -> int:
+    """The Ulysses size of a hybrid check at ``cp``: the one given, else cp's smallest divisor
+    above 1 (2 for even cp)."""
+    if ulysses_size is not None:
+        return ulysses_size
+    return next(u for u in range(2, cp + 1) if cp % u == 0) if cp > 1 else 1
 
 
 # ---- batches --------------------------------------------------------------------------------
@@ -140,10 +159,10 @@ def reference(model, batch: dict, doc_lens: list | None) -> tuple[torch.Tensor, 
 # ---- the CP side (runs on every rank) -------------------------------------------------------
 
 
-def default_cp_model(model, group, attn: str, vision: str, flow: str):
+def default_cp_model(model, group, attn: str, vision: str, flow: str, **kwargs):
     from cpvlm.integrations.hf import ContextParallelVLM
 
-    return ContextParallelVLM(model, group, attn=attn, vision=vision, flow=flow)
+    return ContextParallelVLM(model, group, attn=attn, vision=vision, flow=flow, **kwargs)
 
 
 def _cp_rank_main(rank, world_size, model_spec, dtype, cases, factory):
@@ -156,7 +175,8 @@ def _cp_rank_main(rank, world_size, model_spec, dtype, cases, factory):
     results = []
     for case in cases:
         model = copy.deepcopy(base)
-        cp_model = factory(model, dist.group.WORLD, case.attn, case.vision, case.flow)
+        extra = {} if case.ulysses_size is None else {"ulysses_size": case.ulysses_size}
+        cp_model = factory(model, dist.group.WORLD, case.attn, case.vision, case.flow, **extra)
         batch, doc_lens = batches[case.batch]
         out = cp_model(**batch, doc_lens=doc_lens)
         out.loss.backward()
@@ -197,11 +217,13 @@ def run_verify(
     factory: Callable = default_cp_model,
     timeout: float = 600.0,
     out=sys.stdout,
+    ulysses_size: int | None = None,
 ) -> bool:
     """Run the checks and print the table; True when every error is within tolerance.
 
-    ``factory(model, group, attn, vision, flow)`` builds the CP module on each rank; it must be
-    importable (module level). Tests pass a deliberately broken one to prove the check can fail.
+    ``factory(model, group, attn, vision, flow)`` builds the CP module on each rank (with
+    ``ulysses_size=`` too for "hybrid", see ``hybrid_size``); it must be importable (module
+    level). Tests pass a deliberately broken one to prove the check can fail.
     """
     from cpvlm.integrations.hf import adapter_for, build_model
     from cpvlm.testing import run_distributed
@@ -220,7 +242,7 @@ def run_verify(
     rows, failures = [], []
     for cp in cps:
         cases = [
-            Case(cp, a, v, f, b)
+            Case(cp, a, v, f, b, hybrid_size(cp, ulysses_size) if a == "hybrid" else None)
             for f in flows
             for v in visions
             if not (f == "compat" and v == "route")
@@ -247,7 +269,7 @@ def run_verify(
 def _print_table(rows, labels, dtype, model_spec, out) -> None:
     head = ["cp", "attn", "vision", "flow", "batch", "tol", *labels]
     table = [
-        [str(c.cp), c.attn, c.vision, c.flow, c.batch, f"{t['loss']:.0e}"]
+        [str(c.cp), c.attn_label, c.vision, c.flow, c.batch, f"{t['loss']:.0e}"]
         + [
             f"{e.get(g, 0.0):.1e}" + ("*" if t.get(g, t["loss"]) != t["loss"] else "")
             for g in labels
@@ -296,7 +318,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--cp", type=_csv(int), default=[2, 4], help="CP sizes, e.g. 2,4")
     parser.add_argument(
-        "--attn", type=_csv(str, ("ring", "allgather")), default=["ring", "allgather"]
+        "--attn",
+        type=_csv(str, [a for a in ATTN_IMPLS if a != "auto"]),
+        default=[a for a in ATTN_IMPLS if a != "auto"],
+        help="CP attention implementations to check (default: all)",
+    )
+    parser.add_argument(
+        "--ulysses-size",
+        type=int,
+        default=None,
+        help="--attn hybrid: ranks per Ulysses group, a divisor of every --cp "
+        "(default: the smallest divisor above 1 of each)",
     )
     parser.add_argument(
         "--vision", type=_csv(str, ("route", "allgather", "replicate")), default=["route"]
@@ -312,8 +344,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if any(c < 1 for c in args.cp):
         parser.error(f"--cp sizes must be >= 1, got {args.cp}")
+    u = args.ulysses_size
+    if u is not None and (u < 1 or any(c % u for c in args.cp)):
+        parser.error(f"--ulysses-size {u} must divide every --cp size, got {args.cp}")
     torch.set_num_threads(1)
-    ok = run_verify(args.model, args.cp, args.attn, args.vision, args.flow, args.dtype, args.tol)
+    ok = run_verify(
+        args.model,
+        args.cp,
+        args.attn,
+        args.vision,
+        args.flow,
+        args.dtype,
+        args.tol,
+        ulysses_size=u,
+    )
     return 0 if ok else 1
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
+from torch.profiler import record_function
 
 from cpvlm.attention.block import acc_dtype, add_key_grads, attend_block, attend_block_backward
 from cpvlm.attention.schedule import AttentionSchedule
@@ -81,7 +82,8 @@ class _AllGatherAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dout):
         q, kv_all, out, lse = ctx.saved_tensors
-        dq, dk, dv = _allgather_backward(dout, q, kv_all, out, lse, *ctx.args)
+        with record_function("cpvlm.attention.backward"):
+            dq, dk, dv = _allgather_backward(dout, q, kv_all, out, lse, *ctx.args)
         return dq, dk, dv, None, None, None, None
 
 

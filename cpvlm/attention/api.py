@@ -1,6 +1,8 @@
-"""``cp_attention``: context-parallel attention over a ShardPlan, checked, then ring or all-gather.
+"""``cp_attention``: context-parallel attention over a ShardPlan, checked, then dispatched.
 
 Legend: q [B,Hq,S_loc,D], k/v [B,Hkv,S_loc,D] (Hq a multiple of Hkv), S_loc = plan.local_len.
+Implementations: ring, all-gather (K/V moved, queries stay), Ulysses (heads moved, the sequence
+gathered), hybrid (Ulysses in groups x ring across), and auto (one of them, by a cost model).
 """
 
 from __future__ import annotations
@@ -9,14 +11,19 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from cpvlm.attention.allgather import allgather_attention
+from cpvlm.attention.cost import Shapes, choose_impl
+from cpvlm.attention.hybrid import hybrid_attention
 from cpvlm.attention.ring import ring_attention
 from cpvlm.attention.schedule import attention_schedule
+from cpvlm.attention.ulysses import ulysses_attention
+from cpvlm.constants import ATTN_IMPLS
 from cpvlm.distributed.collectives import ensure_requires_grad_for_cp_collective
 from cpvlm.distributed.shard_plan import ShardPlan
 
-IMPLS = {"ring": ring_attention, "allgather": allgather_attention}
+_BY_SCHEDULE = {"ring": ring_attention, "allgather": allgather_attention}
 
 
 def cp_attention(
@@ -30,6 +37,7 @@ def cp_attention(
     impl: str = "ring",
     causal: bool = True,
     scale: float | None = None,
+    ulysses_size: int | None = None,
 ) -> torch.Tensor:
     """Exact attention of this rank's shard of queries over the whole (sharded) sequence.
 
@@ -42,9 +50,14 @@ def cp_attention(
         plan: the layout every rank of ``group`` shares.
         group: the CP process group (``None``: the default group).
         cp_rank: this rank's index in ``group``; derived from the group when omitted.
-        impl: ``"ring"`` (K/V passed around, overlapped with compute) or ``"allgather"``.
+        impl: ``"ring"`` (K/V passed around, overlapped with compute), ``"allgather"`` (K/V
+            gathered once), ``"ulysses"`` (an all-to-all gives each rank some heads over the
+            whole sequence; any head count), ``"hybrid"`` (Ulysses inside groups of
+            ``ulysses_size`` consecutive ranks, a ring across them) or ``"auto"`` (the one
+            ``cpvlm.attention.cost.choose_impl`` estimates fastest for these shapes).
         causal: causal mask within each document, else bidirectional within each document.
         scale: score scale, default ``D ** -0.5``.
+        ulysses_size: ``"hybrid"`` only: ranks per Ulysses group, a divisor of the group size.
 
     Every rank of the group must call this with the same plan, impl, causal, shapes and dtype,
     forward and backward: the collectives are matched rank to rank.
@@ -52,18 +65,69 @@ def cp_attention(
     if cp_rank is None:
         cp_rank = dist.get_rank(group)
     _check(q, k, v, plan, cp_rank, group, impl, causal, scale)
+    check_ulysses_size(impl, ulysses_size, plan.cp_size)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    # A rank whose inputs happen not to require grad would skip the backward ring and hang the
-    # others; grad mode is the same everywhere, so it decides.
+    impl, ulysses_size = resolve_impl(impl, plan, causal, q, k, ulysses_size)
+    # A rank whose inputs happen not to require grad would skip the backward collectives and hang
+    # the others; grad mode is the same everywhere, so it decides.
     q, k, v = (ensure_requires_grad_for_cp_collective(t) for t in (q, k, v))
-    schedule = attention_schedule(plan, bool(causal))
-    return IMPLS[impl](q, k, v, schedule=schedule, cp_rank=cp_rank, group=group, scale=scale)
+    kw = dict(cp_rank=cp_rank, group=group, scale=scale)
+    with record_function("cpvlm.attention"):
+        if impl in _BY_SCHEDULE:
+            return _BY_SCHEDULE[impl](q, k, v, schedule=attention_schedule(plan, causal), **kw)
+        if impl == "ulysses":
+            return ulysses_attention(q, k, v, plan=plan, causal=causal, **kw)
+        return hybrid_attention(q, k, v, plan=plan, causal=causal, ulysses_size=ulysses_size, **kw)
+
+
+def resolve_impl(
+    impl: str,
+    plan: ShardPlan,
+    causal: bool,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    ulysses_size: int | None = None,
+) -> tuple[str, int | None]:
+    """The (impl, ulysses_size) that ``cp_attention`` runs for these inputs: ``impl="auto"``
+    becomes ``choose_impl``'s pick (the same on every rank: a pure function of the plan, the
+    shapes and the dtype); any other impl is returned as it is."""
+    if impl != "auto":
+        return impl, ulysses_size
+    shapes = Shapes(q.shape[0], q.shape[1], k.shape[1], q.shape[3], q.dtype)
+    return choose_impl(plan, causal, shapes, q.device.type)
+
+
+def impl_label(impl: str, ulysses_size: int | None, cp_size: int) -> str:
+    """How reports name an implementation: ``"ring"``, ..., ``"hybrid 2x4"`` (Ulysses x ring)."""
+    return impl if impl != "hybrid" else f"hybrid {ulysses_size}x{cp_size // ulysses_size}"
+
+
+def check_ulysses_size(impl: str, ulysses_size, cp_size: int, where: str = "cp_attention"):
+    """``ulysses_size`` is a divisor of ``cp_size`` for impl="hybrid", and None otherwise."""
+    if impl != "hybrid":
+        if ulysses_size is not None:
+            raise ValueError(
+                f"{where}: ulysses_size={ulysses_size!r} applies to impl='hybrid' only "
+                f"(impl={impl!r}); drop it"
+            )
+        return
+    if (
+        isinstance(ulysses_size, bool)
+        or not isinstance(ulysses_size, int)
+        or ulysses_size < 1
+        or cp_size % ulysses_size
+    ):
+        divisors = [u for u in range(1, cp_size + 1) if cp_size % u == 0]
+        raise ValueError(
+            f"{where}: impl='hybrid' needs ulysses_size, the ranks per Ulysses group: a "
+            f"divisor of the CP group size {cp_size} ({divisors}); got {ulysses_size!r}"
+        )
 
 
 def _check(q, k, v, plan, cp_rank, group, impl, causal, scale) -> None:
-    if impl not in IMPLS:
-        raise ValueError(f"cp_attention: impl must be one of {sorted(IMPLS)}, got {impl!r}")
+    if impl not in ATTN_IMPLS:
+        raise ValueError(f"cp_attention: impl must be one of {list(ATTN_IMPLS)}, got {impl!r}")
     if not isinstance(plan, ShardPlan):
         raise ValueError(f"cp_attention: plan must be a ShardPlan, got {type(plan).__name__}")
     group_size = dist.get_world_size(group)

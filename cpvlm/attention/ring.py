@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
+from torch.profiler import record_function
 
 from cpvlm.attention.block import acc_dtype, add_key_grads, attend_block, attend_block_backward
 from cpvlm.attention.schedule import AttentionSchedule
@@ -39,8 +40,9 @@ def _shift(
 
 
 def _wait(works: list[dist.Work]) -> None:
-    for work in works:
-        work.wait()
+    with record_function("cpvlm.attention.wait"):  # what the ring did not hide behind compute
+        for work in works:
+            work.wait()
 
 
 # ---- one rank's work at one ring step (the real ring and cpvlm.testing.simulate_cp_attention) ----
@@ -157,7 +159,8 @@ class _RingAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, *ctx.args)
+        with record_function("cpvlm.attention.backward"):
+            dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, *ctx.args)
         return dq, dk, dv, None, None, None, None
 
 

@@ -1,20 +1,22 @@
 """Block schedule of CP attention: which rectangles of each (query rank, key rank) block to compute.
 
-Legend: W = cp_size, r = query rank, s = key/value rank, c = chunk length of a document (its padded
-length / 2W), local coordinates = positions in a rank's shard (0..S_loc), "real" = not padding.
+Legend: W = cp_size, r = query rank, s = key/value rank, local coordinates = positions in a rank's
+shard (0..S_loc), "real" = not padding, a *run* = a maximal stretch of a rank's shard that holds
+consecutive real positions of one document.
 
-Under the head-tail layout rank r holds chunks r and t = 2W-1-r of every document, so the block
-(r, s) of the global mask splits, document by document, into at most one rectangle of work:
-  - not causal:      all real rows of the document x all real columns;
-  - causal, s == r:  its real rows x the same columns, top-left causal (chunk r causal, chunk t
-                     sees chunk r fully, chunk t causal: one causal square);
-  - causal, s < r:   all real rows x chunk s of s (chunk s precedes both r and t; 2W-1-s follows);
-  - causal, s > r:   the real rows of chunk t x all real columns (s and 2W-1-s precede t, none
-                     precede r).
-Padding is a suffix of each document, so the real positions of a document on a rank are a prefix
-of its local region: trimming rectangles to real rows and columns keeps them rectangles, keeps
-padding out of every real row's softmax, and lets padding rows receive nothing. Everything else in
-the block (other documents, the hidden halves) is never computed.
+Everything is derived from the plan's positions, whatever its layout: every rank's positions are
+ascending, so a rank's positions of one document are in document order and the mask between the
+runs of two ranks is a staircase. Document by document, block (r, s) is:
+  - not causal:      every real row of the document x every real column, FULL;
+  - causal, s == r:  the document's rows x the same columns, top-left CAUSAL (one square when its
+                     runs on the rank are contiguous, which both layouts guarantee);
+  - causal, s != r:  each query run x the key runs that lie wholly before it, FULL (runs of two
+                     ranks never interleave inside a run); later key runs are hidden.
+Adjacent rectangles with the same rows or the same columns are joined. Under head-tail (rank r
+holds chunks r and t = 2W-1-r of a document) this gives at most one rectangle per document and
+block: for s < r both query chunks x chunk s; for s > r chunk t x both key chunks. Padding never
+enters a rectangle, so it stays out of every real row's softmax and padding rows receive nothing.
+Everything else in the block (other documents, the hidden halves) is never computed.
 
 Many tiny documents would mean many tiny kernel calls; consecutive small rectangles are grouped
 into one masked rectangle with an explicit mask when that is cheaper (see _group).
@@ -112,41 +114,84 @@ def attention_schedule(plan: ShardPlan, causal: bool) -> AttentionSchedule:
     """The schedule of ``plan`` under a causal or bidirectional per-document mask (cached: every
     layer of a step, and every step with the same document lengths, reuses it)."""
     w = plan.cp_size
+    runs = [_runs(plan, r) for r in range(w)]
     steps = []
     for r in range(w):
-        blocks = [_group(_rects(plan, causal, r, (r - i) % w)) for i in range(w)]
+        blocks = [
+            _group(_rects(runs[r], runs[(r - i) % w], causal, same_rank=i == 0)) for i in range(w)
+        ]
         steps.append(_mark_overwrites(blocks, plan.local_len))
     return AttentionSchedule(plan, causal, tuple(steps))
 
 
-def _real_on_rank(n: int, c: int, r: int, w: int) -> int:
-    """Real (non-padding) positions of a document of n tokens and chunk c held by rank r."""
-    head = min(max(n - r * c, 0), c)
-    tail = min(max(n - (2 * w - 1 - r) * c, 0), c)
-    return head + tail
+_Run = tuple[int, int, int]
+"""(local start, local stop, global start) of a run."""
 
 
-def _rects(plan: ShardPlan, causal: bool, r: int, s: int) -> list[Segment]:
-    w = plan.cp_size
-    rects, offset = [], 0
-    for n, p in zip(plan.doc_lens, plan.padded_doc_lens):
-        c = p // (2 * w)
-        q_real, k_real = _real_on_rank(n, c, r, w), _real_on_rank(n, c, s, w)
-        o = offset
-        offset += 2 * c
-        if not causal:
-            rect = (o, o + q_real, o, o + k_real, FULL)
-        elif s == r:
-            rect = (o, o + q_real, o, o + q_real, CAUSAL)
-        elif s < r:
-            rect = (o, o + q_real, o, o + min(c, k_real), FULL)
-        else:
-            rect = (o + c, o + max(q_real, c), o, o + k_real, FULL)
-        q0, q1, k0, k1, kind = rect
-        if q1 > q0 and k1 > k0:
-            pairs = (q1 - q0) * (q1 - q0 + 1) // 2 if kind == CAUSAL else (q1 - q0) * (k1 - k0)
-            rects.append(Segment(q0, q1, k0, k1, kind, pairs))
-    return rects
+def _runs(plan: ShardPlan, rank: int) -> dict[int, list[_Run]]:
+    """The runs of ``rank``'s shard, per document, in local (= global) order."""
+    idx = plan.indices(rank)
+    if idx.numel() == 0:
+        return {}
+    doc = plan.doc_ids[idx]
+    starts = torch.ones(idx.numel(), dtype=torch.bool)
+    starts[1:] = (idx[1:] != idx[:-1] + 1) | (doc[1:] != doc[:-1])
+    bounds = [*torch.nonzero(starts).squeeze(1).tolist(), idx.numel()]
+    runs: dict[int, list[_Run]] = {}
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        d = int(doc[a])
+        if d >= 0:
+            runs.setdefault(d, []).append((a, b, int(idx[a])))
+    return runs
+
+
+def _rects(
+    q_runs: dict[int, list[_Run]], k_runs: dict[int, list[_Run]], causal: bool, same_rank: bool
+) -> list[Segment]:
+    rects = []
+    for d in sorted(q_runs.keys() & k_runs.keys()):
+        qs, ks = q_runs[d], k_runs[d]
+        if causal and same_rank and _contiguous(qs):
+            rects.append((qs[0][0], qs[-1][1], qs[0][0], qs[-1][1], CAUSAL))
+            continue
+        doc_rects = []
+        for q0, q1, qg in qs:
+            for k0, k1, kg in ks:
+                if not causal or kg + (k1 - k0) <= qg:
+                    doc_rects.append((q0, q1, k0, k1, FULL))
+                elif same_rank and (k0, k1) == (q0, q1):
+                    doc_rects.append((q0, q1, k0, k1, CAUSAL))
+        rects.extend(_join(doc_rects))
+    segments = []
+    for q0, q1, k0, k1, kind in rects:
+        pairs = (q1 - q0) * (q1 - q0 + 1) // 2 if kind == CAUSAL else (q1 - q0) * (k1 - k0)
+        segments.append(Segment(q0, q1, k0, k1, kind, pairs))
+    return segments
+
+
+def _contiguous(runs: list[_Run]) -> bool:
+    return all(a[1] == b[0] for a, b in zip(runs[:-1], runs[1:]))
+
+
+def _join(rects: list[tuple]) -> list[tuple]:
+    """Join FULL rectangles with the same rows and adjacent columns, then those with the same
+    columns and adjacent rows (rectangles come query run by query run, columns ascending)."""
+    return _join_along(_join_along(rects, cols=True), cols=False)
+
+
+def _join_along(rects: list[tuple], cols: bool) -> list[tuple]:
+    out: list[tuple] = []
+    for rect in rects:
+        if out and out[-1][4] == FULL == rect[4]:
+            q0, q1, k0, k1, _ = out[-1]
+            if cols and (q0, q1) == rect[:2] and k1 == rect[2]:
+                out[-1] = (q0, q1, k0, rect[3], FULL)
+                continue
+            if not cols and (k0, k1) == rect[2:4] and q1 == rect[0]:
+                out[-1] = (q0, rect[1], k0, k1, FULL)
+                continue
+        out.append(rect)
+    return out
 
 
 def _area(seg: Segment) -> int:

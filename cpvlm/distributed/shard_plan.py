@@ -1,11 +1,14 @@
-"""ShardPlan: the head-tail (zigzag) layout of a sequence over the ranks of a CP group.
+"""ShardPlan: the layout of a (packed) sequence over the ranks of a CP group.
 
 Legend: S = seq_len (real tokens), P = padded_len, S_loc = P // cp, W = cp_size.
 
-Each document (the whole sequence if there is one) is padded at its end to a multiple of 2*W and
-cut into 2*W equal chunks; rank r holds chunks r and 2*W-1-r of every document, document by
-document. Under a causal mask every rank then attends the same number of (q, k) pairs within each
-document. The plan is a pure function of the lengths, so every rank builds the same one without
+The default layout is head-tail (zigzag): each document (the whole sequence if there is one) is
+padded at its end to a multiple of 2*W and cut into 2*W equal chunks; rank r holds chunks r and
+2*W-1-r of every document, document by document. Under a causal mask every rank then attends the
+same number of (q, k) pairs within each document. ``layout="balanced"`` keeps head-tail for the
+documents long enough to need splitting and places the others whole, balanced by causal work
+(the rule is in ``cpvlm/distributed/layout.py``). In both, every rank's positions are ascending.
+The plan is a pure function of the lengths, so every rank builds the same one without
 communicating. Every method is out of place and differentiable: sharding a tensor that requires
 grad (an embedding output) keeps its graph, which in-place `resize_`/`copy_` sharding cannot.
 """
@@ -20,6 +23,7 @@ import torch.distributed as dist
 
 from cpvlm.constants import IGNORE_INDEX
 from cpvlm.distributed.collectives import differentiable_all_gather_dim0
+from cpvlm.distributed.layout import build_layout
 
 PAD_DOC = -1
 """Document id of a padding position."""
@@ -32,15 +36,24 @@ def _check_positive_int(name: str, value: object) -> int:
 
 
 class ShardPlan:
-    """Head-tail layout of a (possibly packed) sequence of ``seq_len`` tokens over ``cp_size`` ranks.
+    """Layout of a (possibly packed) sequence of ``seq_len`` tokens over ``cp_size`` ranks.
 
     Args:
         seq_len: number of real tokens.
         cp_size: ranks in the CP group.
         doc_lens: lengths of the packed documents, summing to ``seq_len``; ``None`` means one.
+        layout: ``"head_tail"`` (every document in 2*cp_size chunks) or ``"balanced"`` (long
+            documents head-tail, short ones whole on one rank, balanced by causal work).
     """
 
-    def __init__(self, seq_len: int, cp_size: int, *, doc_lens: Sequence[int] | None = None):
+    def __init__(
+        self,
+        seq_len: int,
+        cp_size: int,
+        *,
+        doc_lens: Sequence[int] | None = None,
+        layout: str = "head_tail",
+    ):
         self.seq_len = _check_positive_int("seq_len", seq_len)
         self.cp_size = _check_positive_int("cp_size", cp_size)
         if doc_lens is None:
@@ -58,23 +71,65 @@ class ShardPlan:
         if sum(doc_lens) != seq_len:
             raise ValueError(f"ShardPlan: doc_lens sum to {sum(doc_lens)} but seq_len is {seq_len}")
         self.doc_lens = doc_lens
-        unit = 2 * cp_size
-        self.padded_doc_lens = tuple(-(-n // unit) * unit for n in doc_lens)
-        self.padded_len = sum(self.padded_doc_lens)
+        self.layout = layout
+        placed = build_layout(doc_lens, cp_size, layout)
+        self.padded_doc_lens = placed.padded_doc_lens
+        self.whole_on = placed.whole_on
+        """Per document, the rank that holds it whole, or -1 where it is split head-tail."""
+        self.padded_len = placed.padded_len
         self.local_len = self.padded_len // cp_size
+        self.merged = 1
+        self._ranges = placed.ranges
+
+    def merge_ranks(self, group_size: int) -> ShardPlan:
+        """The same positions seen by ``cp_size // group_size`` ranks: rank j of the result holds
+        the positions of ranks ``j * group_size .. (j + 1) * group_size - 1``, ascending.
+
+        The layout that the ring of hybrid attention sees after a Ulysses all-to-all inside each
+        group of ``group_size`` consecutive ranks. Padding stays where this plan put it.
+        """
+        if (
+            isinstance(group_size, bool)
+            or not isinstance(group_size, int)
+            or group_size < 1
+            or self.cp_size % group_size
+        ):
+            raise ValueError(
+                f"merge_ranks: group_size must be a positive divisor of cp_size={self.cp_size}, "
+                f"got {group_size!r}"
+            )
+        view = object.__new__(ShardPlan)
+        view.__dict__.update(
+            seq_len=self.seq_len,
+            cp_size=self.cp_size // group_size,
+            doc_lens=self.doc_lens,
+            layout=self.layout,
+            padded_doc_lens=self.padded_doc_lens,
+            whole_on=tuple(r // group_size if r >= 0 else -1 for r in self.whole_on),
+            padded_len=self.padded_len,
+            local_len=self.local_len * group_size,
+            merged=self.merged * group_size,
+            _ranges=tuple(
+                tuple(sorted(rg for rank in self._ranges[j : j + group_size] for rg in rank))
+                for j in range(0, self.cp_size, group_size)
+            ),
+        )
+        return view
 
     def __repr__(self) -> str:
         docs = "" if len(self.doc_lens) == 1 else f", doc_lens={list(self.doc_lens)}"
-        return f"ShardPlan(seq_len={self.seq_len}, cp_size={self.cp_size}{docs})"
+        layout = "" if self.layout == "head_tail" else f", layout={self.layout!r}"
+        merged = "" if self.merged == 1 else f" merged from cp_size={self.cp_size * self.merged}"
+        return f"ShardPlan(seq_len={self.seq_len}, cp_size={self.cp_size}{docs}{layout}){merged}"
+
+    def _key(self) -> tuple:
+        return (self.cp_size, self.merged, self.layout, self.doc_lens)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, ShardPlan) and (self.cp_size, self.doc_lens) == (
-            other.cp_size,
-            other.doc_lens,
-        )
+        return isinstance(other, ShardPlan) and self._key() == other._key()
 
     def __hash__(self) -> int:
-        return hash((self.cp_size, self.doc_lens))
+        return hash(self._key())
 
     # ---- layout -------------------------------------------------------------------------------
 
@@ -89,16 +144,12 @@ class ShardPlan:
 
     @cached_property
     def _rank_indices(self) -> tuple[torch.Tensor, ...]:
-        w = self.cp_size
-        per_rank: list[list[torch.Tensor]] = [[] for _ in range(w)]
-        for (start, _), p in zip(self._doc_starts, self.padded_doc_lens):
-            c = p // (2 * w)
-            for r in range(w):
-                per_rank[r].append(torch.arange(start + r * c, start + (r + 1) * c))
-                per_rank[r].append(
-                    torch.arange(start + (2 * w - 1 - r) * c, start + (2 * w - r) * c)
-                )
-        return tuple(torch.cat(parts) for parts in per_rank)
+        return tuple(
+            torch.cat([torch.arange(a, b) for a, b in ranges])
+            if ranges
+            else torch.zeros(0, dtype=torch.long)
+            for ranges in self._ranges
+        )
 
     def indices(self, cp_rank: int) -> torch.Tensor:
         """Global positions (in the padded sequence) held by ``cp_rank``, in local order."""

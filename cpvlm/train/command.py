@@ -13,6 +13,7 @@ from cpvlm.train.config import (
     DEVICES,
     DTYPES,
     FLOWS,
+    LAYOUTS,
     TRAIN_ON,
     VISION_MODES,
     DataConfig,
@@ -55,7 +56,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=par.dp,
         help="data-parallel replicas (default: 1, or world / cp under torchrun)",
     )
-    g.add_argument("--attn", default=par.attn, choices=ATTN_IMPLS, help="CP attention")
+    g.add_argument(
+        "--attn",
+        default=par.attn,
+        choices=ATTN_IMPLS,
+        help=f"CP attention (default {par.attn}; auto: chosen per batch by a cost model)",
+    )
+    g.add_argument(
+        "--ulysses-size",
+        type=int,
+        default=par.ulysses_size,
+        help="--attn hybrid: ranks per Ulysses group (a divisor of --cp), a ring across groups",
+    )
+    g.add_argument(
+        "--layout",
+        default=par.layout,
+        choices=LAYOUTS,
+        help="head_tail: every document in 2*cp chunks; balanced: short documents whole",
+    )
     g.add_argument(
         "--vision",
         default=par.vision,
@@ -185,6 +203,8 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
             cp=a.cp,
             dp=a.dp,
             attn=a.attn,
+            ulysses_size=a.ulysses_size,
+            layout=a.layout,
             vision=a.vision,
             flow=a.flow,
             data_parallel=a.data_parallel,

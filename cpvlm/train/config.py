@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cpvlm.constants import ATTN_IMPLS, FLOWS, VISION_MODES
+from cpvlm.constants import ATTN_IMPLS, FLOWS, LAYOUTS, VISION_MODES
 
 DTYPES = ("float32", "float64", "bfloat16")
 DATA_PARALLEL = ("fsdp", "ddp", "none")
@@ -68,6 +68,8 @@ class ParallelConfig:
     cp: int = 4
     dp: int | None = None  # None: 1 when cpvlm launches the ranks, world // cp under torchrun
     attn: str = "ring"
+    ulysses_size: int | None = None  # --attn hybrid only: ranks per Ulysses group
+    layout: str = "head_tail"
     vision: str = "route"
     flow: str = "scalable"
     data_parallel: str = "fsdp"
@@ -77,6 +79,24 @@ class ParallelConfig:
         if self.dp is not None:
             _positive_int("parallel.dp", "--dp", self.dp)
         _choice("parallel.attn", "--attn", self.attn, ATTN_IMPLS)
+        if self.attn == "hybrid":
+            u = self.ulysses_size
+            if isinstance(u, bool) or not isinstance(u, int) or u < 1 or self.cp % u:
+                _fail(
+                    "parallel.ulysses_size",
+                    "--ulysses-size",
+                    u,
+                    f"--attn hybrid splits the {self.cp} CP ranks into Ulysses groups of "
+                    "--ulysses-size consecutive ranks: pass a divisor of --cp",
+                )
+        elif self.ulysses_size is not None:
+            _fail(
+                "parallel.ulysses_size",
+                "--ulysses-size",
+                self.ulysses_size,
+                "it applies to --attn hybrid only; drop it or use --attn hybrid",
+            )
+        _choice("parallel.layout", "--layout", self.layout, LAYOUTS)
         _choice("parallel.vision", "--vision", self.vision, VISION_MODES)
         _choice("parallel.flow", "--flow", self.flow, FLOWS)
         _choice("parallel.data_parallel", "--data-parallel", self.data_parallel, DATA_PARALLEL)

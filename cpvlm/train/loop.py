@@ -22,6 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 from cpvlm.data import ErrorLog
 from cpvlm.integrations.hf import ContextParallelVLM, adapter_for, build_model
@@ -71,7 +72,15 @@ def _setup_model(config: TrainConfig, device: torch.device, groups, mesh):
         freeze_vision_encoder(model)
     model.to(device)
     p = config.parallel
-    cp_model = ContextParallelVLM(model, groups.cp_group, attn=p.attn, vision=p.vision, flow=p.flow)
+    cp_model = ContextParallelVLM(
+        model,
+        groups.cp_group,
+        attn=p.attn,
+        vision=p.vision,
+        flow=p.flow,
+        ulysses_size=p.ulysses_size,
+        layout=p.layout,
+    )
     # FSDP2 units from the adapter: each decoder layer and the vision tower (the root keeps
     # embeddings, head, norm). The tower is a safe unit because ContextParallelVLM calls it exactly
     # once per forward on every rank, at the same point, with a dummy frame where there is nothing
@@ -83,8 +92,110 @@ def _setup_model(config: TrainConfig, device: torch.device, groups, mesh):
     return model, cp_model, runner
 
 
+def _restore(config: TrainConfig, cp_model, optimizer, device):
+    """``(data state, first step)``: from the latest checkpoint under ``--resume``, else fresh."""
+    if not config.run.resume:
+        return None, 0
+    path = latest_checkpoint(config.run.out)
+    template = {"data": {"window": 0, "row": 0}, "rng": rng_state(device)}
+    restored = load_checkpoint(
+        path, model=cp_model, optimizer=optimizer, rank_state_template=template
+    )
+    set_rng_state(restored["rng"], device)
+    return restored["data"], read_meta(path)["step"]
+
+
+def _forward_backward(runner, rows, device, num_valid: int, num_batches: int):
+    """Forward and backward of this rank's rows: ``(loss sum, units encoded, visual tokens, the
+    CP attention the rows ran)`` (``--attn auto`` picks per row)."""
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    units = visual_tokens = 0
+    ran = set()
+    for row in rows:
+        with record_function("cpvlm.forward"):
+            out = runner(
+                **row.batch(device),
+                doc_lens=row.doc_lens,
+                num_valid=num_valid,
+                num_batches=num_batches,  # per-row losses (MoE router) average over the rows
+            )
+        with record_function("cpvlm.backward"):
+            out.loss.backward()
+        loss_sum += out.loss.detach().double().cpu()
+        units += out.encoded_units
+        visual_tokens += out.local_visual_tokens
+        ran.update(out.attn_impl.split(","))
+    return loss_sum, units, visual_tokens, ran
+
+
+def _optimizer_step(config: TrainConfig, cp_model, groups, params, optimizer, step, num_valid):
+    """Gradient sync (without FSDP/DDP), norm, clipping, AdamW; ``(grad norm, lr)``."""
+    if config.parallel.data_parallel == "none":
+        sync_gradients(cp_model, groups)
+    grad_norm = global_grad_norm(params)
+    if config.optim.max_grad_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, config.optim.max_grad_norm, grad_norm)
+    lr = config.optim.lr_at(step)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    if num_valid > 0:  # a step without labels has zero gradients: AdamW would still move
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, lr
+
+
+def _step_stats(rows, groups, device, loss_sum, units, visual_tokens, replaced) -> dict:
+    """One all-reduce of this step's statistics; row facts counted once per DP replica."""
+    lead = groups.cp_rank == 0
+    with_vision = any(r.has_vision for r in rows)
+    stats = torch.tensor(
+        [
+            float(loss_sum),
+            sum(r.num_tokens for r in rows) if lead else 0,
+            len(rows) if lead else 0,
+            sum(not r.has_vision for r in rows) if lead else 0,
+            with_vision and units == 0,
+            with_vision and visual_tokens == 0,
+            replaced if lead else 0,
+        ],
+        dtype=torch.float64,
+        device=device,
+    )
+    dist.all_reduce(stats)
+    return dict(zip(_STATS, stats.cpu().tolist()))
+
+
+def _record(step, stats, times, grad_norm, lr, num_valid, world, bad, rows, mem) -> dict:
+    seconds, data_s = times
+    return {
+        "step": step + 1,
+        "loss": stats["loss"],
+        "tokens_per_s": stats["tokens"] / seconds,
+        "step_time_s": seconds,
+        "data_time_s": data_s,
+        "grad_norm": float(grad_norm),
+        "lr": lr,
+        "tokens": int(stats["tokens"]),
+        "valid_labels": num_valid,
+        "rows": int(stats["rows"]),
+        "rows_text_only": int(stats["rows_text_only"]),
+        "ranks": world,
+        "ranks_no_image": int(stats["ranks_no_image"]),
+        "ranks_no_visual_tokens": int(stats["ranks_no_visual_tokens"]),
+        "bad_samples": bad,
+        "rows_replaced": int(stats["rows_replaced"]),
+        "truncated": sum(r.truncated for r in rows),
+        "mem_start_mib": mem[0],
+        "mem_peak_mib": mem[1],
+    }
+
+
 def train_rank(config: TrainConfig, device: torch.device) -> dict | None:
-    """Train on this rank; returns the summary on rank 0. The process group must exist."""
+    """Train on this rank; returns the summary on rank 0. The process group must exist.
+
+    The ``record_function`` ranges ("cpvlm.step", ".data", ".forward", ...) name the phases of a
+    step in a torch.profiler trace (benchmarks/train_profile.py); without a profiler they cost
+    nothing measurable."""
     rank, world = dist.get_rank(), dist.get_world_size()
     dp, cp = config.parallel.dp, config.parallel.cp
     mesh = build_mesh(dp_replicate=1, dp_shard=dp, cp=cp, device_type=device.type)
@@ -94,20 +205,7 @@ def train_rank(config: TrainConfig, device: torch.device) -> dict | None:
     optimizer = torch.optim.AdamW(
         params, lr=config.optim.lr, weight_decay=config.optim.weight_decay
     )
-
-    data_state, start_step = None, 0
-    if config.run.resume:
-        path = latest_checkpoint(config.run.out)
-        template = {
-            "data": {"window": 0, "row": 0},
-            "rng": rng_state(device),
-        }
-        restored = load_checkpoint(
-            path, model=cp_model, optimizer=optimizer, rank_state_template=template
-        )
-        set_rng_state(restored["rng"], device)
-        data_state = restored["data"]
-        start_step = read_meta(path)["step"]
+    data_state, start_step = _restore(config, cp_model, optimizer, device)
     if config.parallel.vision == "replicate":  # every rank encodes every unit
         config = config.replace(data={"decode": "all"})
     loader = build_loader(
@@ -123,80 +221,34 @@ def train_rank(config: TrainConfig, device: torch.device) -> dict | None:
     for step in range(start_step, config.run.steps):
         mem_start = memory.start()
         t0 = time.perf_counter()
-        rows = loader.next_step()
-        bad = report_planning_errors(rows, errors, step + 1)
-        rows, replaced = agree_on_decode_failures(rows, groups, dp, device, errors, step + 1)
-        data_s = time.perf_counter() - t0  # waiting for rows: what the loader did not hide
-        shifted = [shift_labels(r.labels.view(1, -1), doc_lens=r.doc_lens) for r in rows]
-        num_valid = count_valid_labels(shifted, groups.dp_group)
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        units = visual_tokens = 0
-        for row in rows:
-            out = runner(
-                **row.batch(device),
-                doc_lens=row.doc_lens,
-                num_valid=num_valid,
-                num_batches=dp * loader.rows_per_step,  # per-row losses (MoE router) average
+        with record_function("cpvlm.step"):
+            with record_function("cpvlm.data"):
+                rows = loader.next_step()
+                bad = report_planning_errors(rows, errors, step + 1)
+                rows, replaced = agree_on_decode_failures(
+                    rows, groups, dp, device, errors, step + 1
+                )
+            data_s = time.perf_counter() - t0  # waiting for rows: what the loader did not hide
+            with record_function("cpvlm.labels"):
+                shifted = [shift_labels(r.labels.view(1, -1), doc_lens=r.doc_lens) for r in rows]
+                num_valid = count_valid_labels(shifted, groups.dp_group)
+            loss_sum, units, visual_tokens, ran = _forward_backward(
+                runner, rows, device, num_valid, dp * loader.rows_per_step
             )
-            out.loss.backward()
-            loss_sum += out.loss.detach().double().cpu()
-            units += out.encoded_units
-            visual_tokens += out.local_visual_tokens
-        if config.parallel.data_parallel == "none":
-            sync_gradients(cp_model, groups)
-        grad_norm = global_grad_norm(params)
-        if config.optim.max_grad_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, config.optim.max_grad_norm, grad_norm)
-        lr = config.optim.lr_at(step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        if num_valid > 0:  # a step without labels has zero gradients: AdamW would still move
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-        # One all-reduce of this step's statistics; row facts counted once per DP replica.
-        lead = groups.cp_rank == 0
-        with_vision = any(r.has_vision for r in rows)
-        stats = torch.tensor(
-            [
-                float(loss_sum),
-                sum(r.num_tokens for r in rows) if lead else 0,
-                len(rows) if lead else 0,
-                sum(not r.has_vision for r in rows) if lead else 0,
-                with_vision and units == 0,
-                with_vision and visual_tokens == 0,
-                replaced if lead else 0,
-            ],
-            dtype=torch.float64,
-            device=device,
-        )
-        dist.all_reduce(stats)
-        stats = dict(zip(_STATS, stats.cpu().tolist()))
-        seconds = time.perf_counter() - t0
-        mem = torch.tensor([mem_start, memory.peak()], dtype=torch.float64, device=device)
-        dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-        mem_start, mem_peak = mem.cpu().tolist()
-        record = {
-            "step": step + 1,
-            "loss": stats["loss"],
-            "tokens_per_s": stats["tokens"] / seconds,
-            "step_time_s": seconds,
-            "data_time_s": data_s,
-            "grad_norm": float(grad_norm),
-            "lr": lr,
-            "tokens": int(stats["tokens"]),
-            "valid_labels": num_valid,
-            "rows": int(stats["rows"]),
-            "rows_text_only": int(stats["rows_text_only"]),
-            "ranks": world,
-            "ranks_no_image": int(stats["ranks_no_image"]),
-            "ranks_no_visual_tokens": int(stats["ranks_no_visual_tokens"]),
-            "bad_samples": bad,
-            "rows_replaced": int(stats["rows_replaced"]),
-            "truncated": sum(r.truncated for r in rows),
-            "mem_start_mib": mem_start,
-            "mem_peak_mib": mem_peak,
-        }
+            with record_function("cpvlm.optimizer"):
+                grad_norm, lr = _optimizer_step(
+                    config, cp_model, groups, params, optimizer, step, num_valid
+                )
+            with record_function("cpvlm.stats"):
+                stats = _step_stats(rows, groups, device, loss_sum, units, visual_tokens, replaced)
+                seconds = time.perf_counter() - t0
+                mem = torch.tensor([mem_start, memory.peak()], dtype=torch.float64, device=device)
+                dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+        record = _record(
+            step, stats, (seconds, data_s), grad_norm, lr, num_valid, world, bad, rows,
+            mem.cpu().tolist(),
+        )  # fmt: skip
+        record["attn_impl"] = ",".join(sorted(ran))
         records.append(record)
         if rank == 0:
             log.write(record)

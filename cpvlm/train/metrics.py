@@ -10,7 +10,9 @@ failed to decode, trained as rows without labels), ``truncated`` (text samples c
 ``ranks_no_image`` / ``ranks_no_visual_tokens``: ranks that, in a step whose rows hold images or
 videos, encoded no vision unit / held no visual token in their shards; ``mem_start_mib`` /
 ``mem_peak_mib``: the memory a rank held when the step began / its peak during the step, max over
-ranks, in MiB (see ``StepMemory``).
+ranks, in MiB (see ``StepMemory``); ``attn_impl``: the CP attention the step's rows ran (with
+``--attn auto``, what the cost model picked, e.g. ``"ring"`` or ``"hybrid 2x2"``; comma-separated
+when rows differ).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import resource
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -127,6 +130,13 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+def _picks(steps: dict[str, int]) -> str:
+    """``auto``'s choices: "picked ring in 8 steps, ulysses in 2"."""
+    ranked = sorted(steps.items(), key=lambda kv: (-kv[1], kv[0]))
+    parts = [f"{name} in {n} step{'s' * (n != 1)}" for name, n in ranked]
+    return "picked " + ", ".join(parts)
+
+
 def summarize(config, records: list[dict], start_step: int, log: MetricsLog, errors=None) -> dict:
     """Print the summary of this run (all steps in metrics.jsonl) and write summary.json."""
     everything = log.read()
@@ -158,13 +168,17 @@ def summarize(config, records: list[dict], start_step: int, log: MetricsLog, err
         "rows_replaced": sum(r.get("rows_replaced", 0) for r in everything),
         "truncated_samples": sum(r.get("truncated", 0) for r in everything),
         "out": str(log.path.parent),
+        "attn_impl_steps": dict(Counter(r.get("attn_impl", "") for r in everything)),
     }
     with open(log.path.parent / SUMMARY, "w") as f:
         json.dump(summary, f, indent=1)
     p = config.parallel
     lines = [
         f"done: {summary['steps']} steps of {config.model.name} ({config.model.dtype}), "
-        f"cp {p.cp} x dp {p.dp} = {ranks} ranks, seq-len {config.data.seq_len}"
+        f"cp {p.cp} x dp {p.dp} = {ranks} ranks, seq-len {config.data.seq_len}, attn {p.attn}"
+        + (f" {p.ulysses_size}x{p.cp // p.ulysses_size}" if p.attn == "hybrid" else "")
+        + (f" ({_picks(summary['attn_impl_steps'])})" if p.attn == "auto" else "")
+        + (f", layout {p.layout}" if p.layout != "head_tail" else "")
         + (f", resumed at step {start_step}" if start_step else ""),
         f"  loss            {summary['loss_first']:.4f} -> {summary['loss_last']:.4f} "
         f"(mean of the first / last {k} steps)",

@@ -12,11 +12,25 @@ import torch.nn.functional as F
 
 from cpvlm import ShardPlan
 from cpvlm.attention import cp_attention
+from cpvlm.testing import rel_err
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def case(doc_lens, impl, causal, hq=8, hkv=2, d=32, dtype="float64", b=2, seed=0, scale=None):
+def case(
+    doc_lens,
+    impl,
+    causal,
+    hq=8,
+    hkv=2,
+    d=32,
+    dtype="float64",
+    b=2,
+    seed=0,
+    scale=None,
+    layout="head_tail",
+    ulysses_size=None,
+):
     return dict(
         doc_lens=list(doc_lens),
         impl=impl,
@@ -28,6 +42,8 @@ def case(doc_lens, impl, causal, hq=8, hkv=2, d=32, dtype="float64", b=2, seed=0
         b=b,
         seed=seed,
         scale=scale,
+        layout=layout,
+        ulysses_size=ulysses_size,
     )
 
 
@@ -36,7 +52,7 @@ def inputs(c, cp):
 
     Padding positions hold random values too: the kernel must ignore them, not rely on zeros.
     """
-    plan = ShardPlan(sum(c["doc_lens"]), cp, doc_lens=c["doc_lens"])
+    plan = ShardPlan(sum(c["doc_lens"]), cp, doc_lens=c["doc_lens"], layout=c["layout"])
     gen = torch.Generator().manual_seed(c["seed"])
     b, p, d = c["b"], plan.padded_len, c["d"]
     shapes = [(b, c["hq"], p, d), (b, c["hkv"], p, d), (b, c["hkv"], p, d), (b, c["hq"], p, d)]
@@ -69,6 +85,7 @@ def run_cases(rank, world_size, cases, cp=None):
             impl=c["impl"],
             causal=c["causal"],
             scale=c["scale"],
+            ulysses_size=c["ulysses_size"],
         )
         (out * plan.shard(g, cp_rank, seq_dim=2)).sum().backward()
         results.append([t.detach() for t in (out, q_loc.grad, k_loc.grad, v_loc.grad)])
@@ -95,6 +112,16 @@ def dense_mask(plan, causal):
     return mask
 
 
+def real_mask(doc_lens, causal):
+    """[S, S] bool on the real tokens in order, from the document lengths alone (not the plan):
+    i sees j iff same document and (not causal or j <= i)."""
+    doc = torch.repeat_interleave(torch.arange(len(doc_lens)), torch.tensor(doc_lens))
+    mask = doc[:, None] == doc[None, :]
+    if causal:
+        mask &= torch.ones_like(mask).tril()
+    return mask
+
+
 def reference(c, cp):
     """out, dq, dk, dv on one process: SDPA on the real tokens with the dense mask, in float64.
 
@@ -110,7 +137,7 @@ def reference(c, cp):
         q_r,
         k_r.repeat_interleave(rep, 1),
         v_r.repeat_interleave(rep, 1),
-        attn_mask=dense_mask(plan, c["causal"])[real][:, real],
+        attn_mask=real_mask(c["doc_lens"], c["causal"]),
         scale=c["scale"],
     )
     (out * g[:, :, real]).sum().backward()
@@ -120,3 +147,30 @@ def reference(c, cp):
         f[:, :, real] = t.detach()
         full.append(f)
     return plan, full
+
+
+def run_and_reference(rank, world_size, cases):
+    """``run_cases`` on every rank, and the one-process reference of every world_size-th case
+    (rank r takes cases r, r + world_size, ...): the references run in parallel, one thread each."""
+    refs = {i: reference(c, world_size)[1] for i, c in enumerate(cases) if i % world_size == rank}
+    return run_cases(rank, world_size, cases), refs
+
+
+def errors(cases, ranks, cp):
+    """Yield (case, name, error, padding exact) from ``run_distributed(run_and_reference, ...)``.
+
+    The error is relative, except for a gradient that is mathematically zero (every document of
+    one token: a softmax over a single key has no gradient), where both sides hold round-off noise
+    of ~1e-17 and the absolute error is the meaningful figure.
+    """
+    refs = {i: ref for _, part in ranks for i, ref in part.items()}
+    for i, c in enumerate(cases):
+        plan = ShardPlan(sum(c["doc_lens"]), cp, doc_lens=c["doc_lens"], layout=c["layout"])
+        for j, name in enumerate(("out", "dq", "dk", "dv")):
+            got, expected = unshard(plan, [results[i][j] for results, _ in ranks]), refs[i][j]
+            padding_zero = bool(torch.all(got[:, :, plan.is_padding] == 0))
+            if max(c["doc_lens"]) == 1 and name in ("dq", "dk"):
+                err = (got.double() - expected.double()).abs().max().item()
+            else:
+                err = rel_err(got, expected)
+            yield c, name, err, padding_zero

@@ -51,7 +51,7 @@ def _errors(rank, world_size):
 
 def test_bad_inputs_raise_value_errors_naming_the_problem():
     expected = {
-        "impl": "impl must be one of ['allgather', 'ring'], got 'zigzag'",
+        "impl": "impl must be one of ['ring', 'allgather', 'ulysses', 'hybrid', 'auto'], got 'zigzag'",
         "plan": "plan must be a ShardPlan, got int",
         "rank": "cp_rank=",
         "group": "the group has 2 ranks but the plan has cp_size=3",

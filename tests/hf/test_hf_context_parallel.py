@@ -32,17 +32,29 @@ from hf_families import (  # noqa: E402
     packed_documents,
 )
 
+from cpvlm import ShardPlan  # noqa: E402
+from cpvlm.attention import Shapes, choose_impl  # noqa: E402
 from cpvlm.integrations.hf import ContextParallelVLM, prepare_batch, vision_cost  # noqa: E402
 from cpvlm.testing import DistributedTestError, rel_err, run_distributed  # noqa: E402
 from cpvlm.testing.hf_batches import SampleSpec, synthetic_batch  # noqa: E402
 from cpvlm.testing.hf_reference import reference_loss_and_grads  # noqa: E402
 
-# (attn, vision, flow): the scalable flow with both vision collectives, and the compat flow.
+# (attn, vision, flow[, more ContextParallelVLM keywords]): the scalable flow with both vision
+# collectives, and the compat flow.
 EXACT_CONFIGS = [
     ("ring", "route", "scalable"),
     ("allgather", "route", "scalable"),
     ("ring", "allgather", "compat"),
     ("allgather", "allgather", "compat"),
+]
+# Ulysses and hybrid (Ulysses over 2 ranks, a ring across: 2 x 1 at cp 2, 2 x 2 at cp 4); the
+# tiny models have 4 query and 2 key/value heads, so at cp 4 Ulysses gives each rank one query
+# head and sends each key/value head to two ranks. The first two families run them in every test,
+# the others in the cp=4 ones (the adapter core passes them through alike).
+HEAD_CONFIGS = [
+    ("ulysses", "route", "scalable"),
+    ("hybrid", "route", "scalable", {"ulysses_size": 2}),
+    ("ulysses", "allgather", "compat"),
 ]
 FIRST_FAMILIES = ("qwen3-vl-tiny", "qwen2.5-vl-tiny")
 ALL_CONFIGS = [
@@ -90,9 +102,16 @@ def _cp_step(rank, world_size, name, dtype, kind, configs, islands=True):
 
 def _cp_configs(rank, base, batch, doc_lens, configs):
     results = []
-    for attn, vision, flow in configs:
+    for attn, vision, flow, *more in configs:
         model = copy.deepcopy(base)
-        cp_model = ContextParallelVLM(model, dist.group.WORLD, attn=attn, vision=vision, flow=flow)
+        cp_model = ContextParallelVLM(
+            model,
+            dist.group.WORLD,
+            attn=attn,
+            vision=vision,
+            flow=flow,
+            **(more[0] if more else {}),
+        )
         out = cp_model(**batch, doc_lens=doc_lens)
         out.loss.backward()
         loss = out.loss.detach().clone()
@@ -108,6 +127,7 @@ def _cp_configs(rank, base, batch, doc_lens, configs):
                 "grads": grads if rank == 0 else None,
                 "visual_tokens": out.local_visual_tokens,
                 "encoded_units": out.encoded_units,
+                "attn_impl": out.attn_impl,
             }
         )
     return results
@@ -148,6 +168,10 @@ def test_loss_and_every_gradient_match_transformers_float64(name, cp):
     # short) both attentions with both vision collectives: the other two modes differ from these
     # only in which rows a rank keeps, not in how many ranks there are.
     configs = ALL_CONFIGS if cp == 2 or name in FIRST_FAMILIES else EXACT_CONFIGS
+    if name in FIRST_FAMILIES:
+        configs = [*configs, *HEAD_CONFIGS]
+    elif cp == 4:
+        configs = [*configs, *HEAD_CONFIGS[:2]]
     ref_loss, ref_grads, per_rank = _run(name, cp, "mixed", configs)
     if name in ("qwen3-vl-tiny", "qwen3-vl-moe-tiny"):
         assert any(n.startswith("model.visual.deepstack_merger_list") for n in ref_grads)
@@ -171,32 +195,66 @@ def test_unchanged_glm_models_carry_only_float32_round_off(name):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_ranks_without_images_and_text_only_batches(name):
-    ref_loss, ref_grads, per_rank = _run(name, 4, "single", EXACT_CONFIGS[:2])
-    for i in range(2):
+    first = name in FIRST_FAMILIES
+    configs = [*EXACT_CONFIGS[:2], *(HEAD_CONFIGS[:2] if first else ())]
+    ref_loss, ref_grads, per_rank = _run(name, 4, "single", configs)
+    for i in range(len(configs)):
         _assert_close(name, per_rank[0][i], ref_loss, ref_grads, 1e-10)
     assert [r[0]["encoded_units"] for r in per_rank].count(0) == 3
     assert [r[0]["visual_tokens"] for r in per_rank].count(0) >= 2
 
-    ref_loss, ref_grads, per_rank = _run(name, 3, "text", EXACT_CONFIGS[:1])
-    result = per_rank[0][0]
-    assert rel_err(result["loss"], ref_loss) <= 1e-10
-    for n, g in ref_grads.items():
-        assert rel_err(result["grads"][n], g) <= 1e-10, n
+    configs = [EXACT_CONFIGS[0], *(HEAD_CONFIGS[:1] if first else ())]
+    ref_loss, ref_grads, per_rank = _run(name, 3, "text", configs)
+    for result in per_rank[0]:
+        assert rel_err(result["loss"], ref_loss) <= 1e-10
+        for n, g in ref_grads.items():
+            assert rel_err(result["grads"][n], g) <= 1e-10, n
 
 
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("name", FAMILIES)
 def test_packed_documents_match_each_document_run_alone(name, cp):
+    # Both ShardPlan layouts: "balanced" places the short documents whole on one rank each.
+    balanced = {"layout": "balanced"}
+    hybrid = ("hybrid", "route", "scalable", {"ulysses_size": 2, **balanced})
     configs = [EXACT_CONFIGS[0], EXACT_CONFIGS[2]]
+    if name in FIRST_FAMILIES:
+        configs += [
+            HEAD_CONFIGS[0],
+            ("ring", "route", "scalable", balanced),
+            ("ulysses", "allgather", "compat", balanced),
+            hybrid,
+            ("auto", "route", "scalable", balanced),
+        ]
+    elif cp == 4:
+        configs.append(hybrid)
     ref_loss, ref_grads, per_rank = _run(name, cp, "packed", configs)
     for i in range(len(configs)):
         _assert_close(name, per_rank[0][i], ref_loss, ref_grads, 1e-10)
+    reported = [r["attn_impl"] for r in per_rank[0]]
+    assert all([r["attn_impl"] for r in ranks] == reported for ranks in per_rank)
+    if name in FIRST_FAMILIES:
+        # What ran is reported; auto: the cost model's pick for the text attention's shapes.
+        model = _model(name, torch.float64)
+        text = model.config.text_config
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        heads = (text.num_attention_heads, text.num_key_value_heads)
+        doc_lens = packed_documents(model, torch.float64)[2]
+        plan = ShardPlan(sum(doc_lens), cp, doc_lens=doc_lens, layout="balanced")
+        impl, u = choose_impl(plan, True, Shapes(1, *heads, head_dim, torch.float64))
+        picked = impl if u is None else f"hybrid {u}x{cp // u}"
+        hybrid_label = f"hybrid 2x{cp // 2}"
+        assert reported == ["ring", "ring", "ulysses", "ring", "ulysses", hybrid_label, picked]
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_float32_within_1e_5(name):
     # both attentions and both vision collectives (all four pairs for the first two families)
-    configs = EXACT_CONFIGS if name in FIRST_FAMILIES else [EXACT_CONFIGS[0], EXACT_CONFIGS[3]]
+    configs = (
+        [*EXACT_CONFIGS, *HEAD_CONFIGS]
+        if name in FIRST_FAMILIES
+        else [EXACT_CONFIGS[0], EXACT_CONFIGS[3]]
+    )
     ref_loss, ref_grads, per_rank = _run(name, 2, "mixed", configs, dtype=torch.float32)
     # float32: different summation orders (blockwise softmax, summed shares) give ~1e-7 relative
     # differences per value; 1e-5 leaves room for the accumulation over layers.

@@ -15,7 +15,14 @@ from hf_families import FAMILIES, cached_model  # noqa: E402
 
 from cpvlm.integrations.hf import ContextParallelVLM  # noqa: E402
 from cpvlm.integrations.hf.context_parallel import _local_row_order  # noqa: E402
-from cpvlm.verify import group_of, module_groups, reference, run_verify, verify_batches  # noqa: E402
+from cpvlm.verify import (  # noqa: E402
+    group_of,
+    main,
+    module_groups,
+    reference,
+    run_verify,
+    verify_batches,
+)
 from cpvlm.vision import assign_vision_units, gather_vision_embeddings, vision_units  # noqa: E402
 
 
@@ -37,13 +44,26 @@ def test_verify_passes_on_tiny_models_at_cp_2_and_4(name):
     assert ("deepstack mergers" in text) == (name == "qwen3-vl-tiny")
 
 
+def test_verify_checks_ulysses_and_hybrid():
+    out = io.StringIO()
+    assert run_verify("qwen3-vl-tiny", [2], ["ulysses", "hybrid"], ["route"], ["scalable"], out=out)
+    text = out.getvalue()
+    assert "OK: the loss and every gradient are within tolerance (float64)" in text
+    assert "hybrid 2x1" in text and "ulysses" in text
+    with pytest.raises(SystemExit):  # a Ulysses size that does not divide a CP size
+        main(["--cp", "2,3", "--attn", "hybrid", "--ulysses-size", "2"])
+
+
 @pytest.mark.parametrize(
     "name", [f for f in FAMILIES if f not in ("qwen3-vl-tiny", "qwen2.5-vl-tiny")]
 )
 def test_verify_passes_on_every_other_family(name):
     out = io.StringIO()
-    assert run_verify(name, [2], ["ring", "allgather"], ["route"], ["scalable"], out=out)
+    # GLM-4V, the family furthest from Qwen's layout, also through Ulysses (hybrid 2 x 1).
+    attns = ["ring", "allgather", *(["hybrid"] if name == "glm4v-tiny" else [])]
+    assert run_verify(name, [2], attns, ["route"], ["scalable"], out=out)
     text = out.getvalue()
+    assert ("hybrid 2x1" in text) == (name == "glm4v-tiny")
     assert "OK: the loss and every gradient are within tolerance (float64)" in text
     labels = [label for label, _ in module_groups(cached_model(name))]
     for label in labels:

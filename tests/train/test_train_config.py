@@ -46,6 +46,9 @@ def _error(capsys, argv) -> str:
         (["--data", "json:no_such_function"], "json has no function 'no_such_function'"),
         (["--data", "data.jsonl"], "data.jsonl' (--data): no such file or folder"),
         (["--resume"], "--resume continues the run in --out DIR"),
+        (["--attn", "hybrid"], "parallel.ulysses_size = None (--ulysses-size): --attn hybrid"),
+        (["--attn", "hybrid", "--ulysses-size", "3"], "pass a divisor of --cp"),
+        (["--ulysses-size", "2"], "it applies to --attn hybrid only"),
     ],
 )
 def test_bad_flags_get_a_clear_message(capsys, argv, message):

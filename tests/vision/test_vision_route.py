@@ -13,9 +13,9 @@ from cpvlm.vision import route_plan, route_to_owners
 WIDTHS = (4, 3)  # main rows + one deepstack level, one all-to-all
 
 
-def _case(world_size, doc_lens, batch, num_rows, seed):
+def _case(world_size, doc_lens, batch, num_rows, seed, layout="head_tail"):
     """Random row -> (encoding rank, padded-batch position) for `num_rows` rows."""
-    plan = ShardPlan(sum(doc_lens), world_size, doc_lens=doc_lens)
+    plan = ShardPlan(sum(doc_lens), world_size, doc_lens=doc_lens, layout=layout)
     g = torch.Generator().manual_seed(seed)
     real = torch.cat([b * plan.padded_len + plan.padded_index for b in range(batch)])
     positions = real[torch.randperm(real.numel(), generator=g)[:num_rows]]
@@ -27,8 +27,10 @@ def _case(world_size, doc_lens, batch, num_rows, seed):
     return plan, positions, row_ranks, rows, upstream
 
 
-def _route_and_backward(rank, world_size, doc_lens, batch, num_rows, seed):
-    plan, positions, row_ranks, rows, upstream = _case(world_size, doc_lens, batch, num_rows, seed)
+def _route_and_backward(rank, world_size, doc_lens, batch, num_rows, seed, layout):
+    plan, positions, row_ranks, rows, upstream = _case(
+        world_size, doc_lens, batch, num_rows, seed, layout
+    )
     rp = route_plan(row_ranks, positions, plan, rank)
     mine = row_ranks == rank
     xs = [r[mine].clone().requires_grad_() for r in rows]
@@ -55,12 +57,15 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("layout", ["head_tail", "balanced"])
 @pytest.mark.parametrize("world_size, doc_lens, batch, num_rows", CASES, ids=str)
 def test_rows_reach_their_owners_in_local_order_and_gradients_come_back(
-    world_size, doc_lens, batch, num_rows
+    world_size, doc_lens, batch, num_rows, layout
 ):
-    results = run_distributed(_route_and_backward, world_size, doc_lens, batch, num_rows, 3)
-    plan, positions, row_ranks, rows, upstream = _case(world_size, doc_lens, batch, num_rows, 3)
+    results = run_distributed(_route_and_backward, world_size, doc_lens, batch, num_rows, 3, layout)
+    plan, positions, row_ranks, rows, upstream = _case(
+        world_size, doc_lens, batch, num_rows, 3, layout
+    )
     seen = []
     for rank, (out, grads, local_positions, recv_counts) in enumerate(results):
         slots = _local_to_padded(plan, batch, rank)

@@ -21,7 +21,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from cpvlm.attention import cp_attention
+from cpvlm.attention import cp_attention, impl_label, resolve_impl
 from cpvlm.distributed.shard_plan import ShardPlan
 
 CP_ATTENTION = "cpvlm_context_parallel"
@@ -38,6 +38,9 @@ class CPAttentionContext:
     group: dist.ProcessGroup | None
     impl: str = "ring"
     options: Mapping[str, Any] = field(default_factory=dict)
+    ran: set[str] = field(default_factory=set, compare=False)
+    """Filled by the attention calls: the implementations they ran (``impl="auto"``: its picks)."""
+    cp_rank: int | None = None  # default: this process's rank in ``group`` (checked if given)
 
 
 def context_parallel_attention(
@@ -64,16 +67,23 @@ def context_parallel_attention(
         raise ValueError("sliding-window attention is not supported under context parallelism")
     # The plan's causal per-document mask replaces attention_mask (None here unless transformers
     # built one from a 2-D mask, which ContextParallelVLM never passes).
+    plan = cpvlm_cp.plan
+    options = dict(cpvlm_cp.options)
+    impl, options["ulysses_size"] = resolve_impl(
+        cpvlm_cp.impl, plan, True, query, key, options.get("ulysses_size")
+    )
+    cpvlm_cp.ran.add(impl_label(impl, options["ulysses_size"], plan.cp_size))
     out = cp_attention(
         query,
         key,
         value,
-        plan=cpvlm_cp.plan,
+        plan=plan,
         group=cpvlm_cp.group,
-        impl=cpvlm_cp.impl,
+        cp_rank=cpvlm_cp.cp_rank,
+        impl=impl,
         causal=True,
         scale=scaling,
-        **cpvlm_cp.options,
+        **options,
     )
     return out.transpose(1, 2).contiguous(), None
 

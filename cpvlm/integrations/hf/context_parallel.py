@@ -29,8 +29,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
-from cpvlm.constants import ATTN_IMPLS, FLOWS, IGNORE_INDEX, VISION_MODES
+from cpvlm.attention import hybrid_groups
+from cpvlm.attention.api import check_ulysses_size
+from cpvlm.constants import ATTN_IMPLS, FLOWS, IGNORE_INDEX, LAYOUTS, VISION_MODES
 from cpvlm.distributed.shard_plan import pad_and_shard
 from cpvlm.loss import token_mean_loss
 from cpvlm.vision import VisionDataParallel, VisionUnits
@@ -50,6 +53,7 @@ class ContextParallelOutput:
     local_labels: int  # valid labels on this rank
     local_visual_tokens: int  # visual positions in this rank's shard
     encoded_units: int  # vision units (images, frames) this rank encoded
+    attn_impl: str = ""  # the CP attention that ran ("ring", "hybrid 2x2", ...; auto: its pick)
     extra_losses: dict[str, torch.Tensor] = field(default_factory=dict)  # shares, unweighted
 
 
@@ -83,11 +87,15 @@ class ContextParallelVLM(nn.Module):
     Args:
         model: the model; ``cpvlm.integrations.hf.supported()`` lists the classes.
         cp_group: the CP process group (``None``: the default group).
-        attn: the CP attention implementation (``cpvlm.constants.ATTN_IMPLS``).
+        attn: CP attention: ``"ring"``, ``"allgather"``, ``"ulysses"``, ``"hybrid"`` (with
+            ``ulysses_size``) or ``"auto"`` (see ``cpvlm.cp_attention``); every family.
         vision: ``"route"`` (each unit encoded once, rows sent to their owners), ``"allgather"``
             (each unit encoded once, every rank gets every row) or ``"replicate"`` (every rank
             encodes every unit: the simple baseline).
         flow: ``"scalable"`` or ``"compat"`` (full ``inputs_embeds`` built, then sharded).
+        ulysses_size: ``attn="hybrid"`` only: ranks per Ulysses group (a divisor of the CP size).
+        layout: ``ShardPlan`` layout, ``"head_tail"`` or ``"balanced"`` (short packed documents
+            whole on one rank).
         attn_options: extra keywords for ``cp_attention``, passed through unchanged.
 
     ``forward(**batch)`` takes the same full batch on every CP rank and returns a
@@ -105,6 +113,8 @@ class ContextParallelVLM(nn.Module):
         attn: str = "ring",
         vision: str = "route",
         flow: str = "scalable",
+        ulysses_size: int | None = None,
+        layout: str = "head_tail",
         attn_options: dict | None = None,
     ):
         super().__init__()
@@ -114,6 +124,7 @@ class ContextParallelVLM(nn.Module):
             ("attn", attn, ATTN_IMPLS),
             ("vision", vision, VISION_MODES),
             ("flow", flow, FLOWS),
+            ("layout", layout, LAYOUTS),
         ):
             if value not in allowed:
                 raise ValueError(
@@ -127,9 +138,17 @@ class ContextParallelVLM(nn.Module):
         self.model = model
         self.cp_group = cp_group
         self.attn, self.vision, self.flow = attn, vision, flow
+        self.ulysses_size, self.layout = ulysses_size, layout
         self.attn_options = dict(attn_options or {})
+        if ulysses_size is not None:
+            self.attn_options["ulysses_size"] = ulysses_size
         self.cp_size = dist.get_world_size(cp_group)
         self.cp_rank = dist.get_rank(cp_group)
+        check_ulysses_size(
+            attn, self.attn_options.get("ulysses_size"), self.cp_size, "ContextParallelVLM"
+        )
+        if attn == "hybrid":  # created now, on every rank, not mid-forward
+            hybrid_groups(cp_group, self.attn_options["ulysses_size"])
         self.adapter.text_model(model).set_attn_implementation(CP_ATTENTION)
         self.adapter.install_context_parallel(model)
         self.encode = TowerCall(self.adapter, self.adapter.vision_tower(model))
@@ -159,6 +178,66 @@ class ContextParallelVLM(nn.Module):
         """One forward batch. ``num_valid``: the step's global count of valid shifted labels
         (default: this batch's); ``num_batches``: the step's forward batches (microbatches x DP
         replicas) that per-batch extra losses are averaged over."""
+        self._check_call(batch, num_batches, local_pixels)
+        # The record_function ranges name the phases in a torch.profiler trace (nothing when
+        # no profiler runs): benchmarks/train_profile.py reads them.
+        with record_function("cpvlm.prepare"):
+            prep = prepare_batch(
+                self.model,
+                {"input_ids": input_ids, "labels": labels, **batch},
+                self.cp_size,
+                doc_lens=doc_lens,
+                num_valid=num_valid,
+                layout=self.layout,
+                adapter=self.adapter,
+                local_pixels=local_pixels,
+            )
+            local = pad_and_shard(
+                {
+                    "input_ids": prep.input_ids,
+                    "labels": prep.labels,
+                    "position_ids": prep.position_ids,
+                    "visual_mask": prep.visual_mask,
+                    "real_mask": prep.real_mask,
+                },
+                prep.plan,
+                self.cp_rank,
+                seq_dims={"visual_mask": 1, "real_mask": 1},
+            )
+        visual_mask_loc = local["visual_mask"]
+        x_loc, deepstack, encoded = self._local_embeddings(
+            prep, local["input_ids"], visual_mask_loc
+        )
+        context = CPAttentionContext(prep.plan, self.cp_group, self.attn, self.attn_options)
+        with record_function("cpvlm.decoder"):
+            decoder_out = self.adapter.text_model(self.model)(
+                inputs_embeds=x_loc,
+                position_ids=local["position_ids"],
+                attention_mask=None,
+                use_cache=False,
+                cpvlm_cp=context,
+                **self.adapter.decoder_kwargs(visual_mask_loc, deepstack),
+            )
+            logits = self.adapter.lm_head(self.model)(decoder_out.last_hidden_state)
+        with record_function("cpvlm.loss"):
+            loss = token_mean_loss(logits, local["labels"], prep.num_valid)
+            extras = self.adapter.extra_losses(
+                decoder_out, LossContext(group=self.cp_group, real_mask=local["real_mask"])
+            )
+            for term in extras.values():
+                loss = loss + term.share * (term.weight / num_batches)
+        return ContextParallelOutput(
+            loss=loss,
+            num_valid=prep.num_valid,
+            local_labels=int((local["labels"] != IGNORE_INDEX).sum()),
+            local_visual_tokens=int(visual_mask_loc.sum()),
+            encoded_units=encoded,
+            attn_impl=",".join(sorted(context.ran)),
+            extra_losses={name: term.share for name, term in extras.items()},
+        )
+
+    def _check_call(self, batch, num_batches, local_pixels) -> None:
+        """The forward's own arguments (the batch itself is checked by ``prepare_batch``)."""
         unknown = set(batch) - set(self.batch_keys)
         if unknown:
             raise ValueError(
@@ -174,55 +253,6 @@ class ContextParallelVLM(nn.Module):
                 "ContextParallelVLM: vision='replicate' encodes every unit on every rank and "
                 "needs every pixel row; pass the full pixel values (local_pixels=False)"
             )
-        prep = prepare_batch(
-            self.model,
-            {"input_ids": input_ids, "labels": labels, **batch},
-            self.cp_size,
-            doc_lens=doc_lens,
-            num_valid=num_valid,
-            adapter=self.adapter,
-            local_pixels=local_pixels,
-        )
-        local = pad_and_shard(
-            {
-                "input_ids": prep.input_ids,
-                "labels": prep.labels,
-                "position_ids": prep.position_ids,
-                "visual_mask": prep.visual_mask,
-                "real_mask": prep.real_mask,
-            },
-            prep.plan,
-            self.cp_rank,
-            seq_dims={"visual_mask": 1, "real_mask": 1},
-        )
-        visual_mask_loc = local["visual_mask"]
-        x_loc, deepstack, encoded = self._local_embeddings(
-            prep, local["input_ids"], visual_mask_loc
-        )
-        context = CPAttentionContext(prep.plan, self.cp_group, self.attn, self.attn_options)
-        decoder_out = self.adapter.text_model(self.model)(
-            inputs_embeds=x_loc,
-            position_ids=local["position_ids"],
-            attention_mask=None,
-            use_cache=False,
-            cpvlm_cp=context,
-            **self.adapter.decoder_kwargs(visual_mask_loc, deepstack),
-        )
-        logits = self.adapter.lm_head(self.model)(decoder_out.last_hidden_state)
-        loss = token_mean_loss(logits, local["labels"], prep.num_valid)
-        extras = self.adapter.extra_losses(
-            decoder_out, LossContext(group=self.cp_group, real_mask=local["real_mask"])
-        )
-        for term in extras.values():
-            loss = loss + term.share * (term.weight / num_batches)
-        return ContextParallelOutput(
-            loss=loss,
-            num_valid=prep.num_valid,
-            local_labels=int((local["labels"] != IGNORE_INDEX).sum()),
-            local_visual_tokens=int(visual_mask_loc.sum()),
-            encoded_units=encoded,
-            extra_losses={name: term.share for name, term in extras.items()},
-        )
 
     def vision_assignment(self, units: VisionUnits) -> list[list[int]]:
         """The units each CP rank encodes: ``VisionDataParallel``'s assignment, balanced by the
@@ -235,7 +265,8 @@ class ContextParallelVLM(nn.Module):
         In a method so that the compat flow's full-length tensors die when it returns, before the
         decoder runs (autograd keeps only their indices).
         """
-        rows, encoded = self._vision_rows(prep)
+        with record_function("cpvlm.vision"):
+            rows, encoded = self._vision_rows(prep)
         embed = self.adapter.embed_tokens(self.model)
         if self.flow == "scalable":
             x_loc = embed(ids_loc)

@@ -182,10 +182,16 @@ def _positions(adapter, model, ids, types, attention_mask, grids, extras, plan, 
         return _document_positions(adapter, model, ids, types, attention_mask, grids, extras)
     bounds = torch.tensor([0, *plan.doc_lens]).cumsum(0).tolist()
     spans = list(zip(bounds[:-1], bounds[1:], strict=True))
+    ends = torch.tensor(bounds)
+
+    def tokens_per_doc(type_id: int) -> list[int]:
+        # One cumulative count for the row, not one reduction per document (every rank does this
+        # for every document of every step).
+        seen = torch.cat([types.new_zeros(1), (types[0] == type_id).long().cumsum(0)])
+        return (seen[ends[1:]] - seen[ends[:-1]]).tolist()
+
     per_kind = [
-        _split_by_document(
-            g, [int((types[0, a:b] == t).sum()) for a, b in spans], adapter.merge_size, k
-        )
+        _split_by_document(g, tokens_per_doc(t), adapter.merge_size, k)
         for g, (k, t, *_) in zip(grids, _KINDS, strict=True)
     ]
     parts, v0 = [], 0
@@ -220,6 +226,7 @@ def prepare_batch(
     doc_lens: Sequence[int] | torch.Tensor | None = None,
     num_valid: int | None = None,
     adapter: VLMAdapter | None = None,
+    layout: str = "head_tail",
     local_pixels: bool = False,
 ) -> PreparedBatch:
     """Validate a full training batch and derive the replicated inputs of a CP step.
@@ -229,6 +236,7 @@ def prepare_batch(
     ``pixel_values``/``image_grid_thw``, ``pixel_values_videos``/``video_grid_thw`` and the
     family's per-video keys (Qwen2.5-VL: ``second_per_grid_ts``). ``doc_lens`` packs one row into
     documents (positions restart, no attention across documents, labels shifted per document).
+    ``layout`` is the ShardPlan layout ("head_tail" or "balanced").
     ``local_pixels``: the pixel values hold only the rows of the units this CP rank encodes
     (``VisionDataParallel`` checks their count).
     """
@@ -262,7 +270,7 @@ def prepare_batch(
         doc_lens = doc_lens.tolist()
     if doc_lens is not None and ids.shape[0] != 1:
         raise ValueError(f"doc_lens packs one row; got a batch of {ids.shape[0]} rows")
-    plan = ShardPlan(ids.shape[1], cp_size, doc_lens=doc_lens)
+    plan = ShardPlan(ids.shape[1], cp_size, doc_lens=doc_lens, layout=layout)
     position_ids = _positions(
         adapter, model, ids, types, attention_mask, grids, extras, plan, doc_lens
     )
