@@ -168,9 +168,11 @@ def default_cp_model(model, group, attn: str, vision: str, flow: str, **kwargs):
 
 
 def _cp_rank_main(rank, world_size, model_spec, dtype, cases, factory):
-    from cpvlm.integrations.hf import build_model
+    from cpvlm.integrations.hf import adapter_for, build_model
 
     base = build_model(model_spec, dtype=dtype, seed=0)
+    if dtype == torch.float64:
+        adapter_for(base).float64_islands(base)
     batches = verify_batches(base, dtype)
     results = []
     for case in cases:
@@ -230,6 +232,8 @@ def run_verify(
 
     torch_dtype = DTYPES[dtype]
     model = build_model(model_spec, dtype=torch_dtype, seed=0)
+    if torch_dtype == torch.float64:
+        adapter_for(model).float64_islands(model)  # on the CP ranks' models too
     groups = module_groups(model)
     float32_groups = adapter_for(model).float32_groups
     batches = verify_batches(model, torch_dtype)

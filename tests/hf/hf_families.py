@@ -28,6 +28,7 @@ FAMILIES = [
     "glm4v-tiny",
     "glm46v-tiny",
     "glm4v-moe-tiny",
+    "qwen3.5-tiny",
 ]
 FAMILY_OF = {
     "qwen2-vl-tiny": "qwen2_vl",
@@ -37,9 +38,12 @@ FAMILY_OF = {
     "glm4v-tiny": "glm4v",
     "glm46v-tiny": "glm4v",
     "glm4v-moe-tiny": "glm4v_moe",
+    "qwen3.5-tiny": "qwen3_5",
+    "qwen3.5-moe-tiny": "qwen3_5_moe",
 }
 DEEPSTACK = {"qwen3-vl-tiny", "qwen3-vl-moe-tiny"}
 GLM = {"glm4v-tiny", "glm46v-tiny", "glm4v-moe-tiny"}
+LINEAR_ATTENTION = {"qwen3.5-tiny", "qwen3.5-moe-tiny"}
 # Parameters whose float64 gradients carry float32 round-off in the unchanged models, and the
 # tolerance for them: float32 round-off (6e-8) of sums grouped differently; measured <= 2e-7.
 FLOAT32_IN_FLOAT64 = {
@@ -66,7 +70,9 @@ def cached_model(name: str, dtype: torch.dtype = torch.float64, *, islands: bool
 
 def float64_islands(model) -> None:
     """GLM-4V's position-table resampling and GLM-4.5V's router, with the same math as
-    transformers but in the model's dtype (transformers casts both to float32)."""
+    transformers but in the model's dtype (transformers casts both to float32), and the
+    adapter's own islands (Qwen3.5: the delta rule, the decay, RMSNorm)."""
+    adapter_for(model).float64_islands(model)
     for module in model.modules():
         kind = type(module).__name__
         if kind.endswith("VisionEmbeddings") and kind.startswith("Glm4v"):

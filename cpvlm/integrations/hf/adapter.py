@@ -188,6 +188,17 @@ class VLMAdapter:
             ("lm head", (r"lm_head\.",)),
         )
 
+    def install_context_parallel(self, model: nn.Module) -> None:
+        """Make the text model's sequence-mixing layers other than attention (which goes through
+        transformers' AttentionInterface) follow the ``cpvlm_cp`` context; called once by
+        ``ContextParallelVLM``, must be idempotent. Default: nothing (attention-only decoders)."""
+
+    def float64_islands(self, model: nn.Module) -> None:
+        """In a float64 ``model``, compute in float64 the parts transformers computes in float32
+        whose round-off a CP run would show (sums it groups differently). ``cpvlm verify`` and the
+        tests apply it to both sides of a float64 check, so that float64 round-off is what they
+        compare. Default: nothing (a family lists such parts in ``float32_groups`` instead)."""
+
     # ---- vision ---------------------------------------------------------------------------------
 
     def encode(

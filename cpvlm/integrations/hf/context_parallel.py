@@ -168,6 +168,7 @@ class ContextParallelVLM(nn.Module):
         if attn == "hybrid":  # created now, on every rank, not mid-forward
             hybrid_groups(cp_group, self.attn_options["ulysses_size"])
         self.adapter.text_model(model).set_attn_implementation(CP_ATTENTION)
+        self.adapter.install_context_parallel(model)
         self.encode = TowerCall(self.adapter, self.adapter.vision_tower(model))
         self.vision_cost = self.adapter.vision_cost()  # units balanced by the tower's cost
         # "replicate" with no units at all runs the same dummy frame as the other modes.
