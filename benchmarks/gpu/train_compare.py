@@ -5,7 +5,7 @@
 A Qwen3-VL-2B-sized model (text 2048 x 28 layers, 16/8 heads of 128, vocab 151936; vision 1024 x
 24 blocks, deepstack 5/11/17) with random weights, bf16, is saved to a temporary directory (a RAM
 disk where one has room). Then, one after the other on the same GPU:
-  cpvlm  ``python -m cpvlm.cli train --cp 1 --model DIR --dtype bfloat16 --seq-len S`` with one
+  cpvlm  ``python -m cpvlm.cli train --cp 1 --model DIR --dtype bfloat16 --param-dtype bfloat16 --seq-len S`` with one
          S-token document per step (benchmarks/gpu/long_sample.py); its metrics.jsonl gives the
          step time and the peak memory (torch.cuda.max_memory_allocated, reset every step);
   hf     the model loaded from DIR, SDPA attention, on the same packed row: forward with labels,
@@ -69,7 +69,9 @@ def run_cpvlm(model_dir: Path, out: Path, seq_len: int, steps: int) -> list[dict
     env = dict(os.environ, CPVLM_GPU_SEQ_LEN=str(seq_len))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HERE), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "cpvlm.cli", "train", "--cp", "1", "--model", str(model_dir)]
-    cmd += ["--dtype", "bfloat16", "--seq-len", str(seq_len), "--batch-size", "1"]
+    # Pure bf16 (parameters and optimizer state too), as the plain model below is loaded.
+    cmd += ["--dtype", "bfloat16", "--param-dtype", "bfloat16"]
+    cmd += ["--seq-len", str(seq_len), "--batch-size", "1"]
     cmd += ["--steps", str(steps), "--device", "cuda", "--data", "long_sample:samples"]
     cmd += ["--out", str(out)]
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=sys.stderr)
@@ -82,7 +84,6 @@ def run_hf(model_dir: Path, seq_len: int, steps: int) -> list[dict]:
     from transformers import AutoModelForImageTextToText
 
     from cpvlm.train.config import OptimConfig
-    from cpvlm.train.data import RowPacker, TokenIds
 
     model = AutoModelForImageTextToText.from_pretrained(
         model_dir, dtype=torch.bfloat16, attn_implementation="sdpa", local_files_only=True
@@ -91,11 +92,18 @@ def run_hf(model_dir: Path, seq_len: int, steps: int) -> list[dict]:
     optim = OptimConfig()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay)
-    source = samples(model.config, seed=0, seq_len=seq_len)
-    packer = RowPacker(source, seq_len, TokenIds.from_config(model.config), dp_rank=0, dp_size=1)
+    # The one S-token sample as one row, labels = ids (cpvlm trains every token of a sample
+    # without a chat template's assistant turns).
+    (sample,) = samples(model.config, seed=0, seq_len=seq_len)
+    ids = sample["input_ids"].view(1, -1)
+    batch = {
+        "input_ids": ids.cuda(),
+        "labels": ids.cuda(),
+        "pixel_values": sample["pixel_values"].to("cuda", torch.bfloat16),
+        "image_grid_thw": sample["image_grid_thw"].cuda(),
+    }
     records = []
     for _ in range(steps):
-        batch = packer.next_row().batch("cuda")
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
