@@ -341,7 +341,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--attn",
         type=_csv(str, CHECKED_IMPLS),
         default=",".join(CHECKED_IMPLS),
-        help=f"CP attentions to check, comma-separated ({', '.join(CHECKED_IMPLS)}; default: all)",
+        help=f"CP attentions to check, comma-separated ({', '.join(CHECKED_IMPLS)})",
     )
     parser.add_argument(
         "--vision",

@@ -41,7 +41,12 @@ def test_verify_refuses_a_model_directory_without_weights(tmp_path, capsys):
     [
         (
             "verify",
-            ["--cp CP ", "(default: 2,4)", "(default: ring,allgather)", "(default: float64)"],
+            [
+                "--cp CP ",
+                "(default: 2,4)",
+                "(default: ring,allgather,ulysses,hybrid)",
+                "(default: float64)",
+            ],
         ),
         (
             "train",
