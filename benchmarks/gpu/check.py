@@ -2,7 +2,7 @@
 
     bash benchmarks/gpu/check.sh                    # all sections, JSON to benchmarks/results/gpu.json
     bash benchmarks/gpu/check.sh --skip train nccl  # leave sections out
-    bash benchmarks/gpu/check.sh --out /tmp/g.json  # write elsewhere (a CPU dry run)
+    bash benchmarks/gpu/check.sh --out results-dry.json  # write elsewhere (a CPU dry run)
 
 Sections (each says in the table and the JSON why it did not run, where it did not):
   tests   the CUDA tests (tests/attention/test_attn_cuda.py), their pass/skip counts;

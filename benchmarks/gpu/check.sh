@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu/check.sh                      # everything -> benchmarks/results/gpu.json
 #   bash benchmarks/gpu/check.sh --skip train nccl    # sections: tests errors speed varlen train nccl
-#   bash benchmarks/gpu/check.sh --out /tmp/gpu.json  # write elsewhere (a CPU dry run, say)
+#   bash benchmarks/gpu/check.sh --out gpu-dry.json  # write elsewhere (a CPU dry run, say)
 #
 # Runs the CUDA tests, then benchmarks/gpu/check.py: the CP block kernels' errors against
 # float64, their speed against SDPA flash on the same work, varlen against one call per

@@ -69,6 +69,30 @@ class RouterLoss:
     weight: float
 
 
+class MoeRouter:
+    """Mixin of the MoE families (listed before the family's adapter in the bases): the router
+    loss from the text config, and the router and expert parameters as their own groups."""
+
+    float64_load_kwargs = {"experts_implementation": "eager"}
+    experts_pattern = r"experts\."  # the expert parameters of a layer's mlp
+
+    def router_loss(self) -> RouterLoss | None:
+        text = self.config.text_config
+        if not text.output_router_logits:
+            return None
+        return RouterLoss(top_k=text.num_experts_per_tok, weight=text.router_aux_loss_coef)
+
+    def module_groups(self):
+        layer = r"model\.language_model\.layers\.\d+\.mlp\."
+        groups = list(super().module_groups())
+        i = [label for label, _ in groups].index("decoder layers")
+        groups[i:i] = [
+            ("router", (layer + r"gate\.",)),
+            ("experts", (layer + self.experts_pattern,)),
+        ]
+        return tuple(groups)
+
+
 @dataclass(frozen=True)
 class ExtraLoss:
     """One extra loss term, ``weight * share``; the CP ranks' shares sum to the batch's loss."""

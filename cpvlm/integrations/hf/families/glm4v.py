@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from transformers import Glm4vConfig, Glm4vMoeConfig, Glm46VConfig
 
-from ..adapter import RouterLoss, VLMAdapter
+from ..adapter import MoeRouter, VLMAdapter
 from ..registry import register
 from ..tiny import (
     IMAGE_TOKEN_ID,
@@ -167,28 +167,13 @@ class Glm4vAdapter(_GlmLayout):
 
 
 @register
-class Glm4vMoeAdapter(_GlmLayout):
+class Glm4vMoeAdapter(MoeRouter, _GlmLayout):
     family = "glm4v_moe"
     model_classes = ("Glm4vMoeForConditionalGeneration",)
     model_types = ("glm4v_moe",)
     tiny_configs = {"glm4v-moe-tiny": tiny_glm4v_moe_config}
-    float64_load_kwargs = {"experts_implementation": "eager"}
     # The sigmoid router casts its input and weight to float32 (any model dtype): its backward
     # rounds every gradient upstream of an MoE layer to float32, and its routing weights the loss.
     float32_groups = ("*",)
 
-    def router_loss(self):
-        text = self.config.text_config
-        if not text.output_router_logits:
-            return None
-        return RouterLoss(top_k=text.num_experts_per_tok, weight=text.router_aux_loss_coef)
-
-    def module_groups(self):
-        layer = r"model\.language_model\.layers\.\d+\.mlp\."
-        groups = list(super().module_groups())
-        i = [label for label, _ in groups].index("decoder layers")
-        groups[i:i] = [
-            ("router", (layer + r"gate\.",)),
-            ("experts", (layer + r"(experts|shared_experts)\.",)),
-        ]
-        return tuple(groups)
+    experts_pattern = r"(experts|shared_experts)\."

@@ -45,7 +45,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
 from cpvlm.attention.linear import cp_causal_conv1d, cp_gated_delta_rule
 from cpvlm.attention.linear.delta_rule import compute_dtype
 
-from ..adapter import RouterLoss, VLMAdapter
+from ..adapter import MoeRouter, VLMAdapter
 from ..registry import register
 from ..tiny import QWEN_SPECIAL_TOKEN_IDS, TEXT, VISION, split_overrides, with_overrides
 from ..vision_cost import qwen3_vl_vision_cost
@@ -251,22 +251,8 @@ class Qwen3_5Adapter(Qwen3VLAdapter):
 
 
 @register
-class Qwen3_5MoeAdapter(Qwen3_5Adapter):
+class Qwen3_5MoeAdapter(MoeRouter, Qwen3_5Adapter):
     family = "qwen3_5_moe"
     model_classes = ("Qwen3_5MoeForConditionalGeneration",)
     model_types = ("qwen3_5_moe",)
     tiny_configs = {"qwen3.5-moe-tiny": tiny_qwen3_5_moe_config}
-    float64_load_kwargs = {"experts_implementation": "eager"}
-
-    def router_loss(self):
-        text = self.config.text_config
-        if not text.output_router_logits:
-            return None
-        return RouterLoss(top_k=text.num_experts_per_tok, weight=text.router_aux_loss_coef)
-
-    def module_groups(self):
-        layer = r"model\.language_model\.layers\.\d+\.mlp\."
-        groups = list(super().module_groups())
-        i = [label for label, _ in groups].index("decoder layers")
-        groups[i:i] = [("router", (layer + r"gate\.",)), ("experts", (layer + r"experts\.",))]
-        return tuple(groups)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from transformers import Qwen3VLMoeConfig
 
-from ..adapter import RouterLoss
+from ..adapter import MoeRouter
 from ..registry import register
 from ..tiny import QWEN_SPECIAL_TOKEN_IDS, split_overrides, with_overrides
 from .qwen3_vl import TINY_TEXT, Qwen3VLAdapter, tiny_vision
@@ -37,22 +37,8 @@ def tiny_qwen3_vl_moe_config(**overrides) -> Qwen3VLMoeConfig:
 
 
 @register
-class Qwen3VLMoeAdapter(Qwen3VLAdapter):
+class Qwen3VLMoeAdapter(MoeRouter, Qwen3VLAdapter):
     family = "qwen3_vl_moe"
     model_classes = ("Qwen3VLMoeForConditionalGeneration",)
     model_types = ("qwen3_vl_moe",)
     tiny_configs = {"qwen3-vl-moe-tiny": tiny_qwen3_vl_moe_config}
-    float64_load_kwargs = {"experts_implementation": "eager"}
-
-    def router_loss(self):
-        text = self.config.text_config
-        if not text.output_router_logits:
-            return None
-        return RouterLoss(top_k=text.num_experts_per_tok, weight=text.router_aux_loss_coef)
-
-    def module_groups(self):
-        layer = r"model\.language_model\.layers\.\d+\.mlp\."
-        groups = list(super().module_groups())
-        i = [label for label, _ in groups].index("decoder layers")
-        groups[i:i] = [("router", (layer + r"gate\.",)), ("experts", (layer + r"experts\.",))]
-        return tuple(groups)
