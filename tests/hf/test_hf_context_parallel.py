@@ -34,7 +34,12 @@ from hf_families import (  # noqa: E402
 
 from cpvlm import ShardPlan  # noqa: E402
 from cpvlm.attention import Shapes, choose_impl  # noqa: E402
-from cpvlm.integrations.hf import ContextParallelVLM, prepare_batch, vision_cost  # noqa: E402
+from cpvlm.integrations.hf import (  # noqa: E402
+    ContextParallelVLM,
+    adapter_for,
+    prepare_batch,
+    vision_cost,
+)
 from cpvlm.testing import DistributedTestError, rel_err, run_distributed  # noqa: E402
 from cpvlm.testing.hf_batches import SampleSpec, synthetic_batch  # noqa: E402
 from cpvlm.testing.hf_reference import reference_loss_and_grads  # noqa: E402
@@ -57,6 +62,10 @@ HEAD_CONFIGS = [
     ("ulysses", "allgather", "compat"),
 ]
 FIRST_FAMILIES = ("qwen3-vl-tiny", "qwen2.5-vl-tiny")
+# vision="split" (the mixed batch's largest image is sharded at cp 2 and 4, tests/vision/
+# test_vision_split.py checks that): every family whose adapter supports it, ring at cp 2; the
+# first two families also all-gather K/V, and at cp 4.
+SPLIT_CONFIGS = [("ring", "split", "scalable"), ("allgather", "split", "scalable")]
 ALL_CONFIGS = [
     *EXACT_CONFIGS,
     ("allgather", "allgather", "scalable"),
@@ -172,6 +181,8 @@ def test_loss_and_every_gradient_match_transformers_float64(name, cp):
         configs = [*configs, *HEAD_CONFIGS]
     elif cp == 4:
         configs = [*configs, *HEAD_CONFIGS[:2]]
+    if adapter_for(_model(name, torch.float64)).split_vision:
+        configs += SPLIT_CONFIGS if name in FIRST_FAMILIES else SPLIT_CONFIGS[:1] * (cp == 2)
     ref_loss, ref_grads, per_rank = _run(name, cp, "mixed", configs)
     if name in ("qwen3-vl-tiny", "qwen3-vl-moe-tiny"):
         assert any(n.startswith("model.visual.deepstack_merger_list") for n in ref_grads)
