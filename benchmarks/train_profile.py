@@ -156,7 +156,7 @@ def _rank(index: int, cp: int, seq_len: int, steps: int, threads: int, tmp: str)
         data={"seq_len": seq_len},
         run={"steps": steps, "out": os.path.join(tmp, "run"), "device": "cpu"},
     )
-    config = launcher.prepare(config, world_size=cp)
+    config, _, _ = launcher.prepare(config, world_size=cp)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         train_rank(config, torch.device("cpu"))
     rows = analyse(prof.events())
