@@ -180,7 +180,8 @@ class VisionDataParallel(nn.Module):
         output row g in the padded batch, ``b * plan.padded_len + p`` (see ``cpvlm.vision.route``);
         the result holds this rank's visual rows sorted by local index in its ``[B, S_loc]`` shard.
         ``step``: the CP step this belongs to (see ``cpvlm.distributed.collectives.StepAgreement``).
-        ``with_unit_count``: return ``(result, units this rank encoded)``.
+        ``with_unit_count``: return ``(result, units this rank encoded)`` (split mode: whole units
+        plus pieces of sharded ones). split mode: as route mode (``plan``, ``row_positions``).
 
         A problem found on one rank only (its tower returned the wrong number of rows) is raised
         on every rank, through the agreement that precedes the rows' collective.
