@@ -48,7 +48,8 @@ def _samples(samples, images, videos, text_len) -> list[SampleSpec]:
     return samples
 
 
-def _items(sample: SampleSpec, i: int, merge: int) -> list[tuple[str, tuple[int, int, int]]]:
+def _items(sample: SampleSpec, i: int, adapter) -> list[tuple[str, tuple[int, int, int]]]:
+    merge = adapter.merge_size
     items = [("image", (1, h, w)) for h, w in sample.images]
     items += [("video", tuple(g)) for g in sample.videos]
     for kind, (t, h, w) in items:
@@ -59,7 +60,7 @@ def _items(sample: SampleSpec, i: int, merge: int) -> list[tuple[str, tuple[int,
             )
     if sample.text_len < 0 or (sample.text_len == 0 and not items):
         raise ValueError(f"sample {i}: text_len must be >= 0 and the sample non-empty")
-    return items
+    return [made for kind, grid in items for made in adapter.synthetic_items(kind, grid)]
 
 
 def _row(adapter, items, text_len: int, text) -> list[int]:
@@ -123,7 +124,7 @@ def synthetic_batch(
 
     rows, grids = [], {"image": [], "video": []}
     for i, sample in enumerate(samples):
-        items = _items(sample, i, adapter.merge_size)
+        items = _items(sample, i, adapter)
         rows.append(_row(adapter, items, sample.text_len, text))
         for kind, grid in items:
             grids[kind].append(grid)

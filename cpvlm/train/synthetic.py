@@ -93,7 +93,8 @@ class SyntheticVLMData:
         """The longest sample this source can produce, in tokens."""
 
         def tokens(kind, grid) -> int:
-            return len(self.adapter.item_tokens(kind, grid, lambda n: [0] * n))
+            items = self.adapter.synthetic_items(kind, grid)
+            return sum(len(self.adapter.item_tokens(k, g, lambda n: [0] * n)) for k, g in items)
 
         image = max(tokens("image", (1, h, w)) for h, w in IMAGE_GRIDS)
         video = tokens("video", (VIDEO_FRAMES[1], *VIDEO_HW))

@@ -29,6 +29,7 @@ FAMILIES = [
     "glm46v-tiny",
     "glm4v-moe-tiny",
     "qwen3.5-tiny",
+    "internvl-tiny",
 ]
 FAMILY_OF = {
     "qwen2-vl-tiny": "qwen2_vl",
@@ -40,7 +41,10 @@ FAMILY_OF = {
     "glm4v-moe-tiny": "glm4v_moe",
     "qwen3.5-tiny": "qwen3_5",
     "qwen3.5-moe-tiny": "qwen3_5_moe",
+    "internvl-tiny": "internvl",
 }
+# Tiling families: tiles or crops of square images through a ViT, 1D RoPE, image tokens only.
+TILED = {"internvl-tiny"}
 DEEPSTACK = {"qwen3-vl-tiny", "qwen3-vl-moe-tiny"}
 GLM = {"glm4v-tiny", "glm46v-tiny", "glm4v-moe-tiny"}
 LINEAR_ATTENTION = {"qwen3.5-tiny", "qwen3.5-moe-tiny"}

@@ -7,7 +7,9 @@ the plan, local embeddings, vision data parallelism, the decoder on the shard, t
 loss. An adapter answers the family's questions:
 
 - tokens: how the processor writes an image or a video into the sequence (``item_tokens``),
-  which token type each placeholder has (``mm_token_type_ids``: 0 text, 1 image, 2 video);
+  which token type each placeholder has (``mm_token_type_ids``: 0 text, 1 image, 2 video), what
+  items it makes of an image (``synthetic_items``: tiles), and the model's own forward keywords
+  for a cpvlm batch (``model_inputs``: ``[tiles, C, H, W]`` pixels for a tiling family);
 - modules: where the text model, embeddings, lm head and vision tower are, which modules are
   FSDP units, what stays trainable when the encoder is frozen, the module groups that
   ``cpvlm verify`` reports;
@@ -170,6 +172,20 @@ class VLMAdapter:
         pad = c.image_token_id if kind == "image" else c.video_token_id
         frame = h * w // self.merge_size**2
         return [c.vision_start_token_id] + [pad] * (t * frame) + [c.vision_end_token_id]
+
+    def synthetic_items(
+        self, kind: str, grid: tuple[int, int, int]
+    ) -> list[tuple[str, tuple[int, int, int]]]:
+        """The items (kind, grid) the family's processor makes of an image of ``grid`` (1, h, w)
+        or a video of (t, h, w) patches, for synthetic batches. Default: that item. A tiling
+        family (InternVL) returns its tiles' grid; one without video tokens, the frames as
+        images."""
+        return [(kind, grid)]
+
+    def model_inputs(self, batch: dict) -> dict:
+        """The keywords of the model's own forward for a cpvlm batch (pixel rows ``[patches, C]``
+        and grids). Default: the batch itself (the Qwen-VL and GLM-4V models take it as it is)."""
+        return batch
 
     # ---- modules --------------------------------------------------------------------------------
 

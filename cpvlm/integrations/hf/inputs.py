@@ -132,7 +132,7 @@ def _check_vision(
 def _check_token_types(adapter: VLMAdapter, ids, attention_mask, given, has_vision) -> torch.Tensor:
     types = adapter.mm_token_type_ids(ids, attention_mask)
     if given is None:
-        if has_vision:
+        if has_vision and adapter.rope_rows:
             raise ValueError(
                 "mm_token_type_ids is missing: the model needs it to place images and videos in "
                 "its M-RoPE positions (the processor returns it: 1 = image token, 2 = video token)"
