@@ -169,7 +169,7 @@ def decode_row(job: RowJob, decode: Decoder, temporal_patch: int = 2) -> LocalRo
     parts: dict[str, list[torch.Tensor]] = {"pixel_values": [], "pixel_values_videos": []}
     for k, temporal in wanted.items():
         doc, item = (images + videos)[k]
-        if item.kind == "image" or len(temporal) == item.grid[0]:
+        if len(temporal) == item.grid[0]:  # (a tiled image's tiles are its temporal units)
             temporal = None
         try:
             rows = _item_rows(decode, item, temporal)
