@@ -55,6 +55,7 @@ def token_ids(model_config) -> TokenIds:
         vocab_size=model_config.text_config.vocab_size,
         pixel_width=adapter.pixel_width,
         types=adapter.mm_token_type_ids,
+        sizes=adapter.item_sizes if adapter.unit_sizes else None,
     )
 
 

@@ -30,6 +30,7 @@ FAMILIES = [
     "glm4v-moe-tiny",
     "qwen3.5-tiny",
     "internvl-tiny",
+    "llava-onevision-tiny",
 ]
 FAMILY_OF = {
     "qwen2-vl-tiny": "qwen2_vl",
@@ -42,9 +43,12 @@ FAMILY_OF = {
     "qwen3.5-tiny": "qwen3_5",
     "qwen3.5-moe-tiny": "qwen3_5_moe",
     "internvl-tiny": "internvl",
+    "llava-onevision-tiny": "llava_onevision",
 }
 # Tiling families: tiles or crops of square images through a ViT, 1D RoPE, image tokens only.
-TILED = {"internvl-tiny"}
+TILED = {"internvl-tiny", "llava-onevision-tiny"}
+# Parameters the forward never uses (zero gradient): SigLIP's post_layernorm at feature layer -1.
+UNUSED = {"llava-onevision-tiny": r"model\.vision_tower\.post_layernorm\."}
 DEEPSTACK = {"qwen3-vl-tiny", "qwen3-vl-moe-tiny"}
 GLM = {"glm4v-tiny", "glm46v-tiny", "glm4v-moe-tiny"}
 LINEAR_ATTENTION = {"qwen3.5-tiny", "qwen3.5-moe-tiny"}

@@ -174,13 +174,25 @@ class VLMAdapter:
         return [c.vision_start_token_id] + [pad] * (t * frame) + [c.vision_end_token_id]
 
     def synthetic_items(
-        self, kind: str, grid: tuple[int, int, int]
+        self, kind: str, grid: tuple[int, int, int], *, images_in_sample: int = 1
     ) -> list[tuple[str, tuple[int, int, int]]]:
         """The items (kind, grid) the family's processor makes of an image of ``grid`` (1, h, w)
-        or a video of (t, h, w) patches, for synthetic batches. Default: that item. A tiling
-        family (InternVL) returns its tiles' grid; one without video tokens, the frames as
-        images."""
+        or a video of (t, h, w) patches in a sample of ``images_in_sample`` images, for synthetic
+        batches. Default: that item. A tiling family returns its tiles' or crops' grid (LLaVA-
+        OneVision: base crop only in a multi-image sample); one without video tokens, the frames
+        as images."""
         return [(kind, grid)]
+
+    unit_sizes: ClassVar[bool] = False
+    """``item_sizes`` is not the Qwen-VL rule (t*h*w, t*h*w/m**2): VisionDataParallel and the data
+    path then size units by it."""
+
+    def item_sizes(self, grid: tuple[int, int, int]) -> tuple[int, int]:
+        """``(pixel rows, output rows)`` of an item (or unit) of ``grid`` in cpvlm's batch: t*h*w
+        patch rows and t*h*w/m**2 merged tokens (LLaVA-OneVision: an image's crops and its packed
+        rows)."""
+        t, h, w = grid
+        return t * h * w, t * h * w // self.merge_size**2
 
     def model_inputs(self, batch: dict) -> dict:
         """The keywords of the model's own forward for a cpvlm batch (pixel rows ``[patches, C]``

@@ -63,7 +63,9 @@ def tiny_internvl_config(**overrides) -> InternVLConfig:
         },
         vision,
     )
-    text = with_overrides({**TEXT, "model_type": "qwen2", "bos_token_id": 1, "eos_token_id": 2}, text)
+    text = with_overrides(
+        {**TEXT, "model_type": "qwen2", "bos_token_id": 1, "eos_token_id": 2}, text
+    )
     side = TILE // VISION["patch_size"]
     top = with_overrides(
         {
@@ -162,7 +164,7 @@ class InternVLAdapter(VLMAdapter):
         n = -(-h // s) * -(-w // s)
         return n + 1 if n > 1 else n
 
-    def synthetic_items(self, kind, grid):
+    def synthetic_items(self, kind, grid, *, images_in_sample=1):
         t, h, w = grid
         s = self.tile_side
         if kind == "video":
@@ -174,7 +176,9 @@ class InternVLAdapter(VLMAdapter):
             raise ValueError("InternVL writes video frames as images; it has no video tokens")
         t, h, w = grid
         rows = t * h * w // self.merge_size**2
-        return [self.start_image_token_id] + [self.image_token_id] * rows + [self.end_image_token_id]
+        return (
+            [self.start_image_token_id] + [self.image_token_id] * rows + [self.end_image_token_id]
+        )
 
     def model_inputs(self, batch):
         out = {k: v for k, v in batch.items() if k not in ("image_grid_thw", "mm_token_type_ids")}
