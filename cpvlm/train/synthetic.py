@@ -96,9 +96,19 @@ class SyntheticVLMData:
             items = self.adapter.synthetic_items(kind, grid)
             return sum(len(self.adapter.item_tokens(k, g, lambda n: [0] * n)) for k, g in items)
 
-        image = max(tokens("image", (1, h, w)) for h, w in IMAGE_GRIDS)
+        def image(
+            n: int,
+        ) -> int:  # one of n images of a sample (LLaVA-OneVision: n > 1 is base-only)
+            return max(
+                sum(
+                    len(self.adapter.item_tokens(k, g, lambda n: [0] * n))
+                    for k, g in self.adapter.synthetic_items("image", (1, h, w), images_in_sample=n)
+                )
+                for h, w in IMAGE_GRIDS
+            )
+
         video = tokens("video", (VIDEO_FRAMES[1], *VIDEO_HW))
-        return TEXT_LEN[1] + max(MAX_IMAGES * image, video)
+        return TEXT_LEN[1] + max(image(1), MAX_IMAGES * image(MAX_IMAGES), video)
 
     def _sample_seed(self, index: int, stream: str = "pixels") -> int:
         # torch's CPU generator keeps only 32 bits of a seed, so (seed, index) are hashed into 32.
