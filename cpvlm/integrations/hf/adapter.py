@@ -14,7 +14,9 @@ loss. An adapter answers the family's questions:
   FSDP units, what stays trainable when the encoder is frozen, the module groups that
   ``cpvlm verify`` reports;
 - vision: how the tower is called and what it returns (``encode``: rows, or rows and deepstack
-  levels), whether video frames are independent units, the per-unit cost model (``vision_cost``);
+  levels), whether video frames are independent units, the per-unit cost model (``vision_cost``),
+  and where an item's pixel and output rows are not t*h*w and t*h*w/m**2, what they are
+  (``item_sizes`` with ``unit_sizes = True``: LLaVA-OneVision's crops and packed rows);
 - positions: ``rope_index`` per document (M-RoPE families: the model's own ``get_rope_index``;
   1D-RoPE families return None and the core uses the plan's per-document positions);
 - decoder: extra keywords of the text model's forward (``decoder_kwargs``: deepstack rows, router
