@@ -205,3 +205,26 @@ def test_cost_models_count_a_tiles_and_a_crops_matrix_products():
     rows = torch.randn(5 * 16, adapter.pixel_width, dtype=torch.float64)
     got = _macs(lambda: adapter.encode(model.model, rows, torch.tensor([[5, 64, 64]])))
     assert got == adapter.vision_cost().unit_cost((5, 64, 64))
+
+
+@pytest.mark.parametrize("layer", [-2, -3, [-2, -1]])  # -3: the embeddings (2 layers)
+def test_llava_onevision_feature_layers_equal_the_models_hidden_states(layer):
+    """The adapter catches the feature layers with forward hooks (transformers' hidden-state
+    capture returns None under FSDP2): equal to the model's own get_image_features."""
+    from transformers import AutoModelForImageTextToText
+
+    from cpvlm.integrations.hf.families.llava_onevision import tiny_llava_onevision_config
+
+    config = tiny_llava_onevision_config(vision_feature_layer=layer)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config).double()
+    adapter = adapter_for(model)
+    crops = torch.randn(3, 3, 32, 32, dtype=torch.float64)
+    with torch.no_grad():
+        theirs = model.model.get_image_features(
+            pixel_values=crops[None], image_sizes=torch.tensor([[32, 64]]), return_dict=True
+        ).pooler_output[0]
+        mine = adapter.encode(
+            model.model, crops.reshape(-1, adapter.pixel_width), torch.tensor([[3, 32, 64]])
+        )
+    assert _rel(mine, theirs) < 1e-12

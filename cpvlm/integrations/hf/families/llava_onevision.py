@@ -230,8 +230,12 @@ class LlavaOnevisionAdapter(VLMAdapter):
         return model.model
 
     def fsdp_units(self, model):
+        # The tower's layers, not the tower: encode reads the feature layer's output, not the
+        # tower's, and FSDP2 re-gathers a unit's parameters for the backward from the gradient
+        # of the unit's outputs (the embeddings and post_layernorm stay with the root).
         inner = model.model
-        return [*self.decoder_layers(model), inner.vision_tower, inner.multi_modal_projector]
+        layers = list(inner.vision_tower.encoder.layers)
+        return [*self.decoder_layers(model), *layers, inner.multi_modal_projector]
 
     def freeze_vision_encoder(self, model):
         for p in model.model.vision_tower.parameters():
@@ -257,18 +261,13 @@ class LlavaOnevisionAdapter(VLMAdapter):
     def encode(self, tower, pixel_values, grid_thw):
         # get_image_features (modeling_llava_onevision.py) with the crops of each image as grid_thw
         # says, not as image_sizes and batch_num_images would infer them: the tower on every crop
-        # at once, the feature layer(s), the projector, then the model's own pack_image_features.
+        # at once, the feature layer(s) (the "full" strategy), the projector, then the model's own
+        # pack_image_features.
         config = self.config
         grids = [tuple(int(v) for v in g) for g in grid_thw.tolist()]
         counts = [t for t, _, _ in grids]
         crops = torch.cat(self._crops(pixel_values, counts)) if grids else pixel_values
-        layer = config.vision_feature_layer
-        hidden = tower.vision_tower(
-            crops, output_hidden_states=True, return_dict=True
-        ).hidden_states
-        feats = (
-            hidden[layer] if isinstance(layer, int) else torch.cat([hidden[i] for i in layer], -1)
-        )
+        feats = self._feature_layers(tower.vision_tower, crops)
         feats = tower.multi_modal_projector(feats)
         # The dummy frame of a rank without units is grid (1, 1, 1): one base crop, packed alike.
         sizes = torch.tensor([[h, w] for _, h, w in grids], dtype=torch.long)
@@ -279,6 +278,28 @@ class LlavaOnevisionAdapter(VLMAdapter):
             vision_aspect_ratio=config.vision_aspect_ratio,
         )
         return torch.cat(packed)
+
+    def _feature_layers(self, vision, crops: torch.Tensor) -> torch.Tensor:
+        """The hidden states of ``vision_feature_layer`` (concatenated, for a list), caught by
+        forward hooks on the embeddings and encoder layers: transformers' own
+        ``output_hidden_states`` returns None once FSDP2 has wrapped the tower (checked in
+        tests/hf/test_tiled_families.py), and the hidden states it returns are these outputs."""
+        layer = self.config.vision_feature_layer
+        wanted = [layer] if isinstance(layer, int) else list(layer)
+        modules = [vision.embeddings, *vision.encoder.layers]
+        caught, hooks = {}, []
+        for i in {k % len(modules) for k in wanted}:
+
+            def keep(module, args, out, i=i):
+                caught[i] = out[0] if isinstance(out, tuple) else out
+
+            hooks.append(modules[i].register_forward_hook(keep))
+        try:
+            vision(crops, return_dict=True)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return torch.cat([caught[k % len(modules)] for k in wanted], dim=-1)
 
     def vision_cost(self) -> VisionCost:
         return llava_onevision_vision_cost(self.config)
