@@ -125,6 +125,10 @@ class VLMAdapter:
     in a float64 model; float64 checks hold them to float32 round-off. ``("*",)``: every group and
     the loss (a float32 part in the forward, such as GLM-4.5V's router)."""
     float64_load_kwargs: ClassVar[dict[str, str]] = {}
+    zero_gradients: ClassVar[tuple[str, ...]] = ()
+    """Parameter-name regexes whose gradient is zero in exact arithmetic and round-off in floats
+    (SigLIP's key bias: it adds q.b to every logit of a query, which softmax cancels). A relative
+    error of round-off means nothing: checks hold them to their module group's gradient scale."""
     cost_model: ClassVar[Callable[[Any], VisionCost]] = staticmethod(qwen2_vl_vision_cost)
     """The tower's cost model from its ``vision_config`` (``cpvlm.integrations.hf.vision_cost``)."""
     """Loading keywords a float64 model needs (MoE: eager experts; grouped_mm rejects float64)."""

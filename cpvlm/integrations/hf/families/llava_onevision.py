@@ -127,6 +127,7 @@ class LlavaOnevisionAdapter(VLMAdapter):
     projector = ("multi_modal_projector", "image_newline")
     split_frames = False
     unit_sizes = True
+    zero_gradients = (r"model\.vision_tower\..*self_attn\.k_proj\.bias",)
 
     def __init__(self, config):
         self.config = config
