@@ -48,7 +48,8 @@ def _samples(samples, images, videos, text_len) -> list[SampleSpec]:
     return samples
 
 
-def _items(sample: SampleSpec, i: int, merge: int) -> list[tuple[str, tuple[int, int, int]]]:
+def sample_items(sample: SampleSpec, i: int, merge: int) -> list[tuple[str, tuple[int, int, int]]]:
+    """``[(kind, (t, h, w)), ...]``: the sample's images, then its videos, checked."""
     items = [("image", (1, h, w)) for h, w in sample.images]
     items += [("video", tuple(g)) for g in sample.videos]
     for kind, (t, h, w) in items:
@@ -62,8 +63,9 @@ def _items(sample: SampleSpec, i: int, merge: int) -> list[tuple[str, tuple[int,
     return items
 
 
-def _row(adapter, items, text_len: int, text) -> list[int]:
-    """Text chunks around the items, as evenly as possible; earlier chunks get the remainder."""
+def sample_tokens(adapter, items, text_len: int, text) -> list[int]:
+    """The sample's ids: text chunks around the items, as evenly as possible (earlier chunks get
+    the remainder); ``text(n)`` gives n text ids, called in sequence order."""
     chunks = [text_len // (len(items) + 1)] * (len(items) + 1)
     for j in range(text_len % (len(items) + 1)):
         chunks[j] += 1
@@ -123,8 +125,8 @@ def synthetic_batch(
 
     rows, grids = [], {"image": [], "video": []}
     for i, sample in enumerate(samples):
-        items = _items(sample, i, adapter.merge_size)
-        rows.append(_row(adapter, items, sample.text_len, text))
+        items = sample_items(sample, i, adapter.merge_size)
+        rows.append(sample_tokens(adapter, items, sample.text_len, text))
         for kind, grid in items:
             grids[kind].append(grid)
     input_ids, attention_mask = _pad(rows, pad_token_id, pad_to_multiple_of)
