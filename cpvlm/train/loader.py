@@ -47,7 +47,16 @@ def token_ids(model_config) -> TokenIds:
     GLM-4V's video frames are image tokens inside video markers)."""
     from cpvlm.integrations.hf import adapter_for
 
-    return TokenIds.from_config(model_config, types=adapter_for(model_config).mm_token_type_ids)
+    adapter = adapter_for(model_config)
+    return TokenIds(
+        image=adapter.image_token_id,
+        video=adapter.video_token_id,
+        merge=adapter.merge_size,
+        vocab_size=model_config.text_config.vocab_size,
+        pixel_width=adapter.pixel_width,
+        types=adapter.mm_token_type_ids,
+        sizes=adapter.item_sizes if adapter.unit_sizes else None,
+    )
 
 
 def _tokenized_only(ids: TokenIds):

@@ -33,7 +33,7 @@ from cpvlm.vision.assign import assign_vision_units
 from cpvlm.vision.cost import VisionCost
 from cpvlm.vision.gather import gather_vision_embeddings
 from cpvlm.vision.route import route_plan, route_to_owners
-from cpvlm.vision.units import VisionUnits, check_merge_size, vision_units
+from cpvlm.vision.units import UnitSizes, VisionUnits, check_merge_size, vision_units
 
 
 def _split_output(out: object) -> tuple[list[torch.Tensor], bool]:
@@ -91,6 +91,9 @@ class VisionDataParallel(nn.Module):
         cost: the tower's cost model, by which units are balanced over ranks. Default: what
             ``encoder.vision_cost()`` returns if the encoder has that method, else the patch
             count (``VisionCost.patches()``). Every rank must pass the same one.
+        unit_sizes: ``grid -> (pixel rows, output rows)`` of a unit, for a tower whose layout is
+            not t*h*w pixel rows and t*h*w/m**2 output rows (see ``vision_units``); it also sizes
+            the dummy frame (1, m, m) of a rank without units.
     """
 
     def __init__(
@@ -104,6 +107,7 @@ class VisionDataParallel(nn.Module):
         out_dims: int | Sequence[int] | None = None,
         dtype: torch.dtype | None = None,
         cost: VisionCost | None = None,
+        unit_sizes: UnitSizes | None = None,
     ):
         super().__init__()
         if mode not in VISION_DP_MODES:
@@ -120,9 +124,12 @@ class VisionDataParallel(nn.Module):
         self.out_dims = out_dims
         self.dtype = dtype
         self.cost = _cost_model(encoder, cost)
+        self.unit_sizes = unit_sizes
 
     def units(self, grid_thw: torch.Tensor) -> VisionUnits:
-        return vision_units(grid_thw, self.merge_size, split_frames=self.split_frames)
+        return vision_units(
+            grid_thw, self.merge_size, split_frames=self.split_frames, sizes=self.unit_sizes
+        )
 
     def assignment(self, units: VisionUnits) -> list[list[int]]:
         return assign_vision_units(self.cost.unit_costs(units), dist.get_world_size(self.group))
@@ -262,9 +269,10 @@ class VisionDataParallel(nn.Module):
             ]
             return tensors, not isinstance(self.out_dims, int)
         m = self.merge_size
-        dummy_pix = pixel_values.new_zeros(m * m, pixel_values.shape[1])
+        pixels, rows = (m * m, 1) if self.unit_sizes is None else self.unit_sizes((1, m, m))
+        dummy_pix = pixel_values.new_zeros(pixels, pixel_values.shape[1])
         dummy_grid = torch.tensor([[1, m, m]], dtype=torch.long, device=device)
         tensors, has_deepstack = _split_output(self.encoder(dummy_pix, dummy_grid))
         # One m x m frame is one merged row: this catches a wrong merge_size on empty ranks too.
-        self._check_output(tensors, has_deepstack, 1)
+        self._check_output(tensors, has_deepstack, rows)
         return [t[:0] for t in tensors], has_deepstack

@@ -7,12 +7,16 @@ the plan, local embeddings, vision data parallelism, the decoder on the shard, t
 loss. An adapter answers the family's questions:
 
 - tokens: how the processor writes an image or a video into the sequence (``item_tokens``),
-  which token type each placeholder has (``mm_token_type_ids``: 0 text, 1 image, 2 video);
+  which token type each placeholder has (``mm_token_type_ids``: 0 text, 1 image, 2 video), what
+  items it makes of an image (``synthetic_items``: tiles), and the model's own forward keywords
+  for a cpvlm batch (``model_inputs``: ``[tiles, C, H, W]`` pixels for a tiling family);
 - modules: where the text model, embeddings, lm head and vision tower are, which modules are
   FSDP units, what stays trainable when the encoder is frozen, the module groups that
   ``cpvlm verify`` reports;
 - vision: how the tower is called and what it returns (``encode``: rows, or rows and deepstack
-  levels), whether video frames are independent units, the per-unit cost model (``vision_cost``);
+  levels), whether video frames are independent units, the per-unit cost model (``vision_cost``),
+  and where an item's pixel and output rows are not t*h*w and t*h*w/m**2, what they are
+  (``item_sizes`` with ``unit_sizes = True``: LLaVA-OneVision's crops and packed rows);
 - positions: ``rope_index`` per document (M-RoPE families: the model's own ``get_rope_index``;
   1D-RoPE families return None and the core uses the plan's per-document positions);
 - decoder: extra keywords of the text model's forward (``decoder_kwargs``: deepstack rows, router
@@ -121,6 +125,10 @@ class VLMAdapter:
     in a float64 model; float64 checks hold them to float32 round-off. ``("*",)``: every group and
     the loss (a float32 part in the forward, such as GLM-4.5V's router)."""
     float64_load_kwargs: ClassVar[dict[str, str]] = {}
+    zero_gradients: ClassVar[tuple[str, ...]] = ()
+    """Parameter-name regexes whose gradient is zero in exact arithmetic and round-off in floats
+    (SigLIP's key bias: it adds q.b to every logit of a query, which softmax cancels). A relative
+    error of round-off means nothing: checks hold them to their module group's gradient scale."""
     cost_model: ClassVar[Callable[[Any], VisionCost]] = staticmethod(qwen2_vl_vision_cost)
     """The tower's cost model from its ``vision_config`` (``cpvlm.integrations.hf.vision_cost``)."""
     """Loading keywords a float64 model needs (MoE: eager experts; grouped_mm rejects float64)."""
@@ -170,6 +178,32 @@ class VLMAdapter:
         pad = c.image_token_id if kind == "image" else c.video_token_id
         frame = h * w // self.merge_size**2
         return [c.vision_start_token_id] + [pad] * (t * frame) + [c.vision_end_token_id]
+
+    def synthetic_items(
+        self, kind: str, grid: tuple[int, int, int], *, images_in_sample: int = 1
+    ) -> list[tuple[str, tuple[int, int, int]]]:
+        """The items (kind, grid) the family's processor makes of an image of ``grid`` (1, h, w)
+        or a video of (t, h, w) patches in a sample of ``images_in_sample`` images, for synthetic
+        batches. Default: that item. A tiling family returns its tiles' or crops' grid (LLaVA-
+        OneVision: base crop only in a multi-image sample); one without video tokens, the frames
+        as images."""
+        return [(kind, grid)]
+
+    unit_sizes: ClassVar[bool] = False
+    """``item_sizes`` is not the Qwen-VL rule (t*h*w, t*h*w/m**2): VisionDataParallel and the data
+    path then size units by it."""
+
+    def item_sizes(self, grid: tuple[int, int, int]) -> tuple[int, int]:
+        """``(pixel rows, output rows)`` of an item (or unit) of ``grid`` in cpvlm's batch: t*h*w
+        patch rows and t*h*w/m**2 merged tokens (LLaVA-OneVision: an image's crops and its packed
+        rows)."""
+        t, h, w = grid
+        return t * h * w, t * h * w // self.merge_size**2
+
+    def model_inputs(self, batch: dict) -> dict:
+        """The keywords of the model's own forward for a cpvlm batch (pixel rows ``[patches, C]``
+        and grids). Default: the batch itself (the Qwen-VL and GLM-4V models take it as it is)."""
+        return batch
 
     # ---- modules --------------------------------------------------------------------------------
 

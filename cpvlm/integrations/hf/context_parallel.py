@@ -179,6 +179,7 @@ class ContextParallelVLM(nn.Module):
             merge_size=self.adapter.merge_size,
             split_frames=self.adapter.split_frames,
             cost=self.vision_cost,
+            unit_sizes=self.adapter.item_sizes if self.adapter.unit_sizes else None,
         )
         self.batch_keys = (*BASE_KEYS, *self.adapter.video_keys)
 

@@ -69,8 +69,8 @@ class PreparedBatch:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _tokens_per_item(grids: list[tuple[int, int, int]], merge: int) -> list[int]:
-    return [t * h * w // merge**2 for t, h, w in grids]
+def _tokens_per_item(grids: list[tuple[int, int, int]], adapter: VLMAdapter) -> list[int]:
+    return [adapter.item_sizes(g)[1] for g in grids]
 
 
 def _check_text(batch: Mapping) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -98,8 +98,9 @@ def _check_text(batch: Mapping) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 def _check_vision(
-    kind: str, n_tokens: int, token_id: int, pixels, grid_thw, merge: int, local: bool
+    kind: str, n_tokens: int, token_id: int, pixels, grid_thw, adapter: VLMAdapter, local: bool
 ) -> list[tuple[int, int, int]]:
+    merge = adapter.merge_size
     if grid_thw is None:
         if pixels is not None:
             raise ValueError(f"pixel values for {kind}s were given without {kind}_grid_thw")
@@ -114,17 +115,23 @@ def _check_vision(
         raise ValueError(f"{kind}_grid_thw: {err}") from None
     if pixels is None:
         raise ValueError(f"{kind}_grid_thw was given without its pixel values")
-    patches = sum(t * h * w for t, h, w in grids)
+    patches = sum(adapter.item_sizes(g)[0] for g in grids)
+    # the rule of the Qwen-VL layout; a family with its own sizes (adapter.item_sizes) names none
+    pixel_rule, token_rule = (
+        (" (family rule)", " (family rule)")
+        if adapter.unit_sizes
+        else (" (sum of t*h*w)", f" (t*h*w/{merge}**2)")
+    )
     if pixels.dim() != 2 or (pixels.shape[0] != patches and not local):
         raise ValueError(
             f"{kind} pixel values have shape {tuple(pixels.shape)} but {kind}_grid_thw needs "
-            f"{patches} patch rows (sum of t*h*w)"
+            f"{patches} patch rows{pixel_rule}"
         )
-    n_features = sum(_tokens_per_item(grids, merge))
+    n_features = sum(_tokens_per_item(grids, adapter))
     if n_tokens != n_features:
         raise ValueError(
             f"{kind} tokens and features do not match: input_ids hold {n_tokens} {kind} tokens "
-            f"(id {token_id}) but {kind}_grid_thw gives {n_features} features (t*h*w/{merge}**2)"
+            f"(id {token_id}) but {kind}_grid_thw gives {n_features} features{token_rule}"
         )
     return grids
 
@@ -132,7 +139,7 @@ def _check_vision(
 def _check_token_types(adapter: VLMAdapter, ids, attention_mask, given, has_vision) -> torch.Tensor:
     types = adapter.mm_token_type_ids(ids, attention_mask)
     if given is None:
-        if has_vision:
+        if has_vision and adapter.rope_rows:
             raise ValueError(
                 "mm_token_type_ids is missing: the model needs it to place images and videos in "
                 "its M-RoPE positions (the processor returns it: 1 = image token, 2 = video token)"
@@ -146,9 +153,9 @@ def _check_token_types(adapter: VLMAdapter, ids, attention_mask, given, has_visi
     return types
 
 
-def _split_by_document(grids, tokens_in_doc, merge, kind) -> list[list[tuple[int, int, int]]]:
+def _split_by_document(grids, tokens_in_doc, adapter, kind) -> list[list[tuple[int, int, int]]]:
     """Grids of each document, in order, from the number of tokens each document holds."""
-    per_doc, it = [], iter(zip(grids, _tokens_per_item(grids, merge), strict=True))
+    per_doc, it = [], iter(zip(grids, _tokens_per_item(grids, adapter), strict=True))
     for d, need in enumerate(tokens_in_doc):
         mine, got = [], 0
         while got < need:
@@ -191,7 +198,7 @@ def _positions(adapter, model, ids, types, attention_mask, grids, extras, plan, 
         return (seen[ends[1:]] - seen[ends[:-1]]).tolist()
 
     per_kind = [
-        _split_by_document(g, tokens_per_doc(t), adapter.merge_size, k)
+        _split_by_document(g, tokens_per_doc(t), adapter, k)
         for g, (k, t, *_) in zip(grids, _KINDS, strict=True)
     ]
     parts, v0 = [], 0
@@ -259,7 +266,7 @@ def prepare_batch(
             tok,
             batch.get(pix),
             batch.get(grid),
-            adapter.merge_size,
+            adapter,
             local_pixels,
         )
         for (kind, t, pix, grid), tok in zip(_KINDS, token_ids, strict=True)
