@@ -48,8 +48,9 @@ def _samples(samples, images, videos, text_len) -> list[SampleSpec]:
     return samples
 
 
-def _items(sample: SampleSpec, i: int, merge: int) -> list[tuple[str, tuple[int, int, int]]]:
-    items = [("image", (1, h, w)) for h, w in sample.images]
+def _items(sample: SampleSpec, i: int, adapter) -> list[tuple[str, tuple[int, int, int]]]:
+    merge = adapter.merge_size
+    items = [("image", adapter.image_grid(h, w)) for h, w in sample.images]
     items += [("video", tuple(g)) for g in sample.videos]
     for kind, (t, h, w) in items:
         if t < 1 or h % merge or w % merge or h < merge or w < merge:
@@ -123,7 +124,7 @@ def synthetic_batch(
 
     rows, grids = [], {"image": [], "video": []}
     for i, sample in enumerate(samples):
-        items = _items(sample, i, adapter.merge_size)
+        items = _items(sample, i, adapter)
         rows.append(_row(adapter, items, sample.text_len, text))
         for kind, grid in items:
             grids[kind].append(grid)

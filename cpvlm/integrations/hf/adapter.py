@@ -124,6 +124,13 @@ class VLMAdapter:
     cost_model: ClassVar[Callable[[Any], VisionCost]] = staticmethod(qwen2_vl_vision_cost)
     """The tower's cost model from its ``vision_config`` (``cpvlm.integrations.hf.vision_cost``)."""
     """Loading keywords a float64 model needs (MoE: eager experts; grouped_mm rejects float64)."""
+    model_batch_keys: ClassVar[tuple[str, ...]] = ()
+    """Keys of the model's own batch that ``from_model_batch`` turns into the core's."""
+    span_token_types: ClassVar[tuple[int, ...]] = ()
+    """Token types (``mm_token_type_ids``) whose runs attend to each other bidirectionally (one
+    mask span per run and document); () for causal-only models."""
+    span_layers: ClassVar[str] = "all"
+    """Where the spans apply: ``"all"`` layers or the ``"sliding"`` (windowed) ones only."""
 
     def __init__(self, config):
         self.config = config
@@ -160,6 +167,21 @@ class VLMAdapter:
         types += 2 * (input_ids == self.video_token_id).long()
         return types if attention_mask is None else types * attention_mask.bool()
 
+    def image_grid(self, h: int, w: int) -> tuple[int, int, int]:
+        """The grid (t, h, w) an image of h x w patches gets; towers of one fixed image size
+        return theirs whatever is asked (synthetic batches)."""
+        return (1, h, w)
+
+    def from_model_batch(self, batch: dict) -> dict:
+        """The model's own batch (its processor's keys and pixel layout) in the core's layout:
+        pixel rows ``[patches, C]`` with ``image_grid_thw``, ``mm_token_type_ids``. Default: the
+        same (the Qwen-VL layout); also given the core's layout, it returns it unchanged."""
+        return batch
+
+    def to_model_batch(self, batch: dict) -> dict:
+        """The inverse of ``from_model_batch``: what the model's own forward takes."""
+        return batch
+
     def item_tokens(
         self, kind: str, grid: tuple[int, int, int], text: Callable[[int], list[int]]
     ) -> list[int]:
@@ -190,6 +212,11 @@ class VLMAdapter:
         """The module ``encode`` calls; its parameters are the vision side of the model."""
         return model.model.visual
 
+    def encoder_root(self, model: nn.Module) -> nn.Module:
+        """The module ``encode`` is given: the tower, or (a projector beside the tower) the model
+        part that holds both."""
+        return self.vision_tower(model)
+
     def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
         """FSDP2 units: each decoder layer and the vision tower (ContextParallelVLM calls the
         tower exactly once per forward on every rank, so its parameter all-gathers match)."""
@@ -216,6 +243,10 @@ class VLMAdapter:
         """Make the text model's sequence-mixing layers other than attention (which goes through
         transformers' AttentionInterface) follow the ``cpvlm_cp`` context; called once by
         ``ContextParallelVLM``, must be idempotent. Default: nothing (attention-only decoders)."""
+
+    def init_tiny(self, model: nn.Module) -> None:
+        """Re-initialise, under the tiny model's seed, what the family initialises so that a test
+        would see no gradient (a projector starting at zero). Default: nothing."""
 
     def float64_islands(self, model: nn.Module) -> None:
         """In a float64 ``model``, compute in float64 the parts transformers computes in float32

@@ -169,7 +169,7 @@ class ContextParallelVLM(nn.Module):
             hybrid_groups(cp_group, self.attn_options["ulysses_size"])
         self.adapter.text_model(model).set_attn_implementation(CP_ATTENTION)
         self.adapter.install_context_parallel(model)
-        self.encode = TowerCall(self.adapter, self.adapter.vision_tower(model))
+        self.encode = TowerCall(self.adapter, self.adapter.encoder_root(model))
         self.vision_cost = self.adapter.vision_cost()  # units balanced by the tower's cost
         # "replicate" with no units at all runs the same dummy frame as the other modes.
         self.vision_dp = VisionDataParallel(
@@ -180,7 +180,7 @@ class ContextParallelVLM(nn.Module):
             split_frames=self.adapter.split_frames,
             cost=self.vision_cost,
         )
-        self.batch_keys = (*BASE_KEYS, *self.adapter.video_keys)
+        self.batch_keys = (*BASE_KEYS, *self.adapter.video_keys, *self.adapter.model_batch_keys)
 
     def forward(
         self,
@@ -237,7 +237,13 @@ class ContextParallelVLM(nn.Module):
             prep, local["input_ids"], visual_mask_loc, step
         )
         context = CPAttentionContext(
-            prep.plan, self.cp_group, self.attn, step=step, options=self.attn_options
+            prep.plan,
+            self.cp_group,
+            self.attn,
+            step=step,
+            options=self.attn_options,
+            spans=prep.spans,
+            span_layers=self.adapter.span_layers,
         )
         with record_function("cpvlm.decoder"):
             decoder_out = self.adapter.text_model(self.model)(
