@@ -51,6 +51,7 @@ from functools import lru_cache
 
 import torch
 
+from cpvlm.attention.mask_spec import MaskSpec
 from cpvlm.attention.schedule import MASKED, attention_schedule
 from cpvlm.attention.ulysses import head_split
 from cpvlm.distributed.shard_plan import ShardPlan
@@ -177,9 +178,11 @@ def _message(nbytes: float, peers: int, m: CostModel) -> float:
     return peers * m.message_s + nbytes / m.link_bytes_per_s if peers else 0.0
 
 
-def _ring_s(plan: ShardPlan, causal: bool, groups, kv_bytes: float, dkv_bytes: float, d, m):
+def _ring_s(
+    plan: ShardPlan, mask: MaskSpec | bool, groups, kv_bytes: float, dkv_bytes: float, d, m
+):
     """A ring over ``plan``'s ranks: per step, the slowest rank's calls or the transfer."""
-    schedule, w = attention_schedule(plan, causal), plan.cp_size
+    schedule, w = attention_schedule(plan, mask), plan.cp_size
     total = 0.0
     for i in range(w):
         calls = max(
@@ -196,7 +199,7 @@ def _ring_s(plan: ShardPlan, causal: bool, groups, kv_bytes: float, dkv_bytes: f
 def estimate_seconds(
     impl: str,
     plan: ShardPlan,
-    causal: bool,
+    mask: MaskSpec | bool,
     shapes: Shapes,
     ulysses_size: int | None = None,
     device_type: str = "cpu",
@@ -208,8 +211,8 @@ def estimate_seconds(
         kv, dkv = (2 * shapes.kv_heads * n * size for size in (shapes.elem, shapes.acc))
         whole = ((0, shapes.q_heads, 0, shapes.kv_heads),)
         if impl == "ring":
-            return _ring_s(plan, causal, whole, kv, dkv, d, m)
-        schedule = attention_schedule(plan, causal)
+            return _ring_s(plan, mask, whole, kv, dkv, d, m)
+        schedule = attention_schedule(plan, mask)
         calls = max(
             sum(_calls_s(schedule.segments(r, i), shapes.q_heads, d, m) for i in range(w))
             for r in range(w)
@@ -225,17 +228,18 @@ def estimate_seconds(
     groups = heads.groups(busiest)
     view = plan.merge_ranks(u)
     if impl == "ulysses" or view.cp_size == 1:
-        segments = attention_schedule(view, causal).segments(0, 0)
+        segments = attention_schedule(view, mask).segments(0, 0)
         calls = sum(_calls_s(segments, qb - qa, d, m) for qa, qb, _, _ in groups)
         return comm + calls * (1 + m.backward_factor)
     kv, dkv = (2 * _span(heads.kv_range(busiest)) * u * n * e for e in (shapes.elem, shapes.acc))
-    return comm + _ring_s(view, causal, groups, kv, dkv, d, m)
+    return comm + _ring_s(view, mask, groups, kv, dkv, d, m)
 
 
 def choose_impl(
-    plan: ShardPlan, causal: bool, shapes: Shapes, device_type: str = "cpu"
+    plan: ShardPlan, mask: MaskSpec | bool, shapes: Shapes, device_type: str = "cpu"
 ) -> tuple[str, int | None]:
-    """The (impl, ulysses_size) with the smallest ``estimate_seconds`` (``impl="auto"``)."""
+    """The (impl, ulysses_size) with the smallest ``estimate_seconds`` (``impl="auto"``);
+    ``mask`` a MaskSpec or a bool (``MaskSpec(causal=mask)``): the schedule counts its work."""
     options = candidates(plan.cp_size)
-    times = [estimate_seconds(i, plan, causal, shapes, u, device_type) for i, u in options]
+    times = [estimate_seconds(i, plan, mask, shapes, u, device_type) for i, u in options]
     return options[min(range(len(options)), key=lambda k: (times[k], k))]

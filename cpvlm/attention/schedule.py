@@ -29,6 +29,7 @@ from functools import lru_cache
 
 import torch
 
+from cpvlm.attention.mask_spec import MaskSpec
 from cpvlm.distributed.shard_plan import ShardPlan
 
 FULL = "full"
@@ -92,8 +93,12 @@ class AttentionSchedule:
     """Per query rank, per ring step i, the segments of block (r, (r - i) mod W)."""
 
     plan: ShardPlan
-    causal: bool
+    mask: MaskSpec
     steps: tuple[tuple[tuple[Segment, ...], ...], ...]
+
+    @property
+    def causal(self) -> bool:
+        return self.mask.causal
 
     def segments(self, cp_rank: int, step: int) -> tuple[Segment, ...]:
         return self.steps[cp_rank][step]
@@ -109,10 +114,18 @@ class AttentionSchedule:
         return (seg for block in self.steps[cp_rank] for seg in block)
 
 
+def attention_schedule(plan: ShardPlan, mask: MaskSpec | bool) -> AttentionSchedule:
+    """The schedule of ``plan`` under ``mask`` (a bool: ``MaskSpec(causal=mask)``), cached: every
+    layer of a step with the same mask, and every step with the same document lengths and
+    spans, reuses it."""
+    return _schedule(plan, mask if isinstance(mask, MaskSpec) else MaskSpec(causal=mask))
+
+
 @lru_cache(maxsize=64)
-def attention_schedule(plan: ShardPlan, causal: bool) -> AttentionSchedule:
-    """The schedule of ``plan`` under a causal or bidirectional per-document mask (cached: every
-    layer of a step, and every step with the same document lengths, reuses it)."""
+def _schedule(plan: ShardPlan, mask: MaskSpec) -> AttentionSchedule:
+    if not mask.plain:
+        raise ValueError(f"attention_schedule: {mask} is not supported yet")
+    causal = mask.causal
     w = plan.cp_size
     runs = [_runs(plan, r) for r in range(w)]
     steps = []
@@ -121,7 +134,7 @@ def attention_schedule(plan: ShardPlan, causal: bool) -> AttentionSchedule:
             _group(_rects(runs[r], runs[(r - i) % w], causal, same_rank=i == 0)) for i in range(w)
         ]
         steps.append(_mark_overwrites(blocks, plan.local_len))
-    return AttentionSchedule(plan, causal, tuple(steps))
+    return AttentionSchedule(plan, mask, tuple(steps))
 
 
 _Run = tuple[int, int, int]
