@@ -311,6 +311,18 @@ class VLMAdapter:
         local visual positions, ``deepstack`` the local deepstack rows in their order."""
         return {"output_router_logits": True} if self.router_loss() is not None else {}
 
+    def decoder_inputs(
+        self, model: nn.Module, input_ids: torch.Tensor, visual_mask: torch.Tensor
+    ) -> dict[str, Any]:
+        """Extra inputs of the text model's forward computed from this rank's ``[B, L]`` ids
+        (Gemma 4: its per-layer embeddings). Default: none."""
+        return {}
+
+    @property
+    def logit_softcap(self) -> float | None:
+        """``cap`` of the model's final logit soft-capping ``cap * tanh(logits / cap)``, or None."""
+        return None
+
     def extra_losses(self, decoder_out, ctx: LossContext) -> dict[str, ExtraLoss]:
         """Losses the model adds to the cross-entropy, as this rank's shares: the router's
         load-balancing loss from statistics summed over the CP group (``cpvlm.router_loss``)."""

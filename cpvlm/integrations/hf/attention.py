@@ -21,7 +21,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from cpvlm.attention import cp_attention, impl_label, resolve_impl
+from cpvlm.attention import MaskSpec, cp_attention, impl_label, resolve_impl
 from cpvlm.distributed.collectives import StepAgreement
 from cpvlm.distributed.shard_plan import ShardPlan
 
@@ -78,14 +78,14 @@ def context_parallel_attention(
     # replaces attention_mask (transformers' mask of the unwrapped model is not built under CP:
     # ContextParallelVLM passes attention_mask=None).
     plan = cpvlm_cp.plan
-    options = dict(cpvlm_cp.options)
-    impl, options["ulysses_size"] = resolve_impl(
-        cpvlm_cp.impl, plan, True, query, key, options.get("ulysses_size")
-    )
-    cpvlm_cp.ran.add(impl_label(impl, options["ulysses_size"], plan.cp_size))
     outs = []
     for rows, mask in _masks(module, kwargs.get("sliding_window"), cpvlm_cp, query.shape[0]):
         q, k, v = (t if rows is None else t[rows[0] : rows[1]] for t in (query, key, value))
+        options = dict(cpvlm_cp.options)
+        impl, options["ulysses_size"] = resolve_impl(
+            cpvlm_cp.impl, plan, mask, q, k, options.get("ulysses_size")
+        )
+        cpvlm_cp.ran.add(impl_label(impl, options["ulysses_size"], plan.cp_size))
         outs.append(
             cp_attention(
                 q,
@@ -95,9 +95,9 @@ def context_parallel_attention(
                 group=cpvlm_cp.group,
                 cp_rank=cpvlm_cp.cp_rank,
                 impl=impl,
+                mask=mask,
                 scale=scaling,
                 step=cpvlm_cp.step,
-                **mask,
                 **options,
             )
         )
@@ -106,34 +106,27 @@ def context_parallel_attention(
 
 
 def _masks(module, window, ctx: CPAttentionContext, batch: int):
-    """``[(rows, cp_attention mask keywords)]`` of one layer: the whole batch at once, or one
+    """``[(rows, MaskSpec)]`` of one layer: the whole batch at once (rows None), or one
     call per batch row when the rows' spans differ (every rank makes the same calls: the spans
     come from the replicated batch).
 
-    The rule is the model's own (transformers 5.24): ``sliding_window`` is the layer's
-    (``module.sliding_window``, None on full layers); a sliding layer sees
+    The rule is the model's own (transformers 5.24): ``window`` is the ``sliding_window`` the
+    layer passes (its ``module.sliding_window``, None on full layers); a sliding layer sees
     ``sliding_window_overlay`` (``kv > q - w``, masking_utils.py) AND (causal OR same span), a
     full layer causal OR same span; the spans apply on every layer (Gemma 3,
     ``create_masks_for_vision_model`` in models/gemma3/modeling_gemma3.py) or on the sliding
     layers only (Gemma 4, the function of that name in models/gemma4/modeling_gemma4.py).
     """
-    if window is not None and getattr(module, "sliding_window", window) != window:
-        raise ValueError(f"sliding_window {window} differs from the layer's")
-    with_spans = ctx.spans and (ctx.span_layers == "all" or window is not None)
-    if not window and not with_spans:
-        return [(None, {"causal": True})]
-    from cpvlm.attention import MaskSpec
-
+    with_spans = bool(ctx.spans) and (ctx.span_layers == "all" or window is not None)
     rows = ctx.spans if with_spans else ((),) * batch
     if len(rows) != batch:
         raise ValueError(f"CPAttentionContext has spans of {len(rows)} rows, the batch {batch}")
-
-    def spec(spans):
-        return {"mask": MaskSpec(causal=True, window=window or None, spans=tuple(spans))}
-
     if all(r == rows[0] for r in rows):
-        return [(None, spec(rows[0]))]
-    return [((b, b + 1), spec(r)) for b, r in enumerate(rows)]
+        return [(None, MaskSpec(causal=True, window=window or None, spans=rows[0]))]
+    return [
+        ((b, b + 1), MaskSpec(causal=True, window=window or None, spans=r))
+        for b, r in enumerate(rows)
+    ]
 
 
 AttentionInterface.register(CP_ATTENTION, context_parallel_attention)
