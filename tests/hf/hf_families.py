@@ -29,6 +29,8 @@ FAMILIES = [
     "glm46v-tiny",
     "glm4v-moe-tiny",
     "qwen3.5-tiny",
+    "gemma3-tiny",
+    "gemma4-tiny",
 ]
 FAMILY_OF = {
     "qwen2-vl-tiny": "qwen2_vl",
@@ -40,6 +42,8 @@ FAMILY_OF = {
     "glm4v-moe-tiny": "glm4v_moe",
     "qwen3.5-tiny": "qwen3_5",
     "qwen3.5-moe-tiny": "qwen3_5_moe",
+    "gemma3-tiny": "gemma3",
+    "gemma4-tiny": "gemma4",
 }
 DEEPSTACK = {"qwen3-vl-tiny", "qwen3-vl-moe-tiny"}
 GLM = {"glm4v-tiny", "glm46v-tiny", "glm4v-moe-tiny"}
@@ -127,10 +131,14 @@ def mixes(name_or_model) -> bool:
     return adapter_for(config).mixes_images_and_videos
 
 
+def takes_videos(model) -> bool:
+    return adapter_for(model.config).takes_videos
+
+
 def mixed_batch(model, dtype):
     """Images of different sizes (and a video where the model takes both in one forward), and a
     text-only row; right padding."""
-    video = ((2, 4, 4),) if mixes(model) else ()
+    video = ((2, 4, 4),) if mixes(model) and takes_videos(model) else ()
     samples = [
         SampleSpec(images=((4, 4), (8, 4)), videos=video, text_len=21),
         SampleSpec(text_len=30),
@@ -141,7 +149,9 @@ def mixed_batch(model, dtype):
 def packed_documents(model, dtype):
     """Documents packed in one row: image+video (image, then video, for GLM), a 3-token text
     document, two images. Returns (packed batch, the single-document batches, doc_lens)."""
-    if mixes(model):
+    if not takes_videos(model):  # Gemma 3: a second image instead of the video
+        docs = [SampleSpec(images=((4, 8), (4, 4)), text_len=9)]
+    elif mixes(model):
         docs = [SampleSpec(images=((4, 8),), videos=((2, 4, 4),), text_len=9)]
     else:
         docs = [

@@ -34,7 +34,12 @@ from hf_families import (  # noqa: E402
 
 from cpvlm import ShardPlan  # noqa: E402
 from cpvlm.attention import Shapes, choose_impl  # noqa: E402
-from cpvlm.integrations.hf import ContextParallelVLM, prepare_batch, vision_cost  # noqa: E402
+from cpvlm.integrations.hf import (  # noqa: E402
+    ContextParallelVLM,
+    adapter_for,
+    prepare_batch,
+    vision_cost,
+)
 from cpvlm.testing import DistributedTestError, rel_err, run_distributed  # noqa: E402
 from cpvlm.testing.hf_batches import SampleSpec, synthetic_batch  # noqa: E402
 from cpvlm.testing.hf_reference import reference_loss_and_grads  # noqa: E402
@@ -144,15 +149,26 @@ def _reference(name, dtype, kind, islands=True):
 def _assert_close(name, cp_result, ref_loss, ref_grads, tol, float32_pattern=None):
     loss_tol = FLOAT32_TOL if float32_pattern == "." else tol  # GLM-4.5V: routing weights too
     assert rel_err(cp_result["loss"], ref_loss) <= loss_tol
-    errors = {n: rel_err(cp_result["grads"][n], g) for n, g in ref_grads.items()}
-    for n, err in errors.items():
+    adapter = adapter_for(cached_model(name).config)
+    # Mathematically zero gradients (SigLIP's key bias) are round-off: measured against the
+    # largest reference gradient instead of themselves.
+    scale = max(float(g.abs().max()) for g in ref_grads.values())
+    for n, g in ref_grads.items():
+        err = rel_err(cp_result["grads"][n], g)
+        if any(re.match(p, n) for p in adapter.zero_gradients):
+            err = float((cp_result["grads"][n] - g).abs().max()) / scale
         limit = FLOAT32_TOL if float32_pattern and re.match(float32_pattern, n) else tol
         assert err <= limit, (n, err, limit)
-    # Every module group got a gradient (a dropped vision gradient would show up as zeros).
-    for prefix in ("model.visual.patch_embed", "model.visual.blocks", "model.visual.merger"):
+    # Every vision module group got a gradient (a dropped vision gradient would show up as zeros).
+    groups = [
+        (label, pats) for label, pats in adapter.module_groups() if label.startswith("vision")
+    ]
+    assert len(groups) >= 3
+    for label, patterns in groups:
         assert any(
-            n.startswith(prefix) and g.abs().sum() > 0 for n, g in cp_result["grads"].items()
-        )
+            any(re.match(p, n) for p in patterns) and g.abs().sum() > 0
+            for n, g in cp_result["grads"].items()
+        ), label
 
 
 def _run(name, cp, kind, configs, dtype=torch.float64, islands=True):

@@ -116,6 +116,12 @@ class VLMAdapter:
     """Tower submodules (name prefixes) that stay trainable when the vision encoder is frozen."""
     mixes_images_and_videos: ClassVar[bool] = True
     """The model's own forward takes images and videos in one call (GLM-4V's does not)."""
+    takes_videos: ClassVar[bool] = True
+    """The family has videos at all (Gemma 3 does not)."""
+    zero_gradients: ClassVar[tuple[str, ...]] = ()
+    """Parameters (regexes) whose gradient is mathematically zero (SigLIP's key bias: softmax
+    ignores a per-query constant); their float64 values are round-off, so checks compare them
+    with the scale of the model's gradients, not with themselves."""
     float32_groups: ClassVar[tuple[str, ...]] = ()
     """Module groups (``module_groups`` labels) whose gradients the model computes in float32 even
     in a float64 model; float64 checks hold them to float32 round-off. ``("*",)``: every group and

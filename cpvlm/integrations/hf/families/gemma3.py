@@ -40,7 +40,12 @@ IMAGE_TOKEN_ID = 502
 _TEXT = {
     **TEXT,
     "num_hidden_layers": 4,  # sliding, sliding, full, sliding: both kinds, a sliding one last
-    "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+    "layer_types": [
+        "sliding_attention",
+        "sliding_attention",
+        "full_attention",
+        "sliding_attention",
+    ],
     "sliding_window": 8,  # shorter than the test rows and than an image (16 tokens)
     "head_dim": 16,
     "query_pre_attn_scalar": 16,
@@ -94,6 +99,11 @@ def siglip_vision_cost(vc) -> VisionCost:
     return VisionCost(linear_per_patch=linear, pair=2 * w, full_blocks=vc.num_hidden_layers)
 
 
+def untied_lm_head(config) -> tuple:
+    """The "lm head" module group, or none when it is the token embedding (tied weights)."""
+    return () if config.tie_word_embeddings else (("lm head", (r"lm_head\.",)),)
+
+
 def _rms_norm_in_dtype(self, x):
     """``Gemma3RMSNorm.forward``'s math in the input's dtype (transformers casts to float32)."""
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
@@ -104,7 +114,9 @@ class FixedImageLayout(VLMAdapter):
     ``(1, p, p)`` grid of pixel rows, merge size k (the projector's pooling)."""
 
     split_frames = False
+    takes_videos = False
     model_batch_keys = ("token_type_ids",)
+    zero_gradients = (r"model\.vision_tower\..*\.self_attn\.k_proj\.bias$",)
 
     def __init__(self, config):
         self.config = config
@@ -139,9 +151,9 @@ class FixedImageLayout(VLMAdapter):
         if kind != "image":
             raise ValueError(f"{self.family} takes images only, not {kind}s")
         c = self.config
-        return [c.boi_token_index] + [c.image_token_id] * c.mm_tokens_per_image + [
-            c.eoi_token_index
-        ]
+        return (
+            [c.boi_token_index] + [c.image_token_id] * c.mm_tokens_per_image + [c.eoi_token_index]
+        )
 
     # ---- the model's own batch <-> the core's -------------------------------------------------
 
@@ -199,7 +211,7 @@ class FixedImageLayout(VLMAdapter):
             ("vision projector", (r"model\.multi_modal_projector\.",)),
             ("token embeddings", (r"model\.language_model\.embed_tokens\.",)),
             ("decoder layers", (r"model\.language_model\.(layers|norm)\.",)),
-            ("lm head", (r"lm_head\.",)),
+            *untied_lm_head(self.config),
         )
 
     # ---- vision ------------------------------------------------------------------------------
@@ -210,7 +222,9 @@ class FixedImageLayout(VLMAdapter):
             # VisionDataParallel's m x m dummy frame on a rank without images: one zero image,
             # one row of it kept (its value is discarded).
             zeros = pixel_values.new_zeros(self.side**2, self.pixel_width)
-            return self.encode(root, zeros, full[None])[: int(grid_thw[0].prod()) // self.merge_size**2]
+            return self.encode(root, zeros, full[None])[
+                : int(grid_thw[0].prod()) // self.merge_size**2
+            ]
         if not bool((grid_thw == full).all()):
             raise ValueError(f"{self.family} encodes images of one grid {full.tolist()} only")
         out = root.get_image_features(self._images(pixel_values), return_dict=True)

@@ -35,6 +35,7 @@ from cpvlm.vision.cost import VisionCost
 from ..adapter import VLMAdapter
 from ..registry import register
 from ..tiny import IMAGE_TOKEN_ID, TEXT, VIDEO_TOKEN_ID, split_overrides, with_overrides
+from .gemma3 import untied_lm_head
 
 BOI_TOKEN_ID = 500
 EOI_TOKEN_ID = 501
@@ -268,7 +269,7 @@ class Gemma4Adapter(VLMAdapter):
             ("vision projector", (r"model\.embed_vision\.",)),
             ("token embeddings", (r"model\.language_model\.embed_tokens(_per_layer)?\.",)),
             ("decoder layers", (r"model\.language_model\.",)),
-            ("lm head", (r"lm_head\.",)),
+            *untied_lm_head(self.config),
         )
 
     def init_tiny(self, model):
@@ -321,4 +322,3 @@ class Gemma4Adapter(VLMAdapter):
     @property
     def logit_softcap(self) -> float | None:
         return self.config.text_config.final_logit_softcapping
-
