@@ -68,6 +68,8 @@ class SyntheticVLMData:
             n = int(torch.randint(1, MAX_IMAGES + 1, (1,), generator=g))
             picks = torch.randint(len(IMAGE_GRIDS), (n,), generator=g).tolist()
             images = tuple(IMAGE_GRIDS[p] for p in picks)
+        elif kind == "video" and not self.adapter.takes_videos:  # Gemma 3: an image instead
+            images = (IMAGE_GRIDS[0],)
         elif kind == "video":
             t = int(torch.randint(VIDEO_FRAMES[0], VIDEO_FRAMES[1] + 1, (1,), generator=g))
             videos = ((t, *VIDEO_HW),)
@@ -96,6 +98,8 @@ class SyntheticVLMData:
             return len(self.adapter.item_tokens(kind, grid, lambda n: [0] * n))
 
         image = max(tokens("image", (1, h, w)) for h, w in IMAGE_GRIDS)
+        if not self.adapter.takes_videos:
+            return TEXT_LEN[1] + MAX_IMAGES * image
         video = tokens("video", (VIDEO_FRAMES[1], *VIDEO_HW))
         return TEXT_LEN[1] + max(MAX_IMAGES * image, video)
 

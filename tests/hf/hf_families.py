@@ -48,6 +48,7 @@ FAMILY_OF = {
 DEEPSTACK = {"qwen3-vl-tiny", "qwen3-vl-moe-tiny"}
 GLM = {"glm4v-tiny", "glm46v-tiny", "glm4v-moe-tiny"}
 LINEAR_ATTENTION = {"qwen3.5-tiny", "qwen3.5-moe-tiny"}
+GEMMA = {"gemma3-tiny", "gemma4-tiny"}  # sliding windows, image spans, their own image inputs
 # Parameters whose float64 gradients carry float32 round-off in the unchanged models, and the
 # tolerance for them: float32 round-off (6e-8) of sums grouped differently; measured <= 2e-7.
 FLOAT32_IN_FLOAT64 = {

@@ -55,7 +55,7 @@ _TEXT = {
         "full_attention",
     ],
     "num_kv_shared_layers": 2,
-    "sliding_window": 8,  # shorter than the test rows and than an image
+    "sliding_window": 6,  # shorter than the test rows and than an image of 8 x 4 patches
     "head_dim": 16,
     "global_head_dim": 32,  # full layers: wider heads (per_layer_config), as in Gemma 4
     "hidden_size_per_layer_input": 8,  # per-layer embeddings on
