@@ -20,7 +20,12 @@ pytest.importorskip("transformers")
 
 from hf_families import GEMMA, cached_model, mixed_batch, packed_documents  # noqa: E402
 
-from cpvlm.integrations.hf import ContextParallelVLM, adapter_for, prepare_batch  # noqa: E402
+from cpvlm.integrations.hf import (  # noqa: E402
+    ContextParallelVLM,
+    adapter_for,
+    build_model,
+    prepare_batch,
+)
 from cpvlm.testing import rel_err, run_distributed  # noqa: E402
 from cpvlm.testing.hf_reference import reference_loss_and_grads  # noqa: E402
 
@@ -155,3 +160,47 @@ def test_the_window_and_the_image_spans_both_change_the_loss(name):
     # 1e-3 .. 1e-2 relative on these tiny models).
     for variant in variants[1:]:
         assert errors[variant] > 1e-6, (variant, errors)
+
+
+def test_data_path_gives_gemma3_processor_batches(tmp_path):
+    """The data path on a Gemma 3 checkpoint (tokenizer, chat template, the PIL image processor):
+    the same ids as ``Gemma3Processor.apply_chat_template(tokenize=True)`` (``\\n\\n<boi>``, 16
+    image tokens, ``<eoi>\\n\\n`` per image), and each image's pixel rows are the processor's
+    ``[N, 3, H, W]`` pixels in the core's layout; the core takes the processor's batch as it is."""
+    from transformers import AutoConfig, AutoProcessor
+
+    from cpvlm.data.sources import Record
+    from cpvlm.integrations.hf.processor import ChatEncoder
+    from cpvlm.testing.tiny_processor import make_tiny_checkpoint, write_images
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", "gemma3")
+    names = write_images(tmp_path, [(30, 50), (70, 20)])
+    content = [
+        {"type": "image", "image": str(tmp_path / names[0])},
+        {"type": "text", "text": "Describe the image."},
+        {"type": "image", "image": str(tmp_path / names[1])},
+    ]
+    messages = [
+        {"role": "user", "content": content},
+        {"role": "assistant", "content": [{"type": "text", "text": "two cats"}]},
+    ]
+    processor = AutoProcessor.from_pretrained(ckpt, local_files_only=True)
+    out = processor.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    config = AutoConfig.from_pretrained(ckpt, local_files_only=True)
+    encoder = ChatEncoder(ckpt, config)
+    plan = encoder.plan(Record(0, "x", {"messages": messages}, tmp_path))
+    assert torch.equal(plan.input_ids, out["input_ids"][0])
+    assert int((plan.input_ids == config.image_token_id).sum()) == 2 * 16
+    assert (plan.labels != -100).any() and (
+        plan.labels[plan.input_ids == config.image_token_id] == -100
+    ).all()
+    rows = torch.cat([encoder.decode(item, None) for item in plan.images])
+    adapter = adapter_for(config)
+    core = adapter.from_model_batch({**out, "labels": out["input_ids"]})
+    assert torch.equal(rows, core["pixel_values"])
+    assert torch.equal(core["mm_token_type_ids"], out["token_type_ids"])
+    model = build_model(ckpt)  # the checkpoint round trip, with the tokenizer's ids
+    prep = prepare_batch(model, {**out, "labels": out["input_ids"]}, 2)
+    assert [b - a for a, b in prep.spans[0]] == [16, 16]

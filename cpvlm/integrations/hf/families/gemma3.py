@@ -147,6 +147,23 @@ class FixedImageLayout(VLMAdapter):
     def image_grid(self, h: int, w: int) -> tuple[int, int, int]:
         return (1, self.side, self.side)
 
+    def processor_image_grid(self, image_processor, height: int, width: int):
+        """The grid of an image through the checkpoint's image processor: its one size (resized,
+        whatever the image's); pan-and-scan (crops as extra images) is not planned here."""
+        if getattr(image_processor, "do_pan_and_scan", None):
+            raise ValueError("pan-and-scan (do_pan_and_scan) is not supported by the data path")
+        size = image_processor.size
+        if (size["height"], size["width"]) != (self.config.vision_config.image_size,) * 2:
+            raise ValueError(
+                f"the image processor resizes to {size['height']}x{size['width']}, the tower "
+                f"takes {self.config.vision_config.image_size} a side"
+            )
+        return (1, self.side, self.side)
+
+    def processor_image_inputs(self, grids) -> dict:
+        """What ``Gemma3Processor.replace_image_token`` reads: no pan-and-scan crops."""
+        return {"num_crops": [0] * len(grids)}
+
     def item_tokens(self, kind, grid, text):
         if kind != "image":
             raise ValueError(f"{self.family} takes images only, not {kind}s")
