@@ -154,7 +154,13 @@ def test_the_window_and_the_image_spans_both_change_the_loss(name):
     if name == "gemma4-tiny":
         variants.append("spans on every layer")
     losses = run_distributed(_cp_losses, 2, name, variants)[0]
-    errors = dict(zip(variants, (rel_err(torch.tensor(v), ref) for v in losses), strict=True))
+    errors = dict(
+        zip(
+            variants,
+            (rel_err(torch.tensor(v, dtype=torch.float64), ref) for v in losses),
+            strict=True,
+        )
+    )
     assert errors["real"] <= 1e-10, errors
     # Each wrong mask misses by orders of magnitude more than the exactness tolerance (measured:
     # 1e-3 .. 1e-2 relative on these tiny models).

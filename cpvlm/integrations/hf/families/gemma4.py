@@ -45,15 +45,11 @@ TIMESTAMP_TOKENS = 3
 
 _TEXT = {
     **TEXT,
-    "num_hidden_layers": 5,
-    # sliding, sliding, full, then two KV-shared layers (sliding, full) that reuse layers 1, 2
-    "layer_types": [
-        "sliding_attention",
-        "sliding_attention",
-        "full_attention",
-        "sliding_attention",
-        "full_attention",
-    ],
+    "num_hidden_layers": 6,
+    # sliding, full, sliding, full, then two KV-shared layers (sliding, full) that reuse layers
+    # 2 and 3. A full layer must feed a later layer's keys: the image spans' absence on full
+    # layers then shows in the loss (a shared layer's keys are an earlier layer's).
+    "layer_types": ["sliding_attention", "full_attention"] * 3,
     "num_kv_shared_layers": 2,
     "sliding_window": 6,  # shorter than the test rows and than an image of 8 x 4 patches
     "head_dim": 16,
