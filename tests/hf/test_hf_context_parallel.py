@@ -26,6 +26,7 @@ from hf_families import (  # noqa: E402
     FAMILIES,
     FLOAT32_IN_FLOAT64,
     FLOAT32_TOL,
+    GEMMA,
     cached_model,
     mixed_batch,
     mixes,
@@ -188,6 +189,9 @@ def test_loss_and_every_gradient_match_transformers_float64(name, cp):
         configs = [*configs, *HEAD_CONFIGS]
     elif cp == 4:
         configs = [*configs, *HEAD_CONFIGS[:2]]
+    if name in GEMMA:  # the suite's time: both attentions and both vision collectives at cp 2,
+        # the scalable flow's two attentions with Ulysses and hybrid at cp 4 (masks: test_gemma)
+        configs = EXACT_CONFIGS if cp == 2 else [*EXACT_CONFIGS[:2], *HEAD_CONFIGS[:2]]
     ref_loss, ref_grads, per_rank = _run(name, cp, "mixed", configs)
     if name in ("qwen3-vl-tiny", "qwen3-vl-moe-tiny"):
         assert any(n.startswith("model.visual.deepstack_merger_list") for n in ref_grads)
@@ -273,9 +277,12 @@ def test_float32_within_1e_5(name):
     )
     ref_loss, ref_grads, per_rank = _run(name, 2, "mixed", configs, dtype=torch.float32)
     # float32: different summation orders (blockwise softmax, summed shares) give ~1e-7 relative
-    # differences per value; 1e-5 leaves room for the accumulation over layers.
+    # differences per value; 1e-5 leaves room for the accumulation over layers. Gemma 4's vision
+    # tower (scores without a 1/sqrt(d) scale, q/k RMSNorm) amplifies them: measured 1.07e-5 on
+    # its weights' gradients, which are exact to 1e-13 in float64; held to 3e-5.
+    tol = 3e-5 if name == "gemma4-tiny" else 1e-5
     for result in per_rank[0]:
-        _assert_close(name, result, ref_loss, ref_grads, 1e-5)
+        _assert_close(name, result, ref_loss, ref_grads, tol)
 
 
 # ---- bad input -------------------------------------------------------------------------------

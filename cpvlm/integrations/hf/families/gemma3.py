@@ -221,7 +221,7 @@ class FixedImageLayout(VLMAdapter):
         return [*self.decoder_layers(model), model.model.vision_tower]
 
     def module_groups(self):
-        v = r"model\.vision_tower\.vision_model\."
+        v = r"model\.vision_tower\."
         return (
             ("vision patch embed", (v + r"embeddings\.",)),
             ("vision blocks", (v + r"(encoder|post_layernorm)\.",)),
