@@ -4,7 +4,8 @@
 
 Every row is one run of the trainer as a user starts it, in its own processes:
 ``python -m cpvlm.train --seq-len 8192 --steps 10 --cp N [--vision ...] [--attn ...]`` (tiny
-Qwen3-VL, float32, synthetic image/video/text data, FSDP2 over the CP ranks, dp = 1), read back
+Qwen3-VL, float32, synthetic image/video/text data, FSDP2 over the CP ranks, dp = 1,
+``--pack-window 1024`` so that the ~70-token samples fill the rows), read back
 from its ``metrics.jsonl``. The global batch is the same in every row: one packed row of 8192
 tokens per step, split over the CP ranks. Rows: the CP sweep with the defaults (vision route, ring
 attention), then at the largest CP the other vision modes (allgather, replicate) and the
@@ -57,6 +58,7 @@ SEQ_LEN = 8192
 STEPS = 10
 WARMUP = 2  # steps left out of the throughput: the first pays process and kernel warm-up
 SHORT_SEQ_LEN = 256  # one-step runs that measure what does not grow with the sequence
+PACK_WINDOW = 1024  # samples packed together: ~9 rows of 8192 tokens, so rows are ~95% full
 QUIET_LOAD = 1.0  # a 1-minute load average above this disturbs tok/s: say so
 DEFAULTS = {"vision": "route", "attn": "ring"}
 MODES = [{"vision": "allgather"}, {"vision": "replicate"}, {"attn": "allgather"}]
@@ -73,6 +75,7 @@ def flags(run: dict, seq_len: int, steps: int) -> list[str]:
     return [
         "--cp", str(run["cp"]), "--vision", run["vision"], "--attn", run["attn"],
         "--seq-len", str(seq_len), "--steps", str(steps), "--device", "cpu",
+        "--pack-window", str(PACK_WINDOW),
     ]  # fmt: skip
 
 

@@ -153,10 +153,10 @@ def _rank(index: int, cp: int, seq_len: int, steps: int, threads: int, tmp: str)
     config = TrainConfig().replace(
         model={"name": "qwen3-vl-tiny", "dtype": "float32"},
         parallel={"cp": cp},
-        data={"seq_len": seq_len},
+        data={"seq_len": seq_len, "pack_window": 1024},  # as benchmarks/train.py: full rows
         run={"steps": steps, "out": os.path.join(tmp, "run"), "device": "cpu"},
     )
-    config = launcher.prepare(config, world_size=cp)
+    config, _, _ = launcher.prepare(config, world_size=cp)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         train_rank(config, torch.device("cpu"))
     rows = analyse(prof.events())

@@ -6,8 +6,10 @@ a = element size of the accumulators (8 for float64, else 4), N = B * L * D.
 
 Bytes each rank sends per layer, forward + backward (counted on real ranks in
 tests/attention/test_attn_wire.py):
-    ring        (W-1) * 2 Hkv N e  +  (W-1) * 2 Hkv N e + W * 2 Hkv N a     (0 when W = 1)
-                K/V go W-1 hops forward and again backward; the dK/dV accumulators W hops.
+    ring        (s-1) * 2 Hkv N e  +  (s-1) * 2 Hkv N e + s * 2 Hkv N a     (0 when s = 1)
+                s = the ring's steps (``ring_steps``: W when a document spans ranks, 1 when
+                every document is whole on one rank); K/V go s-1 hops forward and again
+                backward; the dK/dV accumulators s-1 hops and one message back to their owner.
     allgather   (W-1) * 2 Hkv N e  +  (W-1) * 2 Hkv N a
                 an all-gather of K/V, a reduce-scatter of the dK/dV accumulators.
     ulysses     N e [2 sum_{m!=i} Hq_m + 2 sum_{m!=i} Hkv_m + (u-1)(2 Hq_i + 2 Hkv_i)], u = W
@@ -52,6 +54,7 @@ from functools import lru_cache
 import torch
 
 from cpvlm.attention.mask_spec import MaskSpec
+from cpvlm.attention.ring import ring_steps
 from cpvlm.attention.schedule import MASKED, attention_schedule
 from cpvlm.attention.ulysses import head_split
 from cpvlm.distributed.shard_plan import ShardPlan
@@ -121,7 +124,7 @@ def wire_bytes(
     """Bytes each CP rank sends for one layer, forward + backward (formulas above)."""
     w, n = plan.cp_size, shapes.batch * plan.local_len * shapes.head_dim
     if impl in ("ring", "allgather"):
-        return [_kv_bytes(impl, w, n * shapes.kv_heads, shapes)] * w
+        return [_kv_bytes(impl, _hops(impl, plan), n * shapes.kv_heads, shapes)] * w
     u = w if impl == "ulysses" else ulysses_size
     heads = head_split(shapes.q_heads, shapes.kv_heads, u)
     out = []
@@ -130,7 +133,8 @@ def wire_bytes(
         hq, hkv = _span(heads.q_range(i)), _span(heads.kv_range(i))
         sent = _ulysses_bytes(heads, i, n, shapes)
         if impl == "hybrid":
-            sent += _kv_bytes("ring", w // u, u * n * hkv, shapes) if hq else 0
+            ring = _hops("ring", plan.merge_ranks(u))
+            sent += _kv_bytes("ring", ring, u * n * hkv, shapes) if hq else 0
         out.append(sent)
     return out
 
@@ -139,8 +143,14 @@ def _span(r: tuple[int, int]) -> int:
     return r[1] - r[0]
 
 
+def _hops(impl: str, plan: ShardPlan) -> int:
+    """The ring's steps (all-gather: the group size): what the K/V bytes scale with."""
+    return ring_steps(attention_schedule(plan, True)) if impl == "ring" else plan.cp_size
+
+
 def _kv_bytes(impl: str, w: int, kv_elems: int, shapes: Shapes) -> int:
-    """Ring or all-gather bytes of K/V blocks of ``kv_elems`` elements (Hkv * N) each."""
+    """Ring or all-gather bytes of K/V blocks of ``kv_elems`` elements (Hkv * N) each; ``w``:
+    the ring's steps, or the all-gather's group size."""
     if w == 1:
         return 0
     forward = (w - 1) * 2 * kv_elems * shapes.elem
@@ -183,14 +193,14 @@ def _ring_s(
 ):
     """A ring over ``plan``'s ranks: per step, the slowest rank's calls or the transfer."""
     schedule, w = attention_schedule(plan, mask), plan.cp_size
-    total = 0.0
-    for i in range(w):
+    steps, total = ring_steps(schedule), 0.0
+    for i in range(steps):
         calls = max(
             sum(_calls_s(schedule.segments(r, i), qb - qa, d, m) for qa, qb, _, _ in groups)
             for r in range(w)
         )
-        kv = _message(kv_bytes, 1, m) if i + 1 < w else 0.0
-        dkv = _message(dkv_bytes, 1, m) if w > 1 else 0.0
+        kv = _message(kv_bytes, 1, m) if i + 1 < steps else 0.0
+        dkv = _message(dkv_bytes, 1, m) if steps > 1 else 0.0
         total += max(calls, kv) + max(calls * m.backward_factor, kv + dkv)
     return total
 

@@ -10,7 +10,9 @@ merges into float32 (float64 for float64) accumulators through the log-sum-exp.
 Backward: the same ring again; each block's dK/dV accumulator (float32 or float64) travels with
 it, each rank adding its share, and arrives back at the block's owner after W hops.
 Every rank sends and receives at every step, whatever its share of the mask, so no rank waits
-for a message that is never sent. A rank's work at one step is a function of its own
+for a message that is never sent; the steps after the last one at which any rank has work are
+skipped by every rank alike (``ring_steps``: the schedule is the same on every rank). With the
+balanced layout's whole documents that can be all but the first: no K/V moves at all. A rank's work at one step is a function of its own
 (``forward_step`` / ``backward_step``), which ``cpvlm.testing.simulate_cp_attention`` runs for
 every rank in one process, without the messages.
 """
@@ -39,6 +41,19 @@ def _shift(
     return dist.batch_isend_irecv(ops)
 
 
+def _return_to_owner(
+    dkv: torch.Tensor, rank: int, hops: int, world: int, group
+) -> tuple[torch.Tensor, list[dist.Work]]:
+    """Send the dK/dV accumulator that arrived ``hops`` steps after its block's owner back to it
+    (for a full ring, ``hops = W - 1``, this is one more neighbour step)."""
+    recv = torch.empty_like(dkv)
+    ops = [
+        dist.P2POp(dist.isend, dkv, group=group, group_peer=(rank - hops) % world, tag=_DKV_TAG),
+        dist.P2POp(dist.irecv, recv, group=group, group_peer=(rank + hops) % world, tag=_DKV_TAG),
+    ]
+    return recv, dist.batch_isend_irecv(ops)
+
+
 def _wait(works: list[dist.Work]) -> None:
     with record_function("cpvlm.attention.wait"):  # what the ring did not hide behind compute
         for work in works:
@@ -51,6 +66,13 @@ def _wait(works: list[dist.Work]) -> None:
 def source_rank(rank: int, step: int, world: int) -> int:
     """The rank whose K/V block rank ``rank`` holds at ring step ``step``."""
     return (rank - step) % world
+
+
+def ring_steps(schedule: AttentionSchedule) -> int:
+    """The ring steps that must run: up to the last step at which any rank computes something."""
+    world = schedule.plan.cp_size
+    busy = [i for r in range(world) for i in range(world) if schedule.segments(r, i)]
+    return 1 + max(busy, default=0)
 
 
 def forward_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,12 +120,12 @@ def _ring_forward(
     group: dist.ProcessGroup | None,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    world = schedule.plan.cp_size
+    world, steps = schedule.plan.cp_size, ring_steps(schedule)
     out_acc, lse_acc = forward_accumulators(q)
     kv = torch.stack([k, v])
     spare = torch.empty_like(kv)
-    for i in range(world):
-        works = _shift(kv, spare, rank, world, group, _KV_TAG) if i + 1 < world else []
+    for i in range(steps):
+        works = _shift(kv, spare, rank, world, group, _KV_TAG) if i + 1 < steps else []
         forward_step(q, kv, schedule, rank, i, out_acc, lse_acc, scale)
         _wait(works)
         kv, spare = spare, kv
@@ -122,28 +144,29 @@ def _ring_backward(
     group: dist.ProcessGroup | None,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    world = schedule.plan.cp_size
+    world, steps = schedule.plan.cp_size, ring_steps(schedule)
     kv = torch.stack([k, v])
     spare = torch.empty_like(kv)
     lse, dq_acc, dkv = backward_accumulators(q, kv, lse)
     dkv_spare = torch.empty_like(dkv)
     dkv_works: list[dist.Work] = []
-    for i in range(world):
-        kv_works = _shift(kv, spare, rank, world, group, _KV_TAG) if i + 1 < world else []
+    for i in range(steps):
+        kv_works = _shift(kv, spare, rank, world, group, _KV_TAG) if i + 1 < steps else []
         parts = backward_step(dout, q, kv, out, lse, schedule, rank, i, dq_acc, scale)
         # The running dK/dV of this block's owner, from the previous rank (which held it last).
         _wait(dkv_works)
         if i > 0:
             dkv, dkv_spare = dkv_spare, dkv
         add_key_grads(dkv, parts)
-        if world > 1:
+        if i + 1 < steps:
             dkv_works = _shift(dkv, dkv_spare, rank, world, group, _DKV_TAG)
         _wait(kv_works)
         kv, spare = spare, kv
-    if world > 1:
-        # After W hops the accumulator that arrives is this rank's own block's, complete.
-        _wait(dkv_works)
-        dkv = dkv_spare
+    if steps > 1:
+        # No rank adds to this block's accumulator after the last step: it is complete; it goes
+        # back to its owner, which receives its own block's.
+        dkv, works = _return_to_owner(dkv, rank, steps - 1, world, group)
+        _wait(works)
     return dq_acc.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 

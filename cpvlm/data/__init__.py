@@ -12,7 +12,14 @@ from cpvlm.data.loader import DECODE_MODES, LocalRow, RankLoader, RowJob, decode
 from cpvlm.data.order import SampleOrder
 from cpvlm.data.packing import dp_split, pack_window
 from cpvlm.data.rows import PackedPlan, RowStream
-from cpvlm.data.sample import SamplePlan, TokenIds, VisionItem, check_tokens, plan_tokenized
+from cpvlm.data.sample import (
+    LazyPixels,
+    SamplePlan,
+    TokenIds,
+    VisionItem,
+    check_tokens,
+    plan_tokenized,
+)
 from cpvlm.data.sources import Record, open_source, parse_data_args, source_kind
 
 __all__ = [
@@ -21,6 +28,7 @@ __all__ = [
     "REASONS",
     "DataError",
     "ErrorLog",
+    "LazyPixels",
     "LocalRow",
     "PackedPlan",
     "RankLoader",

@@ -28,7 +28,7 @@ from cpvlm.constants import IGNORE_INDEX
 from cpvlm.data.errors import DataError
 from cpvlm.data.packing import dp_split
 from cpvlm.data.rows import PackedPlan, RowStream
-from cpvlm.data.sample import TokenIds, VisionItem
+from cpvlm.data.sample import LazyPixels, TokenIds, VisionItem
 from cpvlm.vision.assign import assign_vision_units
 from cpvlm.vision.units import VisionUnits, vision_units
 
@@ -113,11 +113,15 @@ class LocalRow:
 
 
 def _item_rows(decode: Decoder, item: VisionItem, temporal: list[int] | None) -> torch.Tensor:
-    if item.pixels is not None:  # tokenized samples: the rows are already made
+    if item.pixels is not None:  # tokenized samples: the rows are made (or LazyPixels)
+        pixels, n = item.pixels, item.patches_per_frame
+        if isinstance(pixels, LazyPixels):
+            if temporal is None:
+                return pixels.rows()
+            return torch.cat([pixels.rows(j * n, (j + 1) * n) for j in temporal])
         if temporal is None:
-            return item.pixels
-        n = item.patches_per_frame
-        return torch.cat([item.pixels[j * n : (j + 1) * n] for j in temporal])
+            return pixels
+        return torch.cat([pixels[j * n : (j + 1) * n] for j in temporal])
     rows = decode(item, temporal)
     t = item.grid[0] if temporal is None else len(temporal)
     if rows.dim() != 2 or rows.shape[0] != t * item.patches_per_frame:

@@ -13,12 +13,14 @@ dim of 1 is dropped): ``input_ids`` [L]; optional ``labels`` [L] (unshifted; def
 with image/video tokens set to -100), ``attention_mask`` (right padding, cut off);
 ``pixel_values`` [patches, C] + ``image_grid_thw`` [n, 3]; ``pixel_values_videos`` +
 ``video_grid_thw``; ``second_per_grid_ts`` [n_videos]; ``mm_token_type_ids`` (ignored: derived).
+A pixel entry may be a ``LazyPixels`` instead of a tensor: its rows are then made only where a
+rank encodes them (the synthetic source's random pixels), not by every rank while planning.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -77,6 +79,32 @@ class TokenIds:
 
 
 @dataclass(frozen=True)
+class LazyPixels:
+    """Rows ``[offset, offset + num_rows)`` of a virtual ``[*, width]`` pixel tensor, made on demand.
+
+    ``make(start, stop)`` returns rows ``[start, stop)``: a pure function of the range (the same
+    rows whichever ranges are asked for) and picklable, since DataLoader workers call it.
+    """
+
+    make: Callable[[int, int], torch.Tensor]
+    num_rows: int
+    width: int
+    offset: int = 0
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.num_rows, self.width)
+
+    def window(self, start: int, n: int) -> LazyPixels:
+        """Rows ``[start, start + n)`` of these, still lazy."""
+        return replace(self, num_rows=n, offset=self.offset + start)
+
+    def rows(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        stop = self.num_rows if stop is None else stop
+        return self.make(self.offset + start, self.offset + stop)
+
+
+@dataclass(frozen=True)
 class VisionItem:
     """One image or video of a sample, in patches, and how to get its pixel rows."""
 
@@ -86,7 +114,7 @@ class VisionItem:
     frames: tuple[ImageRef | VideoFrameRef, ...] = ()  # a video's frames to decode
     fps: float | None = None  # frames per second of ``frames`` (None: unknown)
     second_per_grid: float | None = None  # seconds per temporal patch (Qwen2.5-VL positions)
-    pixels: torch.Tensor | None = None  # [t*h*w, C] when already made (tokenized samples)
+    pixels: torch.Tensor | LazyPixels | None = None  # [t*h*w, C] of tokenized samples
 
     @property
     def patches_per_frame(self) -> int:
@@ -168,9 +196,10 @@ def _tokenized_items(raw, kind, pix_key, grid_key) -> tuple[VisionItem, ...]:
     if grid is None or pixels is None:
         raise DataError("vision_token_mismatch", f"{pix_key} and {grid_key} come together")
     grids = [tuple(int(v) for v in g) for g in torch.as_tensor(grid).long().reshape(-1, 3)]
-    pixels = torch.as_tensor(pixels)
+    if not isinstance(pixels, LazyPixels):
+        pixels = torch.as_tensor(pixels)
     patches = sum(t * h * w for t, h, w in grids)
-    if pixels.dim() != 2 or pixels.shape[0] != patches:
+    if len(pixels.shape) != 2 or pixels.shape[0] != patches:
         raise DataError(
             "vision_token_mismatch",
             f"{grid_key} {[list(g) for g in grids]} needs {patches} rows of {pix_key}, got shape "
@@ -182,7 +211,10 @@ def _tokenized_items(raw, kind, pix_key, grid_key) -> tuple[VisionItem, ...]:
     for i, g in enumerate(grids):
         n = g[0] * g[1] * g[2]
         sec = None if seconds is None else float(seconds[i])
-        items.append(VisionItem(kind, g, pixels=pixels[start : start + n], second_per_grid=sec))
+        rows = (
+            pixels.window(start, n) if isinstance(pixels, LazyPixels) else pixels[start : start + n]
+        )
+        items.append(VisionItem(kind, g, pixels=rows, second_per_grid=sec))
         start += n
     return tuple(items)
 

@@ -48,9 +48,14 @@ def _samples(samples, images, videos, text_len) -> list[SampleSpec]:
     return samples
 
 
-def _items(sample: SampleSpec, i: int, adapter) -> list[tuple[str, tuple[int, int, int]]]:
-    merge = adapter.merge_size
-    items = [("image", adapter.image_grid(h, w)) for h, w in sample.images]
+def sample_items(
+    sample: SampleSpec, i: int, merge: int, image_grid=None
+) -> list[tuple[str, tuple[int, int, int]]]:
+    """``[(kind, (t, h, w)), ...]``: the sample's images, then its videos, checked;
+    ``image_grid(h, w)``: the grid an image gets (the adapter's: a tower of one image size
+    gives its own), default ``(1, h, w)``."""
+    grid_of = image_grid or (lambda h, w: (1, h, w))
+    items = [("image", grid_of(h, w)) for h, w in sample.images]
     items += [("video", tuple(g)) for g in sample.videos]
     for kind, (t, h, w) in items:
         if t < 1 or h % merge or w % merge or h < merge or w < merge:
@@ -63,8 +68,9 @@ def _items(sample: SampleSpec, i: int, adapter) -> list[tuple[str, tuple[int, in
     return items
 
 
-def _row(adapter, items, text_len: int, text) -> list[int]:
-    """Text chunks around the items, as evenly as possible; earlier chunks get the remainder."""
+def sample_tokens(adapter, items, text_len: int, text) -> list[int]:
+    """The sample's ids: text chunks around the items, as evenly as possible (earlier chunks get
+    the remainder); ``text(n)`` gives n text ids, called in sequence order."""
     chunks = [text_len // (len(items) + 1)] * (len(items) + 1)
     for j in range(text_len % (len(items) + 1)):
         chunks[j] += 1
@@ -124,8 +130,8 @@ def synthetic_batch(
 
     rows, grids = [], {"image": [], "video": []}
     for i, sample in enumerate(samples):
-        items = _items(sample, i, adapter)
-        rows.append(_row(adapter, items, sample.text_len, text))
+        items = sample_items(sample, i, adapter.merge_size, adapter.image_grid)
+        rows.append(sample_tokens(adapter, items, sample.text_len, text))
         for kind, grid in items:
             grids[kind].append(grid)
     input_ids, attention_mask = _pad(rows, pad_token_id, pad_to_multiple_of)

@@ -111,7 +111,8 @@ def _parallel_flags(g, par: ParallelConfig) -> None:
         "--layout",
         default=par.layout,
         choices=LAYOUTS,
-        help="head_tail: every document in 2*cp chunks; balanced: short documents whole",
+        help="balanced (default): short documents whole on one rank, long ones head-tail; "
+        "head_tail: every document in 2*cp chunks",
     )
     g.add_argument(
         "--vision",

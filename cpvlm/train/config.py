@@ -115,7 +115,7 @@ class ParallelConfig:
     dp: int | None = None  # None: 1 when cpvlm launches the ranks, world // cp under torchrun
     attn: str = "ring"
     ulysses_size: int | None = None  # --attn hybrid only: ranks per Ulysses group
-    layout: str = "head_tail"
+    layout: str = "balanced"  # packed rows of short samples: whole documents, little padding
     vision: str = "route"
     flow: str = "scalable"
     data_parallel: str = "fsdp"

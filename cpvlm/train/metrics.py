@@ -204,7 +204,7 @@ def summarize(config, records: list[dict], start_step: int, log: MetricsLog, err
         f"attn {p.attn}"
         + (f" {p.ulysses_size}x{p.cp // p.ulysses_size}" if p.attn == "hybrid" else "")
         + (f" ({_picks(summary['attn_impl_steps'])})" if p.attn == "auto" else "")
-        + (f", layout {p.layout}" if p.layout != "head_tail" else "")
+        + f", layout {p.layout}"
         + (f", resumed at step {start_step}" if start_step else ""),
         f"  loss            {summary['loss_first']:.4f} -> {summary['loss_last']:.4f} "
         f"(mean of the first / last {k} steps)",

@@ -7,7 +7,8 @@ Each sample is one document in the layout the model family's processor writes (b
 ``cpvlm.testing.hf_batches.synthetic_batch`` from the family's adapter): text-only (2 in 5), one or
 two images (9 in 20) (grids from 2x2 to 8x8 patches: sides spread 4x, areas 16x), or a video (3 in
 20; 2 to 4 temporal patch-frames; Qwen3-VL and GLM-4V write a group with a timestamp per frame).
-Pixels are random.
+Pixels are random and lazy (``cpvlm.data.LazyPixels``): a rank makes, in its DataLoader workers,
+only the rows of the units it encodes; planning a sample costs its ids alone.
 
 The text is learnable: the text tokens of a document count upwards through a small vocabulary,
 ``TEXT_BASE + (start + j * stride) % TEXT_VOCAB`` with a per-document start and a stride of 1, 2
@@ -19,11 +20,14 @@ and of the vision-start tokens, whose place is random.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
+from itertools import count
 
 import torch
 
+from cpvlm.data.sample import LazyPixels
 from cpvlm.integrations.hf import adapter_for
-from cpvlm.testing.hf_batches import VISION_KEYS, SampleSpec, synthetic_batch
+from cpvlm.testing.hf_batches import SampleSpec, sample_items, sample_tokens
 
 TEXT_BASE = 16  # above the tiny configs' pad/bos/eos ids
 TEXT_VOCAB = 64
@@ -34,6 +38,35 @@ VIDEO_FRAMES = (2, 4)  # temporal patch-frames per video, inclusive
 VIDEO_HW = (4, 4)
 MAX_IMAGES = 2
 KIND_WEIGHTS = {"text": 0.40, "image": 0.45, "video": 0.15}
+PIXEL_BLOCK = 64  # pixel rows drawn per seeded generator: any row range gives the same rows
+
+
+def _seed32(*key) -> int:
+    # torch's CPU generator keeps only 32 bits of a seed, so the key is hashed into 32.
+    digest = hashlib.blake2b(":".join(map(str, key)).encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
+
+
+@dataclass(frozen=True)
+class RandomRows:
+    """``make(start, stop)`` of ``LazyPixels``: rows of standard normal noise, drawn block by block
+    from generators seeded by ``(seed, block)``, so a row's values do not depend on the range."""
+
+    seed: int
+    width: int
+
+    def __call__(self, start: int, stop: int) -> torch.Tensor:
+        first, last = start // PIXEL_BLOCK, -(-stop // PIXEL_BLOCK)
+        blocks = [
+            torch.randn(
+                PIXEL_BLOCK,
+                self.width,
+                generator=torch.Generator().manual_seed(_seed32(self.seed, b)),
+            )
+            for b in range(first, last)
+        ]
+        rows = torch.cat(blocks) if blocks else torch.zeros(0, self.width)
+        return rows[start - first * PIXEL_BLOCK : stop - first * PIXEL_BLOCK]
 
 
 class SyntheticVLMData:
@@ -45,7 +78,6 @@ class SyntheticVLMData:
         self.seed = seed
         vocab = model_config.text_config.vocab_size
         specials = self.adapter.special_token_ids
-        self.text_ids = torch.arange(TEXT_BASE, TEXT_BASE + TEXT_VOCAB)
         if vocab < TEXT_BASE + TEXT_VOCAB or any(
             TEXT_BASE <= s < TEXT_BASE + TEXT_VOCAB for s in specials
         ):
@@ -53,7 +85,6 @@ class SyntheticVLMData:
                 f"synthetic data uses text ids {TEXT_BASE}..{TEXT_BASE + TEXT_VOCAB - 1}, which do "
                 f"not fit the model (vocab {vocab}, special ids {specials})"
             )
-        self._specials = torch.tensor(specials)
 
     def spec(self, index: int) -> tuple[SampleSpec, int, int]:
         """``(SampleSpec, start, stride)`` of sample ``index``."""
@@ -77,18 +108,34 @@ class SyntheticVLMData:
         stride = STRIDES[int(torch.randint(len(STRIDES), (1,), generator=g))]
         return SampleSpec(images=images, videos=videos, text_len=text_len), start, stride
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+    def __getitem__(self, index: int) -> dict:
         if isinstance(index, bool) or not isinstance(index, int) or index < 0:
             raise IndexError(f"synthetic sample index must be an int >= 0, got {index!r}")
         spec, start, stride = self.spec(index)
-        batch = synthetic_batch(self.config, [spec], seed=self._sample_seed(index))
-        ids = batch["input_ids"][0]
-        text = ~torch.isin(ids, self._specials)
-        j = torch.arange(int(text.sum()))
-        ids = ids.clone()
-        ids[text] = self.text_ids[(start + j * stride) % TEXT_VOCAB]
-        sample = {"input_ids": ids}
-        sample.update({key: batch[key] for key in VISION_KEYS if key in batch})
+        items = sample_items(spec, index, self.adapter.merge_size, self.adapter.image_grid)
+        j = count()
+
+        def text(n: int) -> list[int]:  # the counting text, in sequence order
+            return [TEXT_BASE + (start + next(j) * stride) % TEXT_VOCAB for _ in range(n)]
+
+        ids = sample_tokens(self.adapter, items, spec.text_len, text)
+        sample = {"input_ids": torch.tensor(ids, dtype=torch.long)}
+        for kind, pix_key, grid_key in (
+            ("image", "pixel_values", "image_grid_thw"),
+            ("video", "pixel_values_videos", "video_grid_thw"),
+        ):
+            grids = [grid for k, grid in items if k == kind]
+            if not grids:
+                continue
+            rows = sum(t * h * w for t, h, w in grids)
+            width = self.adapter.pixel_width
+            make = RandomRows(self._sample_seed(index, pix_key), width)
+            sample[pix_key] = LazyPixels(make, rows, width)
+            sample[grid_key] = torch.tensor(grids, dtype=torch.long)
+            if kind == "video" and "second_per_grid_ts" in self.adapter.video_keys:
+                # the processor's temporal_patch_size / fps, with its default fps of 2
+                tps = self.config.vision_config.temporal_patch_size
+                sample["second_per_grid_ts"] = torch.full((len(grids),), tps / 2.0)
         return sample
 
     def max_sample_len(self) -> int:
@@ -103,10 +150,8 @@ class SyntheticVLMData:
         video = tokens("video", (VIDEO_FRAMES[1], *VIDEO_HW))
         return TEXT_LEN[1] + max(MAX_IMAGES * image, video)
 
-    def _sample_seed(self, index: int, stream: str = "pixels") -> int:
-        # torch's CPU generator keeps only 32 bits of a seed, so (seed, index) are hashed into 32.
-        key = f"{self.seed}:{index}:{stream}".encode()
-        return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little")
+    def _sample_seed(self, index: int, stream: str) -> int:
+        return _seed32(self.seed, index, stream)
 
     def _generator(self, index: int) -> torch.Generator:
         return torch.Generator().manual_seed(self._sample_seed(index, "spec"))

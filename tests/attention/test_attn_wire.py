@@ -153,3 +153,27 @@ def test_the_formula_gives_the_figures_worked_out_by_hand_from_the_docstrings():
     n = n_of(plan)
     got = wire_bytes("ulysses", plan, Shapes(2, 7, 1, 32, torch.float64))
     assert got == [26 * 8 * n, 26 * 8 * n, 28 * 8 * n]
+
+
+def _ring_whole_documents(rank, world_size, doc_lens):
+    plan = ShardPlan(sum(doc_lens), world_size, doc_lens=doc_lens, layout="balanced")
+    g = torch.Generator().manual_seed(rank)
+    q = torch.randn(1, 4, plan.local_len, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, 2, plan.local_len, 16, generator=g, requires_grad=True) for _ in "kv")
+    with _Counter() as counter:
+        cp_attention(q, k, v, plan=plan, group=dist.group.WORLD, impl="ring").sum().backward()
+    return counter.sent, counter.other, [t.grad.abs().sum().item() for t in (q, k, v)]
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_a_ring_over_whole_documents_moves_no_kv(cp):
+    """Balanced layout, every document whole on one rank: no rank needs another's K/V, so the
+    ring runs its first step only and sends nothing (the formula says 0 too); exactness of such
+    plans is tested in test_attn_ulysses.py (documents shorter than cp)."""
+    doc_lens = [5, 3, 7, 4, 6, 2][: 2 * cp]
+    plan = ShardPlan(sum(doc_lens), cp, doc_lens=doc_lens, layout="balanced")
+    assert all(r >= 0 for r in plan.whole_on)  # the premise: nothing split
+    assert wire_bytes("ring", plan, Shapes(1, 4, 2, 16, torch.float32)) == [0] * cp
+    for sent, other, grads in run_distributed(_ring_whole_documents, cp, doc_lens, timeout=120):
+        assert sent == 0 and other == ["all_reduce"]
+        assert all(g > 0 for g in grads)  # the backward ran and reached q, k and v

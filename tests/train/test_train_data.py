@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cpvlm.constants import IGNORE_INDEX
-from cpvlm.data import DataError, RowStream, TokenIds, plan_tokenized
+from cpvlm.data import DataError, LazyPixels, RowStream, TokenIds, plan_tokenized
 from cpvlm.data.sources import ObjectSource
 from cpvlm.integrations.hf import SampleSpec, synthetic_batch, tiny_qwen2_5_vl_config
 from cpvlm.integrations.hf import tiny_qwen3_vl_config as qwen3
@@ -22,12 +22,16 @@ def _is_text(ids):
     return ~torch.isin(ids, torch.tensor(specials))
 
 
+def _tensor(value):
+    return value.rows() if isinstance(value, LazyPixels) else value
+
+
 def test_synthetic_samples_are_a_pure_function_of_seed_and_index():
     a, b = SyntheticVLMData(CONFIG, seed=3), SyntheticVLMData(CONFIG, seed=3)
     for i in (0, 7, 123):
         sa, sb = a[i], b[i]
         assert sa.keys() == sb.keys()
-        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+        assert all(torch.equal(_tensor(sa[k]), _tensor(sb[k])) for k in sa)
     assert not torch.equal(SyntheticVLMData(CONFIG, seed=4)[0]["input_ids"], a[0]["input_ids"])
 
 
@@ -136,3 +140,36 @@ def test_seq_len_too_short_for_the_synthetic_images():
     with pytest.raises(ValueError, match=f"--seq-len {data.max_sample_len()} or more"):
         check_data_fits(data, 64)
     check_data_fits(data, data.max_sample_len())
+
+
+def test_synthetic_pixels_are_lazy_and_any_range_gives_the_same_rows():
+    """Pixels are made only where a rank encodes them: a sub-range, a frame alone, or a unit
+    decoded by the loader equals the same rows of the whole tensor."""
+    from cpvlm.data.loader import _item_rows
+    from cpvlm.train.synthetic import PIXEL_BLOCK, RandomRows
+
+    make = RandomRows(seed=11, width=6)
+    whole = make(0, 5 * PIXEL_BLOCK)
+    for start, stop in ((0, 1), (3, PIXEL_BLOCK + 5), (PIXEL_BLOCK, 2 * PIXEL_BLOCK), (130, 317)):
+        assert torch.equal(make(start, stop), whole[start:stop])
+    assert not torch.equal(RandomRows(seed=12, width=6)(0, 8), whole[:8])
+    data = SyntheticVLMData(CONFIG, seed=0)
+    videos = 0
+    for i in range(40):
+        raw = data[i]
+        plan = plan_tokenized(raw, IDS, i, f"sample {i}")
+        for key, items in (("pixel_values", plan.images), ("pixel_values_videos", plan.videos)):
+            if not items:
+                continue
+            full, start = raw[key].rows(), 0
+            for item in items:
+                n = item.grid[0] * item.patches_per_frame
+                assert isinstance(item.pixels, LazyPixels)
+                assert torch.equal(_item_rows(None, item, None), full[start : start + n])
+                if item.grid[0] > 1:  # one temporal patch of a video, alone
+                    videos += 1
+                    f = item.patches_per_frame
+                    one = _item_rows(None, item, [1])
+                    assert torch.equal(one, full[start + f : start + 2 * f])
+                start += n
+    assert videos > 0
