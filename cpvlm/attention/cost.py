@@ -20,7 +20,8 @@ In float32 with even head splits the ring sends about (6W - 4) Hkv N e and Ulyss
 each K/V head goes to two ranks); ``wire_bytes`` has the exact figure for a plan.
 
 Time (``estimate_seconds``), per layer, forward + backward, slowest rank, from the block schedule
-(the same calls the implementations make):
+of the mask (the same calls the implementations make, so a sliding window's skipped blocks and
+its masked edges are counted as they run):
     compute of a call  = call_s + pairs * heads * D * pair_s   (x (1 + backward_factor) for both)
     message            = message_s + bytes / link_bytes_per_s
     ring:      sum over steps of max(slowest rank's calls, the transfer in flight) - overlap;

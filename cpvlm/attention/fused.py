@@ -8,10 +8,12 @@ so that rectangle r of batch row b is sequence b * R + r of the kernel (``compat
 
 On a GPU what a block costs is its number of kernel calls (each a fixed ~10 us, whatever its
 size), and a packed (varlen) call takes any number of rectangles of different sizes. So the
-CPU schedule's grouping of small rectangles into masked calls is undone here: every rectangle of
-a kind goes into one call. A block with one rectangle goes in as a strided view, without copies.
-A MASKED segment with no parts (a mask that is not a union of rectangles) takes a dense call
-with its additive mask, on a kernel that takes one.
+CPU schedule's grouping of small rectangles into masked calls is undone here: the rectangles of
+a kind go into one call (or as few as share no rows: a window's strip can see two key runs of a
+rank). A block with one rectangle goes in as a strided view, without copies. A MASKED segment
+with no parts (a mask that is not a union of rectangles: a sliding window's edges, a span's
+corner) takes a dense call with its additive mask, on a kernel that takes one (the memory-
+efficient kernel, for the flash kernel has no mask argument).
 
 These functions only lay out calls and hand back results with the local rows/columns they belong
 to; merging them is block.py's job, as for the CPU kernel.

@@ -95,11 +95,6 @@ class MaskSpec:
                 )
             prev_stop = b
 
-    @property
-    def plain(self) -> bool:
-        """Only the causal/bidirectional document mask: no window, no span that adds a pair."""
-        return self.window is None and (not self.causal or not self.spans)
-
     def check(self, plan: ShardPlan, where: str = "cp_attention") -> None:
         """Raise ValueError unless every span lies inside one document's real tokens of ``plan``."""
         if not self.spans:

@@ -6,7 +6,8 @@ consecutive real positions of one document.
 
 Everything is derived from the plan's positions, whatever its layout: every rank's positions are
 ascending, so a rank's positions of one document are in document order and the mask between the
-runs of two ranks is a staircase. Document by document, block (r, s) is:
+runs of two ranks is a staircase. Document by document, block (r, s) is, under the plain masks
+(``MaskSpec(causal)``, no window, no span):
   - not causal:      every real row of the document x every real column, FULL;
   - causal, s == r:  the document's rows x the same columns, top-left CAUSAL (one square when its
                      runs on the rank are contiguous, which both layouts guarantee);
@@ -18,8 +19,14 @@ block: for s < r both query chunks x chunk s; for s > r chunk t x both key chunk
 enters a rectangle, so it stays out of every real row's softmax and padding rows receive nothing.
 Everything else in the block (other documents, the hidden halves) is never computed.
 
+Under a sliding window or bidirectional spans (mask_spec.py) each query row sees an interval of
+keys, and bands.py turns each (query run, key run) pair into FULL, CAUSAL and MASKED rectangles
+from those intervals (with a window: strips of h rows, skipping every key outside the window);
+the plain masks give the rectangles above through the same path.
+
 Many tiny documents would mean many tiny kernel calls; consecutive small rectangles are grouped
-into one masked rectangle with an explicit mask when that is cheaper (see _group).
+into one masked rectangle with an explicit mask when that is cheaper (see _group); under a
+window a grouped call holds at most one strip's h x h hidden pairs, so grouping keeps the skipping.
 """
 
 from __future__ import annotations
@@ -130,6 +137,7 @@ def attention_schedule(plan: ShardPlan, mask: MaskSpec | bool) -> AttentionSched
 
 @lru_cache(maxsize=64)
 def _schedule(plan: ShardPlan, mask: MaskSpec) -> AttentionSchedule:
+    mask.check(plan, where="attention_schedule")
     w = plan.cp_size
     iv, plain = row_intervals(plan, mask), _plain_docs(plan, mask)
     runs = [_runs(plan, r) for r in range(w)]
