@@ -129,6 +129,11 @@ class FixedImageLayout(VLMAdapter):
                 f"divides the {self.side} patches a side of the image"
             )
         self.merge_size = self.side // tokens_side
+        if getattr(config.text_config, "use_bidirectional_attention", False):
+            raise ValueError(
+                "Gemma 3 with text_config.use_bidirectional_attention (an encoder: two-sided "
+                "windows) is not supported under context parallelism"
+            )
 
     @property
     def video_token_id(self) -> int:
