@@ -177,7 +177,7 @@ def _rects(
     q_runs: dict[int, list[_Run]],
     k_runs: dict[int, list[_Run]],
     same_rank: bool,
-    plain_docs: set[int] | None,
+    plain_docs: set[int],
 ) -> list[Segment]:
     rects = []
     for d in sorted(q_runs.keys() & k_runs.keys()):
