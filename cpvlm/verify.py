@@ -122,7 +122,7 @@ def verify_batches(model, dtype: torch.dtype) -> dict[str, tuple[dict, list | No
         [
             SampleSpec(
                 images=((2 * m, 2 * m), (4 * m, 2 * m)),
-                videos=video if adapter.mixes_images_and_videos else (),
+                videos=video if adapter.mixes_images_and_videos and adapter.takes_videos else (),
                 text_len=21,
             ),
             SampleSpec(text_len=30),
@@ -131,7 +131,9 @@ def verify_batches(model, dtype: torch.dtype) -> dict[str, tuple[dict, list | No
         seed=1,
     )
     docs = [SampleSpec(images=((2 * m, 4 * m),), text_len=9), SampleSpec(text_len=3)]
-    if adapter.mixes_images_and_videos:
+    if not adapter.takes_videos:
+        docs.append(SampleSpec(images=((2 * m, 2 * m),), text_len=12))
+    elif adapter.mixes_images_and_videos:
         docs.append(SampleSpec(images=((2 * m, 2 * m),), videos=video, text_len=12))
     else:
         docs += [

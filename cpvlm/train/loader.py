@@ -45,18 +45,9 @@ def has_processor(model_name: str) -> bool:
 def token_ids(model_config) -> TokenIds:
     """The data path's ids of ``model_config``, with its family's token-type rule (the adapter's:
     GLM-4V's video frames are image tokens inside video markers)."""
-    from cpvlm.integrations.hf import adapter_for
+    from cpvlm.integrations.hf.processor import adapter_token_ids
 
-    adapter = adapter_for(model_config)
-    return TokenIds(
-        image=adapter.image_token_id,
-        video=adapter.video_token_id,
-        merge=adapter.merge_size,
-        vocab_size=model_config.text_config.vocab_size,
-        pixel_width=adapter.pixel_width,
-        types=adapter.mm_token_type_ids,
-        sizes=adapter.item_sizes if adapter.unit_sizes else None,
-    )
+    return adapter_token_ids(model_config)
 
 
 def _tokenized_only(ids: TokenIds):

@@ -99,6 +99,8 @@ class SyntheticVLMData:
             n = int(torch.randint(1, MAX_IMAGES + 1, (1,), generator=g))
             picks = torch.randint(len(IMAGE_GRIDS), (n,), generator=g).tolist()
             images = tuple(IMAGE_GRIDS[p] for p in picks)
+        elif kind == "video" and not self.adapter.takes_videos:  # Gemma 3: an image instead
+            images = (IMAGE_GRIDS[0],)
         elif kind == "video":
             t = int(torch.randint(VIDEO_FRAMES[0], VIDEO_FRAMES[1] + 1, (1,), generator=g))
             videos = ((t, *VIDEO_HW),)
@@ -154,8 +156,11 @@ class SyntheticVLMData:
                 for h, w in IMAGE_GRIDS
             )
 
+        images = max(image(1), MAX_IMAGES * image(MAX_IMAGES))
+        if not self.adapter.takes_videos:
+            return TEXT_LEN[1] + images
         video = tokens("video", (VIDEO_FRAMES[1], *VIDEO_HW))
-        return TEXT_LEN[1] + max(image(1), MAX_IMAGES * image(MAX_IMAGES), video)
+        return TEXT_LEN[1] + max(images, video)
 
     def _sample_seed(self, index: int, stream: str) -> int:
         return _seed32(self.seed, index, stream)

@@ -33,6 +33,8 @@ FAMILIES = [
     "qwen3.5-tiny",
     "internvl-tiny",
     "llava-onevision-tiny",
+    "gemma3-tiny",
+    "gemma4-tiny",
 ]
 FAMILY_OF = {
     "qwen2-vl-tiny": "qwen2_vl",
@@ -46,6 +48,8 @@ FAMILY_OF = {
     "qwen3.5-moe-tiny": "qwen3_5_moe",
     "internvl-tiny": "internvl",
     "llava-onevision-tiny": "llava_onevision",
+    "gemma3-tiny": "gemma3",
+    "gemma4-tiny": "gemma4",
 }
 # Tiling families: tiles or crops of square images through a ViT, 1D RoPE, image tokens only.
 TILED = {"internvl-tiny", "llava-onevision-tiny"}
@@ -69,6 +73,7 @@ def grad_error(name: str, param: str, actual, expected, grads) -> float:
 DEEPSTACK = {"qwen3-vl-tiny", "qwen3-vl-moe-tiny"}
 GLM = {"glm4v-tiny", "glm46v-tiny", "glm4v-moe-tiny"}
 LINEAR_ATTENTION = {"qwen3.5-tiny", "qwen3.5-moe-tiny"}
+GEMMA = {"gemma3-tiny", "gemma4-tiny"}  # sliding windows, image spans, their own image inputs
 # Parameters whose float64 gradients carry float32 round-off in the unchanged models, and the
 # tolerance for them: float32 round-off (6e-8) of sums grouped differently; measured <= 2e-7.
 FLOAT32_IN_FLOAT64 = {
@@ -152,10 +157,14 @@ def mixes(name_or_model) -> bool:
     return adapter_for(config).mixes_images_and_videos
 
 
+def takes_videos(model) -> bool:
+    return adapter_for(model.config).takes_videos
+
+
 def mixed_batch(model, dtype):
     """Images of different sizes (and a video where the model takes both in one forward), and a
     text-only row; right padding."""
-    video = ((2, 4, 4),) if mixes(model) else ()
+    video = ((2, 4, 4),) if mixes(model) and takes_videos(model) else ()
     samples = [
         SampleSpec(images=((4, 4), (8, 4)), videos=video, text_len=21),
         SampleSpec(text_len=30),
@@ -166,7 +175,9 @@ def mixed_batch(model, dtype):
 def packed_documents(model, dtype):
     """Documents packed in one row: image+video (image, then video, for GLM), a 3-token text
     document, two images. Returns (packed batch, the single-document batches, doc_lens)."""
-    if mixes(model):
+    if not takes_videos(model):  # Gemma 3: a second image instead of the video
+        docs = [SampleSpec(images=((4, 8), (4, 4)), text_len=9)]
+    elif mixes(model):
         docs = [SampleSpec(images=((4, 8),), videos=((2, 4, 4),), text_len=9)]
     else:
         docs = [

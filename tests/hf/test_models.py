@@ -19,6 +19,7 @@ from hf_families import (
     DEEPSTACK,
     FAMILIES,
     FAMILY_OF,
+    GEMMA,
     GLM,
     LINEAR_ATTENTION,
     TILED,
@@ -47,13 +48,16 @@ from cpvlm.integrations.hf import (  # noqa: E402
     tiny_qwen3_vl_config,
 )
 
-NAMES = FAMILIES
+# The Qwen-VL-layout families (grids of pixel rows in the model's own batch, M-RoPE): these
+# tests check the transformers behaviours of that layout. Gemma takes images its own way and has
+# 1D positions: tests/hf/test_gemma.py checks its model, batches and masks.
+NAMES = [n for n in FAMILIES if n not in GEMMA]
 # The decoder of these is a recurrence over the sequence (Qwen3.5's Gated DeltaNet layers): a
 # reordered or packed row without CP is a different sequence to it, so the two tests of the
 # attention-only decoders' behaviour below do not apply (tests/hf/test_qwen3_5.py).
 # The Qwen-VL layout (pixel rows and grids straight into the model, M-RoPE): the tiling families
 # (tests/hf/test_tiled_families.py) take [tiles, C, H, W] pixels and 1D positions.
-QWEN_LAYOUT = [n for n in FAMILIES if n not in TILED]
+QWEN_LAYOUT = [n for n in NAMES if n not in TILED]
 ATTENTION_ONLY = [n for n in QWEN_LAYOUT if n not in LINEAR_ATTENTION]
 # Two images of different sizes, one video (2 temporal patch-frames), one text-only sample.
 SAMPLES = [
@@ -130,7 +134,7 @@ def _position_masked(pos, query, key, value, scaling):
 def model_inputs(batch, model=None):
     """The model's own forward keywords (a tiling family: pixel rows as tiles)."""
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    return inputs if model is None else adapter_for(model).model_inputs(inputs)
+    return inputs if model is None else adapter_for(model).to_model_batch(inputs)
 
 
 def embed_multimodal(model, batch):
@@ -301,7 +305,7 @@ def test_reference_loss_and_grads(name):
 
     # transformers' own loss (float32 cross-entropy; an MoE model adds its float32 router loss)
     # on the same model, and on the float32 model.
-    hf = model(**adapter_for(model).model_inputs(batch), use_cache=False)
+    hf = model(**adapter_for(model).to_model_batch(batch), use_cache=False)
     assert abs(hf.loss.item() - loss.item()) < 1e-5
     hf.loss.backward()
     for n, p in model.named_parameters():
@@ -312,7 +316,7 @@ def test_reference_loss_and_grads(name):
     model.zero_grad(set_to_none=True)
     model32 = cached_model(name, torch.float32)
     batch32 = synthetic_batch(model32.config, samples(name, SAMPLES), seed=1)
-    hf32 = model32(**adapter_for(model).model_inputs(batch32), use_cache=False)
+    hf32 = model32(**adapter_for(model).to_model_batch(batch32), use_cache=False)
     assert abs(hf32.loss.item() - loss.item()) < 1e-5
 
 

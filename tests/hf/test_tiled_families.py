@@ -63,7 +63,7 @@ def test_internvl_tiles_are_independent_units_and_follow_the_aspect_ratio():
             adapter.encode(tower, rows, one_tile) for rows in batch["pixel_values"].split(16)
         ]
         # the model's own forward takes the batch (it checks tokens against its features)
-        model(**adapter.model_inputs(batch), use_cache=False)
+        model(**adapter.to_model_batch(batch), use_cache=False)
     assert together.shape == (4 * sum(expected.values()), model.config.text_config.hidden_size)
     assert _rel(torch.cat(per_tile), together) < 1e-12
 

@@ -59,6 +59,9 @@ class PreparedBatch:
     row_positions: torch.Tensor  # [R] b * P + p of each visual row, tower order
     pixel_width: int  # C of a pixel row
     local_pixels: bool = False  # pixel_parts hold only this CP rank's units (see prepare_batch)
+    spans: tuple[tuple[tuple[int, int], ...], ...] = ()
+    """Per batch row: the global padded ``[start, stop)`` of each run of the adapter's
+    ``span_token_types`` within one document (tokens that attend bidirectionally)."""
 
     def pixel_values(self, dtype: torch.dtype) -> torch.Tensor:
         """``[patches, C]`` images then videos in ``dtype``. Build it only where it is used: it
@@ -225,6 +228,31 @@ def _row_positions(types: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
     return torch.cat(flat)
 
 
+def _mask_spans(adapter: VLMAdapter, types: torch.Tensor, plan: ShardPlan):
+    """Runs of span token types, split at document ends, as global padded positions (a run lies
+    in one document, whose padded positions are consecutive)."""
+    if not adapter.span_token_types:
+        return ()
+    inside = torch.isin(types, torch.tensor(adapter.span_token_types, device=types.device))
+    starts = torch.zeros_like(inside)
+    starts[:, 0] = inside[:, 0]
+    starts[:, 1:] = inside[:, 1:] & ~inside[:, :-1]
+    doc_starts = torch.tensor([0, *plan.doc_lens]).cumsum(0)[:-1]
+    starts[:, doc_starts] = inside[:, doc_starts]
+    run = starts.long().cumsum(-1)
+    padded = plan.padded_index.tolist()
+    spans = []
+    for b in range(types.shape[0]):
+        idx = torch.nonzero(inside[b]).squeeze(1)
+        ids = run[b, idx]
+        row = []
+        for r in torch.unique_consecutive(ids).tolist():
+            pos = idx[ids == r]
+            row.append((padded[int(pos[0])], padded[int(pos[-1])] + 1))
+        spans.append(tuple(row))
+    return tuple(spans)
+
+
 def prepare_batch(
     model,
     batch: Mapping[str, object],
@@ -248,6 +276,7 @@ def prepare_batch(
     (``VisionDataParallel`` checks their count).
     """
     adapter = adapter or adapter_for(model)
+    batch = adapter.from_model_batch(batch)
     ids, labels, attention_mask = _check_text(batch)
     text_config = model.config.text_config
     if getattr(text_config, "use_sliding_window", False):
@@ -301,4 +330,5 @@ def prepare_batch(
         row_positions=_row_positions(types, plan),
         pixel_width=adapter.pixel_width,
         local_pixels=local_pixels,
+        spans=_mask_spans(adapter, types, plan),
     )

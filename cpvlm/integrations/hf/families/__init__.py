@@ -1,6 +1,8 @@
 """One module per model family; importing this package registers every adapter."""
 
 from . import (  # noqa: F401
+    gemma3,
+    gemma4,
     glm4v,
     internvl,
     llava_onevision,

@@ -15,7 +15,7 @@ tile, its CLS token and position table are per tile), and pixel shuffle and the 
 one tile's features: so a tile's rows depend on that tile's pixels only, and the tiles of one image
 may be encoded on different CP ranks exactly (tests/hf/test_tiled_families.py). In cpvlm's batch
 an image of k tiles has the grid (k, s, s) and its pixels are the tiles' values viewed as k*s*s
-rows of C*p*p values (``model_inputs`` gives the model its ``[tiles, C, H, W]`` back): the tiles of
+rows of C*p*p values (``to_model_batch`` gives the model its ``[tiles, C, H, W]`` back): the tiles of
 an image are the "frames" of the Qwen layout, units of s*s pixel rows and s*s/m**2 output rows.
 
 Positions are 1D: ``rope_index`` returns None, and the core gives every packed document positions
@@ -180,7 +180,7 @@ class InternVLAdapter(VLMAdapter):
             [self.start_image_token_id] + [self.image_token_id] * rows + [self.end_image_token_id]
         )
 
-    def model_inputs(self, batch):
+    def to_model_batch(self, batch):
         out = {k: v for k, v in batch.items() if k not in ("image_grid_thw", "mm_token_type_ids")}
         if batch.get("pixel_values") is not None:
             tile = (self.tile_side, self.tile_side)

@@ -20,7 +20,7 @@ interpolates across crop borders, so no crop's share of the packed rows is a fun
 crop alone. (InternVL's tile is finer: its pixel shuffle and projector act on one tile.) In cpvlm's
 batch an image has the grid (t, H, W) (the original size, from which the processor's token count
 and the unpadding follow) and t*s*s pixel rows of C*p*p values, each crop's values viewed as s*s
-rows (``model_inputs`` gives the model its ``[images, crops, C, S, S]``, ``image_sizes`` and
+rows (``to_model_batch`` gives the model its ``[images, crops, C, S, S]``, ``image_sizes`` and
 ``batch_num_images`` back); ``item_sizes`` gives its pixel and packed rows.
 
 Videos are not taken: the model pools each frame and adds one newline row per video, which the
@@ -208,7 +208,7 @@ class LlavaOnevisionAdapter(VLMAdapter):
             raise ValueError("cpvlm takes LLaVA-OneVision images only (see its adapter)")
         return [self.image_token_id] * self.item_sizes(grid)[1]
 
-    def model_inputs(self, batch):
+    def to_model_batch(self, batch):
         out = {k: v for k, v in batch.items() if k not in ("image_grid_thw", "mm_token_type_ids")}
         if batch.get("pixel_values") is None:
             return out
