@@ -3,6 +3,7 @@
     python benchmarks/attention.py                      # both parts, S in 4096 8192 16384
     python benchmarks/attention.py --part impls --seq-lens 4096 --repeats 1
     python benchmarks/attention.py --part torch         # only the comparison with PyTorch's ring
+    python benchmarks/attention.py --part window        # sliding-window layers, S = 16384
 
 Part "impls" (``attention_impls.json``): ring, all-gather and Ulysses at CP=2 and CP=4, and hybrid
 at CP=4 as 2 x 2, causal fwd+bwd, float32, B=1, D=64, Hq/Hkv = 8/2 (GQA) and 8/8 (MHA), on one
@@ -14,6 +15,14 @@ share the 2 cores, so its wall ratios carry a factor of about 2 that is the mach
 method's), the CPU seconds of all ranks over the baseline's (the work done), the bytes each rank
 sends (``cpvlm.attention.cost.wire_bytes``, counted exactly in tests/attention/test_attn_wire.py),
 the error against the baseline, and what ``impl="auto"`` picks for the shapes.
+
+Part "window" (``attention_window.json``): a causal sliding window of w = 1024 and 4096 on one
+sequence of S = 16384 (``--window-seq``), ring, all-gather and Ulysses at CP=2 and CP=4, float32,
+B=1, D=64, Hq/Hkv = 8/2, against one-process SDPA with the same window as a dense boolean mask
+(what a model without CP runs; it computes every pair and masks, the CP schedule skips the blocks
+outside the window). Per run: wall and CPU ratios as above, the error, and the work: the pairs
+the busiest rank computes (MASKED calls counted whole) over the causal schedule's busiest rank,
+and the balance, max/mean of the ranks' computed pairs (Ulysses: its head split's imbalance).
 
 Part "torch" (``attention.json``), the original comparison:
 
@@ -42,7 +51,15 @@ import torch.nn.functional as F
 from _common import print_table, write_json
 
 from cpvlm import ShardPlan
-from cpvlm.attention import Shapes, attention_schedule, choose_impl, cp_attention, wire_bytes
+from cpvlm.attention import (
+    MaskSpec,
+    Shapes,
+    attention_schedule,
+    choose_impl,
+    cp_attention,
+    head_split,
+    wire_bytes,
+)
 from cpvlm.attention import block as attn_block
 from cpvlm.attention import ring as attn_ring
 from cpvlm.distributed import compat
@@ -345,6 +362,134 @@ def _impl_rows(ranks, seq_len, hq, hkv, docs_name, doc_lens, cp):
     return rows
 
 
+# ---- part "window": sliding-window layers, skipping ----------------------------------------
+
+WINDOW_IMPLS = [("ring", None), ("allgather", None), ("ulysses", None)]
+
+
+def _window_sdpa(q, k, v, dout, window):
+    """One process, 2 threads: SDPA with the window as a dense boolean mask, fwd + bwd."""
+    pos = torch.arange(q.shape[2])
+    mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*leaves, attn_mask=mask, enable_gqa=True)
+    out.backward(dout)
+    return [out.detach(), *(t.grad for t in leaves)]
+
+
+def _window_worker(rank, world_size, seq_len, windows, repeats):
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(B, h, seq_len, D, generator=g) for h in (HQ, HKV, HKV, HQ)]
+    plan = ShardPlan(seq_len, world_size)
+    q, k, v, dout = (plan.shard(t, rank, seq_dim=2) for t in full)
+    keys = [(impl, w) for w in windows for impl in ("sdpa", *(i for i, _ in WINDOW_IMPLS))]
+    wall, cpu = {key: [] for key in keys}, {key: [] for key in keys}
+    results = {}
+    # The first round warms up gloo and the thread pools; SDPA (a minute of CPU at S = 16384, it
+    # computes every pair) needs no warming.
+    for i in range(repeats + 1):
+        for impl, w in keys:
+            if i == 0 and impl == "sdpa":
+                continue
+            torch.set_num_threads(2 if impl == "sdpa" else 1)
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            if impl == "sdpa":
+                result = _window_sdpa(*full, w) if rank == 0 else None
+            else:
+                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+                mask = MaskSpec(window=w)
+                out = cp_attention(*leaves, plan=plan, group=group, impl=impl, mask=mask)
+                out.backward(dout)
+                result = [out.detach(), *(t.grad for t in leaves)]
+            c1 = time.process_time()
+            dist.barrier()
+            if i > 0:
+                wall[(impl, w)].append(time.perf_counter() - t0)
+                cpu[(impl, w)].append(c1 - c0)
+            results[(impl, w)] = result
+    torch.set_num_threads(1)
+    errors = {}
+    for w in windows:
+        ref = (
+            results[("sdpa", w)] if rank == 0 else [torch.empty_like(full[j]) for j in (0, 0, 1, 2)]
+        )
+        for t in ref:
+            dist.broadcast(t, 0)
+        for impl, _ in WINDOW_IMPLS:
+            diff = torch.tensor(
+                [
+                    (x - plan.shard(r, rank, seq_dim=2)).abs().max().item()
+                    for x, r in zip(results[(impl, w)], ref)
+                ]
+            )
+            dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+            errors[(impl, w)] = max((diff / torch.tensor([r.abs().max() for r in ref])).tolist())
+    return {"wall": wall, "cpu": cpu, "errors": errors}
+
+
+def _window_work(plan: ShardPlan, impl: str, window: int) -> tuple[float, float]:
+    """(busiest rank's computed pairs over the causal schedule's busiest, max/mean balance)."""
+    if impl == "ulysses":
+        view = plan.merge_ranks(plan.cp_size)
+        pairs = attention_schedule(view, MaskSpec(window=window)).computed_pairs(0)
+        causal = attention_schedule(view, True).computed_pairs(0)
+        return pairs / causal, head_split(HQ, HKV, plan.cp_size).imbalance
+    windowed = attention_schedule(plan, MaskSpec(window=window))
+    causal = attention_schedule(plan, True)
+    pairs = [windowed.computed_pairs(r) for r in range(plan.cp_size)]
+    busiest_causal = max(causal.computed_pairs(r) for r in range(plan.cp_size))
+    return max(pairs) / busiest_causal, max(pairs) / (sum(pairs) / len(pairs))
+
+
+WINDOW_COLUMNS = ["S", "w", "cp", "impl", "wall/sdpa", "cpu/sdpa", "work/causal", "balance"]
+WINDOW_COLUMNS += ["err", "load"]
+
+
+def window_main(args) -> None:
+    rows, seq_len, windows = [], args.window_seq, (1024, 4096)
+    for cp in (2, 4):
+        ranks = run_distributed(_window_worker, cp, seq_len, windows, args.repeats, timeout=3600)
+        plan = ShardPlan(seq_len, cp)
+        repeats = len(ranks[0]["wall"][("sdpa", windows[0])])
+        for w in windows:
+            a_wall = min(ranks[0]["wall"][("sdpa", w)])
+            a_cpu = min(ranks[0]["cpu"][("sdpa", w)])
+            for impl, _ in WINDOW_IMPLS:
+                key = (impl, w)
+                wall = min(max(r["wall"][key][i] for r in ranks) for i in range(repeats))
+                work, balance = _window_work(plan, impl, w)
+                rows.append(
+                    {
+                        "S": seq_len,
+                        "w": w,
+                        "cp": cp,
+                        "impl": impl,
+                        "wall/sdpa": wall / a_wall,
+                        "cpu/sdpa": sum(min(r["cpu"][key]) for r in ranks) / a_cpu,
+                        "work/causal": work,
+                        "balance": balance,
+                        "err": f"{ranks[0]['errors'][key]:.1e}",
+                        "load": f"{os.getloadavg()[0]:.1f}",
+                        "wall_s": wall,
+                        "sdpa_wall_s": a_wall,
+                    }
+                )
+        print_table(rows, WINDOW_COLUMNS)
+    print()
+    print_table(
+        rows,
+        WINDOW_COLUMNS,
+        title=f"CP attention fwd+bwd, causal sliding window, float32, B={B} Hq={HQ} Hkv={HKV} "
+        f"D={D}: time over one-process SDPA with the window as a dense mask (wall: slowest "
+        f"rank, best of {args.repeats}; cpu: all ranks' CPU seconds); work: the busiest rank's "
+        "computed pairs over causal's; balance: max/mean computed pairs over the ranks",
+    )
+    config = {"B": B, "Hq": HQ, "Hkv": HKV, "D": D, "dtype": "float32", "repeats": args.repeats}
+    write_json("attention_window", {"config": config, "rows": rows})
+
+
 def torch_main(args):
     rows = []
     for seq_len in args.seq_lens:
@@ -423,8 +568,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192, 16384])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--part", choices=["all", "impls", "torch"], default="all")
+    parser.add_argument("--part", choices=["all", "impls", "torch", "window"], default="all")
+    parser.add_argument("--window-seq", type=int, default=16384)
     args = parser.parse_args()
+    if args.part in ("all", "window"):
+        window_main(args)
     if args.part in ("all", "impls"):
         impls_main(args)
     if args.part in ("all", "torch"):

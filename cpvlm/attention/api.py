@@ -16,6 +16,7 @@ from torch.profiler import record_function
 from cpvlm.attention.allgather import allgather_attention
 from cpvlm.attention.cost import Shapes, choose_impl
 from cpvlm.attention.hybrid import hybrid_attention
+from cpvlm.attention.mask_spec import MaskSpec, as_mask
 from cpvlm.attention.ring import ring_attention
 from cpvlm.attention.schedule import attention_schedule
 from cpvlm.attention.ulysses import ulysses_attention
@@ -39,16 +40,18 @@ def cp_attention(
     group: dist.ProcessGroup | None,
     cp_rank: int | None = None,
     impl: str = "ring",
-    causal: bool = True,
+    causal: bool | None = None,
     scale: float | None = None,
     ulysses_size: int | None = None,
     step: StepAgreement | None = None,
+    mask: MaskSpec | None = None,
 ) -> torch.Tensor:
     """Exact attention of this rank's shard of queries over the whole (sharded) sequence.
 
-    Token i sees token j iff both lie in the same document of ``plan`` and (not ``causal``, or
-    j <= i), on global padded positions. Padding positions are never seen by real tokens; their
-    own outputs are 0 and send no gradient anywhere. K/V keep their Hkv heads on the wire.
+    Token i sees token j iff both lie in the same document of ``plan`` and ``mask`` lets i see j
+    (``cpvlm.attention.mask_spec``: causal or not, a sliding window, bidirectional spans), on
+    global padded positions. Padding positions are never seen by real tokens; their own outputs
+    are 0 and send no gradient anywhere. K/V keep their Hkv heads on the wire.
 
     Args:
         q: ``[B, Hq, S_loc, D]``; k, v: ``[B, Hkv, S_loc, D]``, this rank's shard from ``plan``.
@@ -60,13 +63,16 @@ def cp_attention(
             whole sequence; any head count), ``"hybrid"`` (Ulysses inside groups of
             ``ulysses_size`` consecutive ranks, a ring across them) or ``"auto"`` (the one
             ``cpvlm.attention.cost.choose_impl`` estimates fastest for these shapes).
-        causal: causal mask within each document, else bidirectional within each document.
+        causal: ``mask=None``: causal (True, the default) or bidirectional within each
+            document, i.e. ``MaskSpec(causal=causal)``; with a mask it may be omitted, and
+            must equal ``mask.causal`` if given.
         scale: score scale, default ``D ** -0.5``.
         ulysses_size: ``"hybrid"`` only: ranks per Ulysses group, a divisor of the group size.
         step: the CP step of a model forward (see ``StepAgreement``): once its first collective
             agreed on the plan, the decoder layers' calls skip their own agreement.
+        mask: the mask within each document (window, spans); None: ``MaskSpec(causal)``.
 
-    Every rank of the group must call this with the same plan, impl, causal, shapes and dtype,
+    Every rank of the group must call this with the same plan, impl, mask, shapes and dtype,
     forward and backward: the collectives are matched rank to rank. The ranks check that first
     (one small all-reduce), so a rank with other inputs makes every rank raise the same error.
     """
@@ -74,7 +80,8 @@ def cp_attention(
         cp_rank = dist.get_rank(group)
     q, k, v = _autocast_inputs(q, k, v)
     try:
-        facts, error = _check(q, k, v, plan, cp_rank, group, impl, causal, scale), None
+        mask = as_mask(mask, causal)
+        facts, error = _check(q, k, v, plan, cp_rank, group, impl, mask, scale), None
         check_ulysses_size(impl, ulysses_size, plan.cp_size)
         facts["ulysses_size"] = ulysses_size
     except ValueError as err:
@@ -82,7 +89,7 @@ def cp_attention(
     agree("cp_attention", group, facts, error=error, step=step, follows_from_step=True)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    impl, ulysses_size = resolve_impl(impl, plan, causal, q, k, ulysses_size)
+    impl, ulysses_size = resolve_impl(impl, plan, mask, q, k, ulysses_size)
     # A rank whose inputs happen not to require grad would skip the backward collectives and hang
     # the others; grad mode is the same everywhere, so it decides.
     q, k, v = (ensure_requires_grad_for_cp_collective(t) for t in (q, k, v))
@@ -90,27 +97,28 @@ def cp_attention(
     # Inputs are cast already (``_autocast_inputs``), as SDPA takes them.
     with record_function("cpvlm.attention"), torch.autocast(q.device.type, enabled=False):
         if impl in _BY_SCHEDULE:
-            return _BY_SCHEDULE[impl](q, k, v, schedule=attention_schedule(plan, causal), **kw)
+            return _BY_SCHEDULE[impl](q, k, v, schedule=attention_schedule(plan, mask), **kw)
         if impl == "ulysses":
-            return ulysses_attention(q, k, v, plan=plan, causal=causal, **kw)
-        return hybrid_attention(q, k, v, plan=plan, causal=causal, ulysses_size=ulysses_size, **kw)
+            return ulysses_attention(q, k, v, plan=plan, mask=mask, **kw)
+        return hybrid_attention(q, k, v, plan=plan, mask=mask, ulysses_size=ulysses_size, **kw)
 
 
 def resolve_impl(
     impl: str,
     plan: ShardPlan,
-    causal: bool,
+    mask: MaskSpec | bool,
     q: torch.Tensor,
     k: torch.Tensor,
     ulysses_size: int | None = None,
 ) -> tuple[str, int | None]:
     """The (impl, ulysses_size) that ``cp_attention`` runs for these inputs: ``impl="auto"``
     becomes ``choose_impl``'s pick (the same on every rank: a pure function of the plan, the
-    shapes and the dtype); any other impl is returned as it is."""
+    mask, the shapes and the dtype); any other impl is returned as it is. ``mask``: a MaskSpec,
+    or a bool for ``MaskSpec(causal=mask)``."""
     if impl != "auto":
         return impl, ulysses_size
     shapes = Shapes(q.shape[0], q.shape[1], k.shape[1], q.shape[3], q.dtype)
-    return choose_impl(plan, causal, shapes, q.device.type)
+    return choose_impl(plan, mask, shapes, q.device.type)
 
 
 def impl_label(impl: str, ulysses_size: int | None, cp_size: int) -> str:
@@ -149,7 +157,7 @@ def _autocast_inputs(q, k, v):
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
 
 
-def _check(q, k, v, plan, cp_rank, group, impl, causal, scale) -> dict:
+def _check(q, k, v, plan, cp_rank, group, impl, mask: MaskSpec, scale) -> dict:
     """Raise ValueError naming what is wrong; else the facts every rank must share."""
     if impl not in ATTN_IMPLS:
         raise ValueError(f"cp_attention: impl must be one of {list(ATTN_IMPLS)}, got {impl!r}")
@@ -165,8 +173,7 @@ def _check(q, k, v, plan, cp_rank, group, impl, causal, scale) -> dict:
         raise ValueError(
             f"cp_attention: cp_rank={cp_rank!r} but this process is rank {group_rank} of the group"
         )
-    if not isinstance(causal, bool):
-        raise ValueError(f"cp_attention: causal must be a bool, got {causal!r}")
+    mask.check(plan)
     if scale is not None and (
         isinstance(scale, bool)
         or not isinstance(scale, (int, float))
@@ -209,7 +216,7 @@ def _check(q, k, v, plan, cp_rank, group, impl, causal, scale) -> dict:
     return {
         "plan": (plan.cp_size, plan.doc_lens),
         "impl": impl,
-        "causal": causal,
+        **mask.facts(),
         "scale": scale,
         "q shape": tuple(q.shape),
         "k shape": tuple(k.shape),

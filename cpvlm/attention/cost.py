@@ -20,7 +20,8 @@ In float32 with even head splits the ring sends about (6W - 4) Hkv N e and Ulyss
 each K/V head goes to two ranks); ``wire_bytes`` has the exact figure for a plan.
 
 Time (``estimate_seconds``), per layer, forward + backward, slowest rank, from the block schedule
-(the same calls the implementations make):
+of the mask (the same calls the implementations make, so a sliding window's skipped blocks and
+its masked edges are counted as they run):
     compute of a call  = call_s + pairs * heads * D * pair_s   (x (1 + backward_factor) for both)
     message            = message_s + bytes / link_bytes_per_s
     ring:      sum over steps of max(slowest rank's calls, the transfer in flight) - overlap;
@@ -53,6 +54,7 @@ from functools import lru_cache
 
 import torch
 
+from cpvlm.attention.mask_spec import MaskSpec
 from cpvlm.attention.ring import ring_steps
 from cpvlm.attention.schedule import MASKED, attention_schedule
 from cpvlm.attention.ulysses import head_split
@@ -187,9 +189,11 @@ def _message(nbytes: float, peers: int, m: CostModel) -> float:
     return peers * m.message_s + nbytes / m.link_bytes_per_s if peers else 0.0
 
 
-def _ring_s(plan: ShardPlan, causal: bool, groups, kv_bytes: float, dkv_bytes: float, d, m):
+def _ring_s(
+    plan: ShardPlan, mask: MaskSpec | bool, groups, kv_bytes: float, dkv_bytes: float, d, m
+):
     """A ring over ``plan``'s ranks: per step, the slowest rank's calls or the transfer."""
-    schedule, w = attention_schedule(plan, causal), plan.cp_size
+    schedule, w = attention_schedule(plan, mask), plan.cp_size
     steps, total = ring_steps(schedule), 0.0
     for i in range(steps):
         calls = max(
@@ -206,7 +210,7 @@ def _ring_s(plan: ShardPlan, causal: bool, groups, kv_bytes: float, dkv_bytes: f
 def estimate_seconds(
     impl: str,
     plan: ShardPlan,
-    causal: bool,
+    mask: MaskSpec | bool,
     shapes: Shapes,
     ulysses_size: int | None = None,
     device_type: str = "cpu",
@@ -218,8 +222,8 @@ def estimate_seconds(
         kv, dkv = (2 * shapes.kv_heads * n * size for size in (shapes.elem, shapes.acc))
         whole = ((0, shapes.q_heads, 0, shapes.kv_heads),)
         if impl == "ring":
-            return _ring_s(plan, causal, whole, kv, dkv, d, m)
-        schedule = attention_schedule(plan, causal)
+            return _ring_s(plan, mask, whole, kv, dkv, d, m)
+        schedule = attention_schedule(plan, mask)
         calls = max(
             sum(_calls_s(schedule.segments(r, i), shapes.q_heads, d, m) for i in range(w))
             for r in range(w)
@@ -235,17 +239,18 @@ def estimate_seconds(
     groups = heads.groups(busiest)
     view = plan.merge_ranks(u)
     if impl == "ulysses" or view.cp_size == 1:
-        segments = attention_schedule(view, causal).segments(0, 0)
+        segments = attention_schedule(view, mask).segments(0, 0)
         calls = sum(_calls_s(segments, qb - qa, d, m) for qa, qb, _, _ in groups)
         return comm + calls * (1 + m.backward_factor)
     kv, dkv = (2 * _span(heads.kv_range(busiest)) * u * n * e for e in (shapes.elem, shapes.acc))
-    return comm + _ring_s(view, causal, groups, kv, dkv, d, m)
+    return comm + _ring_s(view, mask, groups, kv, dkv, d, m)
 
 
 def choose_impl(
-    plan: ShardPlan, causal: bool, shapes: Shapes, device_type: str = "cpu"
+    plan: ShardPlan, mask: MaskSpec | bool, shapes: Shapes, device_type: str = "cpu"
 ) -> tuple[str, int | None]:
-    """The (impl, ulysses_size) with the smallest ``estimate_seconds`` (``impl="auto"``)."""
+    """The (impl, ulysses_size) with the smallest ``estimate_seconds`` (``impl="auto"``);
+    ``mask`` a MaskSpec or a bool (``MaskSpec(causal=mask)``): the schedule counts its work."""
     options = candidates(plan.cp_size)
-    times = [estimate_seconds(i, plan, causal, shapes, u, device_type) for i, u in options]
+    times = [estimate_seconds(i, plan, mask, shapes, u, device_type) for i, u in options]
     return options[min(range(len(options)), key=lambda k: (times[k], k))]

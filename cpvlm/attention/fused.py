@@ -8,10 +8,12 @@ so that rectangle r of batch row b is sequence b * R + r of the kernel (``compat
 
 On a GPU what a block costs is its number of kernel calls (each a fixed ~10 us, whatever its
 size), and a packed (varlen) call takes any number of rectangles of different sizes. So the
-CPU schedule's grouping of small rectangles into masked calls is undone here: every rectangle of
-a kind goes into one call. A block with one rectangle goes in as a strided view, without copies.
-A MASKED segment with no parts (a mask that is not a union of rectangles) takes a dense call
-with its additive mask, on a kernel that takes one.
+CPU schedule's grouping of small rectangles into masked calls is undone here: the rectangles of
+a kind go into one call (or as few as share no rows: a window's strip can see two key runs of a
+rank). A block with one rectangle goes in as a strided view, without copies. A MASKED segment
+with no parts (a mask that is not a union of rectangles: a sliding window's edges, a span's
+corner) takes a dense call with its additive mask, on a kernel that takes one (the memory-
+efficient kernel, for the flash kernel has no mask argument).
 
 These functions only lay out calls and hand back results with the local rows/columns they belong
 to; merging them is block.py's job, as for the CPU kernel.
@@ -48,33 +50,64 @@ class _Call:
 @functools.lru_cache(maxsize=4096)
 def _calls(
     segments: tuple[Segment, ...], batch: int, device: torch.device
-) -> tuple[tuple[_Call, ...], tuple[Segment, ...]]:
-    """(the packed calls of a block, its MASKED segments without parts), built once per block.
+) -> tuple[tuple[_Call, ...], tuple[tuple[Segment, bool], ...]]:
+    """(the packed calls of a block, its MASKED segments without parts with their overwrite
+    flags), in the order they run, built once per block.
 
+    The rectangles of one kind go into as few calls as share no rows (a windowed strip sees
+    two key runs of one rank with the same rows; a packed call merges its rows by index). A
+    call stores instead of merging only if no earlier call, of any block, wrote its rows: the
+    kinds run in another order than the schedule's, so the flags are redone in this order.
     The cache holds the segments themselves (they hash by identity), so an entry can never be
     mistaken for another schedule's block.
     """
-    by_kind: dict[str, list[tuple[Segment, bool]]] = {FULL: [], CAUSAL: []}
+    by_kind: dict[str, list[list[tuple[Segment, bool]]]] = {FULL: [], CAUSAL: []}
     masked = []
     for seg in segments:
         if seg.kind != MASKED:
-            by_kind[seg.kind].append((seg, seg.overwrite))
+            _place(by_kind[seg.kind], seg, seg.overwrite)
         elif seg.parts:
-            by_kind[CAUSAL].extend((p, seg.overwrite) for p in seg.parts if p.kind == CAUSAL)
-            by_kind[FULL].extend((p, seg.overwrite) for p in seg.parts if p.kind == FULL)
+            for part in seg.parts:
+                _place(by_kind[part.kind], part, seg.overwrite)
         else:
             masked.append(seg)
-    calls = tuple(
-        _call(kind == CAUSAL, rects, batch, device) for kind, rects in by_kind.items() if rects
-    )
-    return calls, tuple(masked)
+    written: list[tuple[int, int]] = []
+    calls = []
+    for kind, buckets in by_kind.items():
+        for rects in buckets:
+            first = all(f for _, f in rects) and not _overlaps(written, [s for s, _ in rects])
+            written += [(s.q_start, s.q_stop) for s, _ in rects]
+            calls.append(_call(kind == CAUSAL, rects, batch, device, first))
+    dense = []
+    for seg in masked:
+        dense.append((seg, seg.overwrite and not _overlaps(written, [seg])))
+        written.append((seg.q_start, seg.q_stop))
+    return tuple(calls), tuple(dense)
+
+
+def _overlaps(written: list[tuple[int, int]], segs: list[Segment]) -> bool:
+    return any(a < s.q_stop and s.q_start < b for a, b in written for s in segs)
+
+
+def _place(buckets: list[list[tuple[Segment, bool]]], seg: Segment, overwrite: bool) -> None:
+    """Put ``seg`` into the first call whose rectangles share no row with it."""
+    for rects in buckets:
+        if not _overlaps([(s.q_start, s.q_stop) for s, _ in rects], [seg]):
+            rects.append((seg, overwrite))
+            return
+    buckets.append([(seg, overwrite)])
 
 
 def _call(
-    causal: bool, rects: list[tuple[Segment, bool]], batch: int, device: torch.device
+    causal: bool,
+    rects: list[tuple[Segment, bool]],
+    batch: int,
+    device: torch.device,
+    overwrite: bool | None = None,
 ) -> _Call:
     segs = sorted((seg for seg, _ in rects), key=lambda seg: seg.q_start)
-    overwrite = all(first for _, first in rects)
+    if overwrite is None:
+        overwrite = all(first for _, first in rects)
     if causal and any(s.q_stop - s.q_start != s.k_stop - s.k_start for s in segs):
         # The flash kernel aligns causal masks bottom-right, the efficient one top-left: only
         # square rectangles mean the same to both (the schedule's causal ones are).
@@ -161,7 +194,7 @@ def block_forward(
             _give_lse(lse, b, call.packing),
             call.overwrite,
         )
-    for seg in masked:
+    for seg, overwrite in masked:
         out, lse = _masked_kernel(kernel).forward(
             _take(q_BHSD, seg.rows, None),
             _take(k_BHSD, seg.cols, None),
@@ -173,7 +206,7 @@ def block_forward(
         # Rows that see nothing: whatever the kernel made of 0/0, they hold nothing.
         empty = seg.empty_rows(q_BHSD.device)
         out = _give(out, b, None).masked_fill(empty[:, None], 0)
-        yield seg.rows, out, lse.masked_fill(empty, float("-inf")), seg.overwrite
+        yield seg.rows, out, lse.masked_fill(empty, float("-inf")), overwrite
 
 
 def block_backward(
@@ -205,7 +238,7 @@ def block_backward(
             packing=p,
         )
         yield call.rows, _give(dq, b, p), call.cols, _give(dk, b, p), _give(dv, b, p)
-    for seg in masked:
+    for seg, _ in masked:
         dq, dk, dv = _masked_kernel(kernel).backward(
             *(_take(t, seg.rows, None) for t in (dout_BHSD, q_BHSD)),
             *(_take(t, seg.cols, None) for t in (k_BHSD, v_BHSD)),

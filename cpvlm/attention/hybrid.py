@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from cpvlm.attention.mask_spec import MaskSpec
 from cpvlm.attention.ring import ring_attention
 from cpvlm.attention.schedule import attention_schedule
 from cpvlm.attention.ulysses import gather_heads, head_split, relayout, scatter_heads
@@ -76,7 +77,7 @@ def hybrid_attention(
     v_BHSD: torch.Tensor,
     *,
     plan: ShardPlan,
-    causal: bool,
+    mask: MaskSpec,
     cp_rank: int,
     group: dist.ProcessGroup | None,
     scale: float,
@@ -89,7 +90,7 @@ def hybrid_attention(
     heads = head_split(q_BHSD.shape[1], k_BHSD.shape[1], u)
     lay = relayout(plan, heads, cp_rank)
     q_i, k_i, v_i = scatter_heads(q_BHSD, k_BHSD, v_BHSD, lay, ulysses_group)
-    schedule = attention_schedule(plan.merge_ranks(u), causal)
+    schedule = attention_schedule(plan.merge_ranks(u), mask)
     outs = [
         ring_attention(
             q_i[:, qa:qb],

@@ -6,7 +6,8 @@ consecutive real positions of one document.
 
 Everything is derived from the plan's positions, whatever its layout: every rank's positions are
 ascending, so a rank's positions of one document are in document order and the mask between the
-runs of two ranks is a staircase. Document by document, block (r, s) is:
+runs of two ranks is a staircase. Document by document, block (r, s) is, under the plain masks
+(``MaskSpec(causal)``, no window, no span):
   - not causal:      every real row of the document x every real column, FULL;
   - causal, s == r:  the document's rows x the same columns, top-left CAUSAL (one square when its
                      runs on the rank are contiguous, which both layouts guarantee);
@@ -18,8 +19,14 @@ block: for s < r both query chunks x chunk s; for s > r chunk t x both key chunk
 enters a rectangle, so it stays out of every real row's softmax and padding rows receive nothing.
 Everything else in the block (other documents, the hidden halves) is never computed.
 
+Under a sliding window or bidirectional spans (mask_spec.py) each query row sees an interval of
+keys, and bands.py turns each (query run, key run) pair into FULL, CAUSAL and MASKED rectangles
+from those intervals (with a window: strips of h rows, skipping every key outside the window);
+the plain masks give the rectangles above through the same path.
+
 Many tiny documents would mean many tiny kernel calls; consecutive small rectangles are grouped
-into one masked rectangle with an explicit mask when that is cheaper (see _group).
+into one masked rectangle with an explicit mask when that is cheaper (see _group); under a
+window a grouped call holds at most one strip's h x h hidden pairs, so grouping keeps the skipping.
 """
 
 from __future__ import annotations
@@ -29,11 +36,17 @@ from functools import lru_cache
 
 import torch
 
+from cpvlm.attention.bands import (
+    CAUSAL,
+    FULL,
+    MASKED,
+    RowIntervals,
+    pair_rects,
+    pieces,
+    row_intervals,
+)
+from cpvlm.attention.mask_spec import MaskSpec
 from cpvlm.distributed.shard_plan import ShardPlan
-
-FULL = "full"
-CAUSAL = "causal"
-MASKED = "masked"
 
 # Cost model for grouping, in units of one (query, key) pair of fused-kernel work. A fused CPU
 # kernel call costs about as much as a 32x32 block in fixed overhead (measured: ~20 us per call,
@@ -92,8 +105,14 @@ class AttentionSchedule:
     """Per query rank, per ring step i, the segments of block (r, (r - i) mod W)."""
 
     plan: ShardPlan
-    causal: bool
+    mask: MaskSpec
     steps: tuple[tuple[tuple[Segment, ...], ...], ...]
+    block: int | None = None
+    """Rows per strip under a window (bands.py); None without one."""
+
+    @property
+    def causal(self) -> bool:
+        return self.mask.causal
 
     def segments(self, cp_rank: int, step: int) -> tuple[Segment, ...]:
         return self.steps[cp_rank][step]
@@ -109,19 +128,27 @@ class AttentionSchedule:
         return (seg for block in self.steps[cp_rank] for seg in block)
 
 
+def attention_schedule(plan: ShardPlan, mask: MaskSpec | bool) -> AttentionSchedule:
+    """The schedule of ``plan`` under ``mask`` (a bool: ``MaskSpec(causal=mask)``), cached: every
+    layer of a step with the same mask, and every step with the same document lengths and
+    spans, reuses it."""
+    return _schedule(plan, mask if isinstance(mask, MaskSpec) else MaskSpec(causal=mask))
+
+
 @lru_cache(maxsize=64)
-def attention_schedule(plan: ShardPlan, causal: bool) -> AttentionSchedule:
-    """The schedule of ``plan`` under a causal or bidirectional per-document mask (cached: every
-    layer of a step, and every step with the same document lengths, reuses it)."""
+def _schedule(plan: ShardPlan, mask: MaskSpec) -> AttentionSchedule:
+    mask.check(plan, where="attention_schedule")
     w = plan.cp_size
+    iv, plain = row_intervals(plan, mask), _plain_docs(plan, mask)
     runs = [_runs(plan, r) for r in range(w)]
     steps = []
     for r in range(w):
         blocks = [
-            _group(_rects(runs[r], runs[(r - i) % w], causal, same_rank=i == 0)) for i in range(w)
+            _group(_rects(iv, runs[r], runs[(r - i) % w], i == 0, plain), _max_hidden(iv))
+            for i in range(w)
         ]
         steps.append(_mark_overwrites(blocks, plan.local_len))
-    return AttentionSchedule(plan, causal, tuple(steps))
+    return AttentionSchedule(plan, mask, tuple(steps), iv.block)
 
 
 _Run = tuple[int, int, int]
@@ -146,27 +173,43 @@ def _runs(plan: ShardPlan, rank: int) -> dict[int, list[_Run]]:
 
 
 def _rects(
-    q_runs: dict[int, list[_Run]], k_runs: dict[int, list[_Run]], causal: bool, same_rank: bool
+    iv: RowIntervals,
+    q_runs: dict[int, list[_Run]],
+    k_runs: dict[int, list[_Run]],
+    same_rank: bool,
+    plain_docs: set[int],
 ) -> list[Segment]:
     rects = []
     for d in sorted(q_runs.keys() & k_runs.keys()):
         qs, ks = q_runs[d], k_runs[d]
-        if causal and same_rank and _contiguous(qs):
-            rects.append((qs[0][0], qs[-1][1], qs[0][0], qs[-1][1], CAUSAL))
+        if same_rank and iv.causal and d in plain_docs and _contiguous(qs):
+            # Local order is document order: the rank's part of the document is one causal square.
+            rects.append((qs[0][0], qs[-1][1], qs[0][0], qs[-1][1], CAUSAL, None))
             continue
         doc_rects = []
-        for q0, q1, qg in qs:
-            for k0, k1, kg in ks:
-                if not causal or kg + (k1 - k0) <= qg:
-                    doc_rects.append((q0, q1, k0, k1, FULL))
-                elif same_rank and (k0, k1) == (q0, q1):
-                    doc_rects.append((q0, q1, k0, k1, CAUSAL))
+        for q_run in qs:
+            q_pieces = pieces(iv, q_run[2], q_run[2] + q_run[1] - q_run[0])
+            for k_run in ks:
+                doc_rects.extend(pair_rects(iv, q_run, k_run, q_pieces))
         rects.extend(_join(doc_rects))
     segments = []
-    for q0, q1, k0, k1, kind in rects:
-        pairs = (q1 - q0) * (q1 - q0 + 1) // 2 if kind == CAUSAL else (q1 - q0) * (k1 - k0)
-        segments.append(Segment(q0, q1, k0, k1, kind, pairs))
+    for q0, q1, k0, k1, kind, visible in rects:
+        if kind == CAUSAL:
+            pairs = (q1 - q0) * (q1 - q0 + 1) // 2
+        elif kind == MASKED:
+            pairs = int(visible.sum())
+        else:
+            pairs = (q1 - q0) * (k1 - k0)
+        segments.append(Segment(q0, q1, k0, k1, kind, pairs, visible=visible))
     return segments
+
+
+def _plain_docs(plan: ShardPlan, mask: MaskSpec) -> set[int]:
+    """Documents whose mask is the plain causal/bidirectional one (no window, no span)."""
+    if mask.window is not None:
+        return set()
+    with_spans = {int(plan.doc_ids[a]) for a, _ in mask.spans} if mask.causal else set()
+    return set(range(len(plan.doc_lens))) - with_spans
 
 
 def _contiguous(runs: list[_Run]) -> bool:
@@ -183,12 +226,12 @@ def _join_along(rects: list[tuple], cols: bool) -> list[tuple]:
     out: list[tuple] = []
     for rect in rects:
         if out and out[-1][4] == FULL == rect[4]:
-            q0, q1, k0, k1, _ = out[-1]
+            q0, q1, k0, k1 = out[-1][:4]
             if cols and (q0, q1) == rect[:2] and k1 == rect[2]:
-                out[-1] = (q0, q1, k0, rect[3], FULL)
+                out[-1] = (q0, q1, k0, rect[3], FULL, None)
                 continue
             if not cols and (k0, k1) == rect[2:4] and q1 == rect[0]:
-                out[-1] = (q0, rect[1], k0, k1, FULL)
+                out[-1] = (q0, rect[1], k0, k1, FULL, None)
                 continue
         out.append(rect)
     return out
@@ -201,6 +244,8 @@ def _area(seg: Segment) -> int:
 def _cost(group: list[Segment]) -> float:
     if len(group) == 1:
         seg = group[0]
+        if seg.kind == MASKED:
+            return _CALL_COST + _MASKED_PAIR_COST * _area(seg)
         return _CALL_COST + (seg.pairs if seg.kind == CAUSAL else _area(seg))
     return _CALL_COST + _MASKED_PAIR_COST * _bbox_area(group)
 
@@ -211,15 +256,23 @@ def _bbox_area(group: list[Segment]) -> int:
     return rows * cols
 
 
-def _group(rects: list[Segment]) -> tuple[Segment, ...]:
-    """Greedily merge consecutive rectangles into masked calls when that is cheaper."""
+def _max_hidden(iv: RowIntervals) -> float:
+    """Hidden pairs a grouped call may compute: under a window one strip's h x h, so that
+    grouping never undoes the skipping (a band's strips would group into their bounding box)."""
+    return float("inf") if iv.block is None else iv.block * iv.block
+
+
+def _group(rects: list[Segment], max_hidden: float) -> tuple[Segment, ...]:
+    """Greedily merge consecutive rectangles into masked calls when that is cheaper and the
+    call computes at most ``max_hidden`` hidden pairs."""
     groups: list[list[Segment]] = []
     for rect in rects:
         if groups:
             merged = [*groups[-1], rect]
             area = _bbox_area(merged)
             cheaper = _CALL_COST + _MASKED_PAIR_COST * area <= _cost(groups[-1]) + _cost([rect])
-            if area <= _MAX_MASK_ELEMENTS and cheaper:
+            hidden = area - sum(s.pairs for s in merged)
+            if area <= _MAX_MASK_ELEMENTS and cheaper and hidden <= max_hidden:
                 groups[-1] = merged
                 continue
         groups.append([rect])
@@ -233,11 +286,20 @@ def _masked(group: list[Segment]) -> Segment:
     for s in group:
         block = visible[s.q_start - q0 : s.q_stop - q0, s.k_start - k0 : s.k_stop - k0]
         if s.kind == CAUSAL:
-            block |= torch.ones_like(block).tril()
+            rows, cols = block.shape
+            block |= torch.arange(rows)[:, None] >= torch.arange(cols)  # tril: slow for bool on CPU
+        elif s.kind == MASKED:
+            block |= s.visible
         else:
             block.fill_(True)
     pairs = sum(s.pairs for s in group)
-    return Segment(q0, q1, k0, k1, MASKED, pairs, visible=visible, parts=tuple(group))
+    # A fused kernel runs the rectangles of the group; an edge's mask is no rectangle, so a group
+    # that holds one runs as one dense masked call there too.
+    rects = [p for s in group for p in (s.parts if s.kind == MASKED else (s,))]
+    dense = any(s.kind == MASKED and not s.parts for s in group)
+    return Segment(
+        q0, q1, k0, k1, MASKED, pairs, visible=visible, parts=() if dense else tuple(rects)
+    )
 
 
 def _mark_overwrites(

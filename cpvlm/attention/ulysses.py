@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from cpvlm.attention.block import acc_dtype, add_key_grads, attend_block, attend_block_backward
+from cpvlm.attention.mask_spec import MaskSpec
 from cpvlm.attention.schedule import Segment, attention_schedule
 from cpvlm.distributed.shard_plan import ShardPlan
 
@@ -322,7 +323,7 @@ def ulysses_attention(
     v_BHSD: torch.Tensor,
     *,
     plan: ShardPlan,
-    causal: bool,
+    mask: MaskSpec,
     cp_rank: int,
     group: dist.ProcessGroup | None,
     scale: float,
@@ -331,6 +332,6 @@ def ulysses_attention(
     heads = head_split(q_BHSD.shape[1], k_BHSD.shape[1], plan.cp_size)
     lay = relayout(plan, heads, cp_rank)
     q_i, k_i, v_i = scatter_heads(q_BHSD, k_BHSD, v_BHSD, lay, group)
-    segments = attention_schedule(plan.merge_ranks(plan.cp_size), causal).segments(0, 0)
+    segments = attention_schedule(plan.merge_ranks(plan.cp_size), mask).segments(0, 0)
     out_i = _LocalAttention.apply(q_i, k_i, v_i, segments, heads.groups(lay.member), scale)
     return gather_heads(out_i, lay, group)

@@ -112,6 +112,11 @@ class LocalRow:
         )  # fmt: skip
 
 
+def _unit_layout(ids) -> dict:
+    """``vision_units`` keywords of a family with its own item sizes: whole items, so sized."""
+    return {} if ids.sizes is None else {"split_frames": False, "sizes": ids.sizes}
+
+
 def _item_rows(decode: Decoder, item: VisionItem, temporal: list[int] | None) -> torch.Tensor:
     if item.pixels is not None:  # tokenized samples: the rows are made (or LazyPixels)
         pixels, n = item.pixels, item.patches_per_frame
@@ -157,7 +162,7 @@ def decode_row(job: RowJob, decode: Decoder, temporal_patch: int = 2) -> LocalRo
         seconds = [it.second_per_grid for _, it in videos]
         if any(s is not None for s in seconds):
             vision["second_per_grid_ts"] = torch.tensor([s or 0.0 for s in seconds])
-    units = vision_units(grids, job.ids.merge)
+    units = vision_units(grids, job.ids.merge, **_unit_layout(job.ids))
     mine = list(range(units.num_units)) if job.units is None else job.units
     out = LocalRow(
         job.step, row.input_ids, row.labels, row.doc_lens, job.ids, vision, job.units is not None,
@@ -173,7 +178,7 @@ def decode_row(job: RowJob, decode: Decoder, temporal_patch: int = 2) -> LocalRo
     parts: dict[str, list[torch.Tensor]] = {"pixel_values": [], "pixel_values_videos": []}
     for k, temporal in wanted.items():
         doc, item = (images + videos)[k]
-        if item.kind == "image" or len(temporal) == item.grid[0]:
+        if len(temporal) == item.grid[0]:  # (a tiled image's tiles are its temporal units)
             temporal = None
         try:
             rows = _item_rows(decode, item, temporal)
@@ -282,7 +287,8 @@ class RankLoader:
         grids = row.grid_thw()
         if not len(grids):
             return []
-        return sorted(self.assign(vision_units(grids, self.ids.merge))[self.cp_rank])
+        units = vision_units(grids, self.ids.merge, **_unit_layout(self.ids))
+        return sorted(self.assign(units)[self.cp_rank])
 
     def _jobs(self) -> Iterator[RowJob]:
         rows = self.stream.rows(self._start)

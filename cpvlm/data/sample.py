@@ -55,6 +55,17 @@ class TokenIds:
     types: Callable[[torch.Tensor], torch.Tensor] | None = field(
         default=None, compare=False, repr=False
     )
+    sizes: Callable[[tuple[int, int, int]], tuple[int, int]] | None = field(
+        default=None, compare=False, repr=False
+    )
+    """``grid -> (pixel rows, tokens)`` of an item where the family's layout is not t*h*w and
+    t*h*w/m**2 (LLaVA-OneVision); its items are then whole vision units."""
+
+    def item_sizes(self, grid: tuple[int, int, int]) -> tuple[int, int]:
+        if self.sizes is not None:
+            return self.sizes(grid)
+        t, h, w = grid
+        return t * h * w, t * h * w // self.merge**2
 
     @classmethod
     def from_config(cls, model_config, types=None) -> TokenIds:
@@ -157,13 +168,14 @@ def check_tokens(plan: SamplePlan, ids: TokenIds) -> None:
         ("video", 2, ids.video, plan.videos),
     ):
         have = int((types == type_id).sum())
-        need = sum(t * h * w // ids.merge**2 for t, h, w in (it.grid for it in items))
+        need = sum(ids.item_sizes(it.grid)[1] for it in items)
         if have != need:
             grids = [list(it.grid) for it in items]
+            rule = "the family's rule" if ids.sizes else f"t*h*w/{ids.merge}**2 each"
             raise DataError(
                 "vision_token_mismatch",
                 f"{have} {kind} tokens (id {token}) but the {kind} grids {grids} need {need} "
-                f"(t*h*w/{ids.merge}**2 each)",
+                f"({rule})",
             )
     if ids.vocab_size is not None and len(plan):
         lo, hi = int(plan.input_ids.min()), int(plan.input_ids.max())
@@ -189,7 +201,7 @@ def _as_1d_long(name: str, value) -> torch.Tensor:
     return t.long()
 
 
-def _tokenized_items(raw, kind, pix_key, grid_key) -> tuple[VisionItem, ...]:
+def _tokenized_items(raw, kind, pix_key, grid_key, ids) -> tuple[VisionItem, ...]:
     grid, pixels = raw.get(grid_key), raw.get(pix_key)
     if grid is None and pixels is None:
         return ()
@@ -198,7 +210,7 @@ def _tokenized_items(raw, kind, pix_key, grid_key) -> tuple[VisionItem, ...]:
     grids = [tuple(int(v) for v in g) for g in torch.as_tensor(grid).long().reshape(-1, 3)]
     if not isinstance(pixels, LazyPixels):
         pixels = torch.as_tensor(pixels)
-    patches = sum(t * h * w for t, h, w in grids)
+    patches = sum(ids.item_sizes(g)[0] for g in grids)
     if len(pixels.shape) != 2 or pixels.shape[0] != patches:
         raise DataError(
             "vision_token_mismatch",
@@ -209,7 +221,7 @@ def _tokenized_items(raw, kind, pix_key, grid_key) -> tuple[VisionItem, ...]:
     seconds = None if seconds is None else torch.as_tensor(seconds).reshape(-1).tolist()
     items, start = [], 0
     for i, g in enumerate(grids):
-        n = g[0] * g[1] * g[2]
+        n = ids.item_sizes(g)[0]
         sec = None if seconds is None else float(seconds[i])
         rows = (
             pixels.window(start, n) if isinstance(pixels, LazyPixels) else pixels[start : start + n]
@@ -247,8 +259,8 @@ def plan_tokenized(raw: Mapping, ids: TokenIds, index: int, where: str) -> Sampl
         where,
         input_ids,
         labels,
-        images=_tokenized_items(raw, "image", "pixel_values", "image_grid_thw"),
-        videos=_tokenized_items(raw, "video", "pixel_values_videos", "video_grid_thw"),
+        images=_tokenized_items(raw, "image", "pixel_values", "image_grid_thw", ids),
+        videos=_tokenized_items(raw, "video", "pixel_values_videos", "video_grid_thw", ids),
     )
     check_tokens(plan, ids)
     return plan

@@ -17,6 +17,7 @@ import torch
 
 from cpvlm.attention import ring
 from cpvlm.attention.block import add_key_grads
+from cpvlm.attention.mask_spec import MaskSpec, as_mask
 from cpvlm.attention.schedule import attention_schedule
 from cpvlm.distributed import compat
 from cpvlm.distributed.shard_plan import ShardPlan
@@ -29,16 +30,17 @@ def simulate_cp_attention(
     dout: list[torch.Tensor] | None = None,
     *,
     plan: ShardPlan,
-    causal: bool = True,
+    causal: bool | None = None,
     scale: float | None = None,
     kernel: compat.FusedAttentionKernel | None = None,
+    mask: MaskSpec | None = None,
 ) -> tuple[list[torch.Tensor], ...]:
     """Ring cp_attention of every rank's shards -> per-rank (out,) or (out, dq, dk, dv).
 
     Args:
         q, k, v: rank r's local shards at index r (``plan.shard(x, r, seq_dim=2)``).
         dout: per-rank upstream gradients of out; None: forward only.
-        plan, causal, scale: as for ``cp_attention``.
+        plan, causal, scale, mask: as for ``cp_attention``.
         kernel: a fused kernel to run the blocks with (default: the device's own, as in
             cp_attention).
     """
@@ -48,7 +50,9 @@ def simulate_cp_attention(
             raise ValueError(f"{name} must hold one shard per rank ({world}), got {len(shards)}")
     if scale is None:
         scale = q[0].shape[-1] ** -0.5
-    schedule = attention_schedule(plan, bool(causal))
+    mask = as_mask(mask, causal, where="simulate_cp_attention")
+    mask.check(plan, where="simulate_cp_attention")
+    schedule = attention_schedule(plan, mask)
     kv = [torch.stack([k[r], v[r]]) for r in range(world)]
 
     acc = [ring.forward_accumulators(q[r]) for r in range(world)]

@@ -48,8 +48,10 @@ def _samples(samples, images, videos, text_len) -> list[SampleSpec]:
     return samples
 
 
-def sample_items(sample: SampleSpec, i: int, merge: int) -> list[tuple[str, tuple[int, int, int]]]:
-    """``[(kind, (t, h, w)), ...]``: the sample's images, then its videos, checked."""
+def sample_items(sample: SampleSpec, i: int, adapter) -> list[tuple[str, tuple[int, int, int]]]:
+    """``[(kind, (t, h, w)), ...]``: the sample's images, then its videos, checked, as the
+    family's processor makes items of them (``adapter.synthetic_items``: tiles, crops)."""
+    merge = adapter.merge_size
     items = [("image", (1, h, w)) for h, w in sample.images]
     items += [("video", tuple(g)) for g in sample.videos]
     for kind, (t, h, w) in items:
@@ -60,7 +62,12 @@ def sample_items(sample: SampleSpec, i: int, merge: int) -> list[tuple[str, tupl
             )
     if sample.text_len < 0 or (sample.text_len == 0 and not items):
         raise ValueError(f"sample {i}: text_len must be >= 0 and the sample non-empty")
-    return items
+    n = len(sample.images)
+    return [
+        made
+        for kind, grid in items
+        for made in adapter.synthetic_items(kind, grid, images_in_sample=n)
+    ]
 
 
 def sample_tokens(adapter, items, text_len: int, text) -> list[int]:
@@ -125,7 +132,7 @@ def synthetic_batch(
 
     rows, grids = [], {"image": [], "video": []}
     for i, sample in enumerate(samples):
-        items = sample_items(sample, i, adapter.merge_size)
+        items = sample_items(sample, i, adapter)
         rows.append(sample_tokens(adapter, items, sample.text_len, text))
         for kind, grid in items:
             grids[kind].append(grid)
@@ -144,7 +151,7 @@ def synthetic_batch(
 
 def _vision_inputs(adapter, grids: dict, gen: torch.Generator, dtype: torch.dtype) -> dict:
     def pixels(kind_grids: list) -> torch.Tensor:
-        n_rows = sum(t * h * w for t, h, w in kind_grids)
+        n_rows = sum(adapter.item_sizes(g)[0] for g in kind_grids)
         return torch.randn(n_rows, adapter.pixel_width, generator=gen, dtype=torch.float64).to(
             dtype
         )
@@ -184,7 +191,6 @@ def split_documents(
     tokens with its own images, videos and per-video keys."""
     adapter = adapter_for(config)
     types = adapter.mm_token_type_ids(batch["input_ids"])
-    m2 = adapter.merge_size**2
     kinds = (
         ("image", 1, "pixel_values", "image_grid_thw"),
         ("video", 2, "pixel_values_videos", "video_grid_thw"),
@@ -202,14 +208,15 @@ def split_documents(
             if not need:
                 continue
             grids, first = batch[grid_key], seen[kind]
+            sizes = [adapter.item_sizes(tuple(int(v) for v in g)) for g in grids]
             last, got = first, 0
             while got < need:
-                got += int(grids[last].prod()) // m2
+                got += sizes[last][1]
                 last += 1
-            rows_before = int(grids[:first].prod(-1).sum())
+            rows_before = sum(p for p, _ in sizes[:first])
             doc[grid_key] = grids[first:last]
             doc[pix_key] = batch[pix_key][
-                rows_before : rows_before + int(grids[first:last].prod(-1).sum())
+                rows_before : rows_before + sum(p for p, _ in sizes[first:last])
             ]
             if kind == "video":
                 doc.update({k: batch[k][first:last] for k in adapter.video_keys if k in batch})

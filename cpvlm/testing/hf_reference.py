@@ -40,7 +40,7 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torc
 
 
 def _forward(model, inputs: Mapping, router: bool):
-    kwargs = {k: v for k, v in inputs.items() if k != "labels"}
+    kwargs = adapter_for(model).to_model_batch({k: v for k, v in inputs.items() if k != "labels"})
     if router:
         kwargs["output_router_logits"] = True
     try:

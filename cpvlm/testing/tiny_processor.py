@@ -47,7 +47,25 @@ CHAT_TEMPLATES = {
     "qwen2_5_vl": _QWEN_TEMPLATE.replace("{SYSTEM}", _DEFAULT_SYSTEM),
     "qwen3_vl": _QWEN_TEMPLATE.replace("{SYSTEM}", ""),
 }
-PROCESSOR_CLASSES = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}
+# Gemma 3's template, reduced to what matters here: turns, <start_of_image> per image.
+CHAT_TEMPLATES["gemma3"] = (
+    "{{ bos_token }}{% for message in messages %}<start_of_turn>"
+    "{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'image' %}<start_of_image>"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+GEMMA3_SPECIAL_TOKENS = {
+    "boi_token": "<start_of_image>",
+    "eoi_token": "<end_of_image>",
+    "image_token": "<image_soft_token>",
+}
+PROCESSOR_CLASSES = {
+    "qwen2_5_vl": "Qwen2_5_VLProcessor",
+    "qwen3_vl": "Qwen3VLProcessor",
+    "gemma3": "Gemma3Processor",
+}
 VIDEO_PROCESSORS = {"qwen2_5_vl": "Qwen2VLVideoProcessor", "qwen3_vl": "Qwen3VLVideoProcessor"}
 IMAGE_MIN_PIXELS = 16 * 16 * 4  # 4 x 4 patches of 8 pixels: 4 merged tokens
 IMAGE_MAX_PIXELS = 16 * 16 * 16  # 8 x 8 patches: 16 merged tokens
@@ -55,21 +73,35 @@ VIDEO_MIN_PIXELS = 16 * 16 * 4
 VIDEO_MAX_PIXELS = 16 * 16 * 4 * 8
 
 
-def tiny_tokenizer(vocab_size: int = 320):
-    """A byte-level BPE tokenizer (``tokenizers``) with the Qwen-VL special tokens."""
+def tiny_tokenizer(vocab_size: int = 320, family: str = "qwen3_vl"):
+    """A byte-level BPE tokenizer (``tokenizers``) with the family's special tokens (Qwen-VL's;
+    Gemma 3's named boi / eoi / image tokens, and <bos>)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    gemma = family == "gemma3"
+    specials = list(SPECIAL_TOKENS)
+    if gemma:
+        specials = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
+        specials += list(GEMMA3_SPECIAL_TOKENS.values())
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator([_CORPUS] * 4, trainer)
+    if gemma:
+        return PreTrainedTokenizerFast(
+            tokenizer_object=tok,
+            bos_token="<bos>",
+            eos_token="<eos>",
+            pad_token="<pad>",
+            extra_special_tokens=GEMMA3_SPECIAL_TOKENS,
+        )
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
     )
@@ -79,6 +111,20 @@ def tiny_model_config(family: str, tokenizer):
     """The tiny config of ``family`` with the tokenizer's special token ids."""
     from cpvlm.integrations.hf.models import tiny_qwen2_5_vl_config, tiny_qwen3_vl_config
 
+    if family == "gemma3":
+        from cpvlm.integrations.hf.families.gemma3 import tiny_gemma3_config
+
+        t = tokenizer.convert_tokens_to_ids
+        return tiny_gemma3_config(
+            boi_token_index=t(GEMMA3_SPECIAL_TOKENS["boi_token"]),
+            eoi_token_index=t(GEMMA3_SPECIAL_TOKENS["eoi_token"]),
+            image_token_index=t(GEMMA3_SPECIAL_TOKENS["image_token"]),
+            text_config={
+                "pad_token_id": t("<pad>"),
+                "bos_token_id": t("<bos>"),
+                "eos_token_id": t("<eos>"),
+            },
+        )
     ids = {
         "image_token_id": tokenizer.convert_tokens_to_ids("<|image_pad|>"),
         "video_token_id": tokenizer.convert_tokens_to_ids("<|video_pad|>"),
@@ -90,6 +136,13 @@ def tiny_model_config(family: str, tokenizer):
 
 
 def _image_processor(config):
+    if config.model_type == "gemma3":
+        from transformers.models.gemma3.image_processing_pil_gemma3 import (
+            Gemma3ImageProcessorPil,
+        )
+
+        side = config.vision_config.image_size
+        return Gemma3ImageProcessorPil(size={"height": side, "width": side})
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
@@ -125,7 +178,7 @@ def make_tiny_checkpoint(
         raise ValueError(f"layout must be 'v5' or 'legacy', got {layout!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = tiny_tokenizer()
+    tokenizer = tiny_tokenizer(family=family)
     config = tiny_model_config(family, tokenizer)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -133,6 +186,16 @@ def make_tiny_checkpoint(
     model.save_pretrained(path)
     template = CHAT_TEMPLATES[family]
     image_processor = _image_processor(config)
+    if family == "gemma3":  # no video processor; the processor's own image_seq_length
+        tokenizer.chat_template = template
+        tokenizer.save_pretrained(path)
+        processor = {
+            "processor_class": PROCESSOR_CLASSES[family],
+            "image_processor": image_processor.to_dict(),
+            "image_seq_length": config.mm_tokens_per_image,
+        }
+        (path / "processor_config.json").write_text(json.dumps(processor, indent=1))
+        return path
     video = _video_config(family, config)
     if layout == "v5":
         tokenizer.chat_template = template

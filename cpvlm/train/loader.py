@@ -45,9 +45,9 @@ def has_processor(model_name: str) -> bool:
 def token_ids(model_config) -> TokenIds:
     """The data path's ids of ``model_config``, with its family's token-type rule (the adapter's:
     GLM-4V's video frames are image tokens inside video markers)."""
-    from cpvlm.integrations.hf import adapter_for
+    from cpvlm.integrations.hf.processor import adapter_token_ids
 
-    return TokenIds.from_config(model_config, types=adapter_for(model_config).mm_token_type_ids)
+    return adapter_token_ids(model_config)
 
 
 def _tokenized_only(ids: TokenIds):

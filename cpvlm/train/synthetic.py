@@ -99,6 +99,8 @@ class SyntheticVLMData:
             n = int(torch.randint(1, MAX_IMAGES + 1, (1,), generator=g))
             picks = torch.randint(len(IMAGE_GRIDS), (n,), generator=g).tolist()
             images = tuple(IMAGE_GRIDS[p] for p in picks)
+        elif kind == "video" and not self.adapter.takes_videos:  # Gemma 3: an image instead
+            images = (IMAGE_GRIDS[0],)
         elif kind == "video":
             t = int(torch.randint(VIDEO_FRAMES[0], VIDEO_FRAMES[1] + 1, (1,), generator=g))
             videos = ((t, *VIDEO_HW),)
@@ -110,7 +112,7 @@ class SyntheticVLMData:
         if isinstance(index, bool) or not isinstance(index, int) or index < 0:
             raise IndexError(f"synthetic sample index must be an int >= 0, got {index!r}")
         spec, start, stride = self.spec(index)
-        items = sample_items(spec, index, self.adapter.merge_size)
+        items = sample_items(spec, index, self.adapter)
         j = count()
 
         def text(n: int) -> list[int]:  # the counting text, in sequence order
@@ -125,7 +127,7 @@ class SyntheticVLMData:
             grids = [grid for k, grid in items if k == kind]
             if not grids:
                 continue
-            rows = sum(t * h * w for t, h, w in grids)
+            rows = sum(self.adapter.item_sizes(g)[0] for g in grids)
             width = self.adapter.pixel_width
             make = RandomRows(self._sample_seed(index, pix_key), width)
             sample[pix_key] = LazyPixels(make, rows, width)
@@ -140,11 +142,25 @@ class SyntheticVLMData:
         """The longest sample this source can produce, in tokens."""
 
         def tokens(kind, grid) -> int:
-            return len(self.adapter.item_tokens(kind, grid, lambda n: [0] * n))
+            items = self.adapter.synthetic_items(kind, grid)
+            return sum(len(self.adapter.item_tokens(k, g, lambda n: [0] * n)) for k, g in items)
 
-        image = max(tokens("image", (1, h, w)) for h, w in IMAGE_GRIDS)
+        def image(
+            n: int,
+        ) -> int:  # one of n images of a sample (LLaVA-OneVision: n > 1 is base-only)
+            return max(
+                sum(
+                    len(self.adapter.item_tokens(k, g, lambda n: [0] * n))
+                    for k, g in self.adapter.synthetic_items("image", (1, h, w), images_in_sample=n)
+                )
+                for h, w in IMAGE_GRIDS
+            )
+
+        images = max(image(1), MAX_IMAGES * image(MAX_IMAGES))
+        if not self.adapter.takes_videos:
+            return TEXT_LEN[1] + images
         video = tokens("video", (VIDEO_FRAMES[1], *VIDEO_HW))
-        return TEXT_LEN[1] + max(MAX_IMAGES * image, video)
+        return TEXT_LEN[1] + max(images, video)
 
     def _sample_seed(self, index: int, stream: str) -> int:
         return _seed32(self.seed, index, stream)

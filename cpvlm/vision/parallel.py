@@ -38,7 +38,7 @@ from cpvlm.vision.gather import gather_vision_embeddings
 from cpvlm.vision.route import route_plan, route_to_owners
 from cpvlm.vision.split import LocalSplit, Piece, SplitAttention, check_orders, local_split
 from cpvlm.vision.split_assign import SplitAssignment, split_assignment
-from cpvlm.vision.units import VisionUnits, check_merge_size, vision_units
+from cpvlm.vision.units import UnitSizes, VisionUnits, check_merge_size, vision_units
 
 
 def _split_output(out: object) -> tuple[list[torch.Tensor], bool]:
@@ -96,6 +96,9 @@ class VisionDataParallel(nn.Module):
         cost: the tower's cost model, by which units are balanced over ranks. Default: what
             ``encoder.vision_cost()`` returns if the encoder has that method, else the patch
             count (``VisionCost.patches()``). Every rank must pass the same one.
+        unit_sizes: ``grid -> (pixel rows, output rows)`` of a unit, for a tower whose layout is
+            not t*h*w pixel rows and t*h*w/m**2 output rows (see ``vision_units``); it also sizes
+            the dummy frame (1, m, m) of a rank without units.
         attn, attn_options: ``mode="split"``: the ``cp_attention`` impl (and its keywords) of
             the tower's attention over the sharded units.
 
@@ -117,6 +120,7 @@ class VisionDataParallel(nn.Module):
         out_dims: int | Sequence[int] | None = None,
         dtype: torch.dtype | None = None,
         cost: VisionCost | None = None,
+        unit_sizes: UnitSizes | None = None,
         attn: str = "ring",
         attn_options: dict | None = None,
     ):
@@ -135,18 +139,21 @@ class VisionDataParallel(nn.Module):
         self.out_dims = out_dims
         self.dtype = dtype
         self.cost = _cost_model(encoder, cost)
+        self.unit_sizes = unit_sizes
         self.attn, self.attn_options = attn, dict(attn_options or {})
         if mode == "split":
             missing = [a for a in ("unit_order", "encode_local") if not hasattr(encoder, a)]
-            if missing or out_dims is not None:
+            if missing or out_dims is not None or unit_sizes is not None:
                 raise ValueError(
                     f"VisionDataParallel: mode='split' needs an encoder with unit_order and "
-                    f"encode_local (missing: {missing}) and no out_dims; other modes: route, "
+                    f"encode_local (missing: {missing}) and no out_dims or unit_sizes; other modes: route, "
                     "allgather"
                 )
 
     def units(self, grid_thw: torch.Tensor) -> VisionUnits:
-        return vision_units(grid_thw, self.merge_size, split_frames=self.split_frames)
+        return vision_units(
+            grid_thw, self.merge_size, split_frames=self.split_frames, sizes=self.unit_sizes
+        )
 
     def assignment(self, units: VisionUnits) -> list[list[int]]:
         """Whole units per rank (modes route and allgather)."""
@@ -361,9 +368,10 @@ class VisionDataParallel(nn.Module):
             ]
             return tensors, not isinstance(self.out_dims, int)
         m = self.merge_size
-        dummy_pix = pixel_values.new_zeros(m * m, pixel_values.shape[1])
+        pixels, rows = (m * m, 1) if self.unit_sizes is None else self.unit_sizes((1, m, m))
+        dummy_pix = pixel_values.new_zeros(pixels, pixel_values.shape[1])
         dummy_grid = torch.tensor([[1, m, m]], dtype=torch.long, device=device)
         tensors, has_deepstack = _split_output(self.encoder(dummy_pix, dummy_grid))
         # One m x m frame is one merged row: this catches a wrong merge_size on empty ranks too.
-        self._check_output(tensors, has_deepstack, 1)
+        self._check_output(tensors, has_deepstack, rows)
         return [t[:0] for t in tensors], has_deepstack

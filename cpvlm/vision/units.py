@@ -14,6 +14,7 @@ see tests/vision/test_vision_qwen_frames.py for the Qwen2.5-VL and Qwen3-VL towe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -60,6 +61,9 @@ class VisionUnits:
     items: tuple[int, ...]
     merge_size: int
     num_items: int
+    sizes: tuple[tuple[int, int], ...] | None = None
+    """(pixel rows, output rows) of each unit where the tower's layout is not t*h*w and
+    t*h*w/m**2 (``vision_units(..., sizes=)``); None: those."""
 
     @property
     def num_units(self) -> int:
@@ -68,11 +72,15 @@ class VisionUnits:
     @property
     def pixel_counts(self) -> list[int]:
         """Pixel rows (patches) of each unit: t*h*w."""
+        if self.sizes is not None:
+            return [p for p, _ in self.sizes]
         return [t * h * w for t, h, w in self.grids]
 
     @property
     def row_counts(self) -> list[int]:
         """Output rows (merged tokens) of each unit: t*h*w / m**2."""
+        if self.sizes is not None:
+            return [r for _, r in self.sizes]
         m2 = self.merge_size**2
         return [t * h * w // m2 for t, h, w in self.grids]
 
@@ -114,12 +122,23 @@ def _ranges(offsets: list[int], units: list[int]) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
 
 
+UnitSizes = Callable[[tuple[int, int, int]], tuple[int, int]]
+"""``sizes(grid) -> (pixel rows, output rows)`` of a unit of ``grid`` in a tower's own layout."""
+
+
 def vision_units(
-    grid_thw: torch.Tensor, merge_size: int = 2, *, split_frames: bool = True
+    grid_thw: torch.Tensor,
+    merge_size: int = 2,
+    *,
+    split_frames: bool = True,
+    sizes: UnitSizes | None = None,
 ) -> VisionUnits:
     """Units of the items of ``grid_thw``: one per image, one per temporal frame of a video.
 
     With ``split_frames=False`` a video stays one unit (for towers that attend across frames).
+    ``sizes``: the pixel and output rows of a unit of a grid, for a tower whose layout is not the
+    Qwen-VL one (LLaVA-OneVision: an image's crops and its packed rows); default t*h*w and
+    t*h*w/m**2.
     Raises ValueError for a malformed grid or one whose h, w are not multiples of ``merge_size``.
     """
     merge_size = check_merge_size(merge_size)
@@ -136,4 +155,5 @@ def vision_units(
         items=tuple(items),
         merge_size=merge_size,
         num_items=int(grid_thw.shape[0]),
+        sizes=None if sizes is None else tuple(sizes(g) for g in grids),
     )

@@ -63,7 +63,7 @@ def test_bad_inputs_raise_value_errors_naming_the_problem():
         "kv": "k and v must have the same shape",
         "head dim": "must agree on batch and head dim",
         "scale": "scale must be a positive finite number, got -1.0",
-        "causal": "causal must be a bool, got 'yes'",
+        "causal": "causal must be a bool or None, got 'yes'",
     }
     for messages in run_distributed(_errors, 2):
         for name, fragment in expected.items():

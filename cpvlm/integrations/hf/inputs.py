@@ -59,6 +59,9 @@ class PreparedBatch:
     row_positions: torch.Tensor  # [R] b * P + p of each visual row, tower order
     pixel_width: int  # C of a pixel row
     local_pixels: bool = False  # pixel_parts hold only this CP rank's units (see prepare_batch)
+    spans: tuple[tuple[tuple[int, int], ...], ...] = ()
+    """Per batch row: the global padded ``[start, stop)`` of each run of the adapter's
+    ``span_token_types`` within one document (tokens that attend bidirectionally)."""
 
     def pixel_values(self, dtype: torch.dtype) -> torch.Tensor:
         """``[patches, C]`` images then videos in ``dtype``. Build it only where it is used: it
@@ -69,8 +72,8 @@ class PreparedBatch:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _tokens_per_item(grids: list[tuple[int, int, int]], merge: int) -> list[int]:
-    return [t * h * w // merge**2 for t, h, w in grids]
+def _tokens_per_item(grids: list[tuple[int, int, int]], adapter: VLMAdapter) -> list[int]:
+    return [adapter.item_sizes(g)[1] for g in grids]
 
 
 def _check_text(batch: Mapping) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -98,8 +101,9 @@ def _check_text(batch: Mapping) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 def _check_vision(
-    kind: str, n_tokens: int, token_id: int, pixels, grid_thw, merge: int, local: bool
+    kind: str, n_tokens: int, token_id: int, pixels, grid_thw, adapter: VLMAdapter, local: bool
 ) -> list[tuple[int, int, int]]:
+    merge = adapter.merge_size
     if grid_thw is None:
         if pixels is not None:
             raise ValueError(f"pixel values for {kind}s were given without {kind}_grid_thw")
@@ -114,17 +118,23 @@ def _check_vision(
         raise ValueError(f"{kind}_grid_thw: {err}") from None
     if pixels is None:
         raise ValueError(f"{kind}_grid_thw was given without its pixel values")
-    patches = sum(t * h * w for t, h, w in grids)
+    patches = sum(adapter.item_sizes(g)[0] for g in grids)
+    # the rule of the Qwen-VL layout; a family with its own sizes (adapter.item_sizes) names none
+    pixel_rule, token_rule = (
+        (" (family rule)", " (family rule)")
+        if adapter.unit_sizes
+        else (" (sum of t*h*w)", f" (t*h*w/{merge}**2)")
+    )
     if pixels.dim() != 2 or (pixels.shape[0] != patches and not local):
         raise ValueError(
             f"{kind} pixel values have shape {tuple(pixels.shape)} but {kind}_grid_thw needs "
-            f"{patches} patch rows (sum of t*h*w)"
+            f"{patches} patch rows{pixel_rule}"
         )
-    n_features = sum(_tokens_per_item(grids, merge))
+    n_features = sum(_tokens_per_item(grids, adapter))
     if n_tokens != n_features:
         raise ValueError(
             f"{kind} tokens and features do not match: input_ids hold {n_tokens} {kind} tokens "
-            f"(id {token_id}) but {kind}_grid_thw gives {n_features} features (t*h*w/{merge}**2)"
+            f"(id {token_id}) but {kind}_grid_thw gives {n_features} features{token_rule}"
         )
     return grids
 
@@ -132,7 +142,7 @@ def _check_vision(
 def _check_token_types(adapter: VLMAdapter, ids, attention_mask, given, has_vision) -> torch.Tensor:
     types = adapter.mm_token_type_ids(ids, attention_mask)
     if given is None:
-        if has_vision:
+        if has_vision and adapter.rope_rows:
             raise ValueError(
                 "mm_token_type_ids is missing: the model needs it to place images and videos in "
                 "its M-RoPE positions (the processor returns it: 1 = image token, 2 = video token)"
@@ -146,9 +156,9 @@ def _check_token_types(adapter: VLMAdapter, ids, attention_mask, given, has_visi
     return types
 
 
-def _split_by_document(grids, tokens_in_doc, merge, kind) -> list[list[tuple[int, int, int]]]:
+def _split_by_document(grids, tokens_in_doc, adapter, kind) -> list[list[tuple[int, int, int]]]:
     """Grids of each document, in order, from the number of tokens each document holds."""
-    per_doc, it = [], iter(zip(grids, _tokens_per_item(grids, merge), strict=True))
+    per_doc, it = [], iter(zip(grids, _tokens_per_item(grids, adapter), strict=True))
     for d, need in enumerate(tokens_in_doc):
         mine, got = [], 0
         while got < need:
@@ -191,7 +201,7 @@ def _positions(adapter, model, ids, types, attention_mask, grids, extras, plan, 
         return (seen[ends[1:]] - seen[ends[:-1]]).tolist()
 
     per_kind = [
-        _split_by_document(g, tokens_per_doc(t), adapter.merge_size, k)
+        _split_by_document(g, tokens_per_doc(t), adapter, k)
         for g, (k, t, *_) in zip(grids, _KINDS, strict=True)
     ]
     parts, v0 = [], 0
@@ -218,6 +228,31 @@ def _row_positions(types: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
     return torch.cat(flat)
 
 
+def _mask_spans(adapter: VLMAdapter, types: torch.Tensor, plan: ShardPlan):
+    """Runs of span token types, split at document ends, as global padded positions (a run lies
+    in one document, whose padded positions are consecutive)."""
+    if not adapter.span_token_types:
+        return ()
+    inside = torch.isin(types, torch.tensor(adapter.span_token_types, device=types.device))
+    starts = torch.zeros_like(inside)
+    starts[:, 0] = inside[:, 0]
+    starts[:, 1:] = inside[:, 1:] & ~inside[:, :-1]
+    doc_starts = torch.tensor([0, *plan.doc_lens]).cumsum(0)[:-1]
+    starts[:, doc_starts] = inside[:, doc_starts]
+    run = starts.long().cumsum(-1)
+    padded = plan.padded_index.tolist()
+    spans = []
+    for b in range(types.shape[0]):
+        idx = torch.nonzero(inside[b]).squeeze(1)
+        ids = run[b, idx]
+        row = []
+        for r in torch.unique_consecutive(ids).tolist():
+            pos = idx[ids == r]
+            row.append((padded[int(pos[0])], padded[int(pos[-1])] + 1))
+        spans.append(tuple(row))
+    return tuple(spans)
+
+
 def prepare_batch(
     model,
     batch: Mapping[str, object],
@@ -241,6 +276,7 @@ def prepare_batch(
     (``VisionDataParallel`` checks their count).
     """
     adapter = adapter or adapter_for(model)
+    batch = adapter.from_model_batch(batch)
     ids, labels, attention_mask = _check_text(batch)
     text_config = model.config.text_config
     if getattr(text_config, "use_sliding_window", False):
@@ -259,7 +295,7 @@ def prepare_batch(
             tok,
             batch.get(pix),
             batch.get(grid),
-            adapter.merge_size,
+            adapter,
             local_pixels,
         )
         for (kind, t, pix, grid), tok in zip(_KINDS, token_ids, strict=True)
@@ -294,4 +330,5 @@ def prepare_batch(
         row_positions=_row_positions(types, plan),
         pixel_width=adapter.pixel_width,
         local_pixels=local_pixels,
+        spans=_mask_spans(adapter, types, plan),
     )

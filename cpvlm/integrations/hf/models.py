@@ -52,6 +52,7 @@ def build_model(
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = AutoModelForImageTextToText.from_config(config, **extra)
+            adapter_for(model).init_tiny(model)
         model = model.to(dtype)
     else:
         path = Path(name_or_path)

@@ -52,6 +52,22 @@ DEFAULT_VIDEO_PROCESSOR = {
 }
 
 
+def adapter_token_ids(model_config) -> TokenIds:
+    """The data path's ids and sizes of ``model_config`` from its family's adapter (its token-type
+    rule; GLM-4V's video frames are image tokens inside video markers; Gemma's merge size is its
+    projector's pooling)."""
+    adapter = adapter_for(model_config)
+    return TokenIds(
+        image=adapter.image_token_id,
+        video=adapter.video_token_id,
+        merge=adapter.merge_size,
+        vocab_size=getattr(getattr(model_config, "text_config", model_config), "vocab_size", None),
+        pixel_width=adapter.pixel_width,
+        types=adapter.mm_token_type_ids,
+        sizes=adapter.item_sizes if adapter.unit_sizes else None,
+    )
+
+
 def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
@@ -154,14 +170,16 @@ class ChatEncoder:
         )
         self.model_dir = Path(model_dir)
         self.train_on = train_on
-        self.ids = TokenIds.from_config(
-            model_config, types=adapter_for(model_config).mm_token_type_ids
-        )
+        self.adapter = adapter_for(model_config)
+        self.ids = adapter_token_ids(model_config)
         model_type = model_config.model_type
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
         self.image_processor = AutoImageProcessor.from_pretrained(
             self.model_dir, local_files_only=True
         )
+        if not self.adapter.takes_videos:  # Gemma 3: one fixed image size, no videos
+            self._init_images_only(model_type)
+            return
         size = self.image_processor.size
         self.image_processor.size = type(size)(
             shortest_edge=min_pixels or size["shortest_edge"],
@@ -188,6 +206,26 @@ class ChatEncoder:
                 f"{self.model_dir}: the image processor merges {merge}x{merge} patches, the "
                 f"model {self.ids.merge}x{self.ids.merge}"
             )
+
+    def _init_images_only(self, model_type: str) -> None:
+        """A processor without videos (Gemma 3): its own class around the tokenizer and image
+        processor, with its settings (``image_seq_length``) from ``processor_config.json``."""
+        template = load_chat_template(self.model_dir, self.tokenizer)
+        settings = {
+            k: v
+            for k, v in _read_json(self.model_dir / "processor_config.json").items()
+            if k not in ("processor_class", "image_processor", "chat_template")
+        }
+        cls = _processor_class(self.model_dir, model_type)
+        self.processor = cls(
+            image_processor=self.image_processor,
+            tokenizer=self.tokenizer,
+            chat_template=template,
+            **settings,
+        )
+        self.chat_template = template
+        self.video = None
+        self._seconds = False
 
     def __reduce__(self):
         # Rebuilt from its arguments in a spawned DataLoader worker (the processor class made
@@ -264,7 +302,10 @@ class ChatEncoder:
         ref = image_ref(value, base_dir)
         height, width = ref.size()
         try:
-            grid = image_grid(self.image_processor, height, width)
+            if self.adapter.takes_videos:
+                grid = image_grid(self.image_processor, height, width)
+            else:  # a tower of one image size: every image is resized to it
+                grid = self.adapter.processor_image_grid(self.image_processor, height, width)
         except ValueError as err:  # e.g. an aspect ratio the processor refuses
             raise DataError("unreadable_media", f"{ref.name}: {err}") from None
         return VisionItem("image", grid, image=ref)
@@ -308,9 +349,12 @@ class ChatEncoder:
             ],
         }
         p = self.processor
+        if not self.adapter.takes_videos:
+            image_inputs = self.adapter.processor_image_inputs([it.grid for it in images])
         image_repl = [p.replace_image_token(image_inputs, image_idx=i) for i in range(len(images))]
         video_repl = [p.replace_video_token(video_inputs, video_idx=i) for i in range(len(videos))]
-        n_image, n_video = text.count(p.image_token), text.count(p.video_token)
+        n_video = text.count(p.video_token) if getattr(p, "video_token", None) else 0
+        n_image = text.count(p.image_token)
         if (n_image, n_video) != (len(images), len(videos)):
             raise DataError(
                 "vision_token_mismatch",
@@ -364,6 +408,7 @@ class ChatEncoder:
     def decode(self, item: VisionItem, temporal) -> torch.Tensor:
         if item.kind == "image":
             out = self.image_processor(images=[item.image.load()], return_tensors="pt")
+            out = self.adapter.from_model_batch(dict(out))  # Gemma: [N, 3, H, W] -> pixel rows
             grid = tuple(int(v) for v in out["image_grid_thw"][0])
             if grid != item.grid:
                 raise DataError(

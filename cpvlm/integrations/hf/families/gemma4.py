@@ -1,0 +1,320 @@
+"""Gemma 4 (gemma4): 1D RoPE, sliding-window layers, per-layer embeddings, variable-size images.
+
+The processor writes an image as ``<boi>``, one image token per pooled patch block, ``<eoi>``,
+and a video as, per sampled frame, its timestamp (text) then ``<boi>`` video tokens ``<eoi>``.
+The tower takes each image or frame as its own sequence of patches (``[N, max_patches,
+3 * p * p]``, padded, with ``(x, y)`` patch positions, -1 for padding) and pools k x k patches
+(``pooling_kernel_size``) into one token, so **a vision unit is one image or one video frame**.
+The CP core takes them in the Qwen-VL layout: pixel rows = the real patches, a grid ``(1, h, w)``
+per image and ``(frames, h, w)`` per video in patches, merge size k
+(``from_model_batch`` / ``to_model_batch`` convert; the rows are the processor's patches as
+they are, row-major, so the conversion only drops or adds the padding).
+
+Text: the embedding scales by sqrt(hidden_size) inside its module; placeholders of images,
+videos (and audio) are embedded as the pad token before their features replace them, and the
+per-layer embeddings (PLE) look up the same pad-substituted ids: ``decoder_inputs`` computes
+them from this rank's ids exactly as ``Gemma4Model.forward`` does (its context part is computed
+by the text model from the shard's ``inputs_embeds``). Positions are 1D per document. KV-shared
+layers reuse the shard's keys and values of an earlier layer: under CP that is the same
+attention over the same global K/V. The logits are soft-capped by ``final_logit_softcapping``.
+Masks (``create_masks_for_vision_model`` in transformers' ``models/gemma4/modeling_gemma4.py``,
+with ``use_bidirectional_attention="vision"``): global layers causal only; sliding layers
+``sliding_window_overlay`` AND (causal OR same run of image/video tokens,
+``get_block_sequence_ids_for_mask``: types 1 and 2). Without it (None) every layer is causal.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from transformers import Gemma4Config
+
+from cpvlm.vision.cost import VisionCost
+
+from ..adapter import VLMAdapter
+from ..registry import register
+from ..tiny import IMAGE_TOKEN_ID, TEXT, VIDEO_TOKEN_ID, split_overrides, with_overrides
+from .gemma3 import untied_lm_head
+
+BOI_TOKEN_ID = 500
+EOI_TOKEN_ID = 501
+AUDIO_TOKEN_ID = 506
+TIMESTAMP_TOKENS = 3
+"""Text tokens of the ``mm:ss`` timestamp the processor writes before every video frame."""
+
+_TEXT = {
+    **TEXT,
+    "num_hidden_layers": 6,
+    # sliding, full, sliding, full, then two KV-shared layers (sliding, full) that reuse layers
+    # 2 and 3. A full layer must feed a later layer's keys: the image spans' absence on full
+    # layers then shows in the loss (a shared layer's keys are an earlier layer's).
+    "layer_types": ["sliding_attention", "full_attention"] * 3,
+    "num_kv_shared_layers": 2,
+    "sliding_window": 6,  # shorter than the test rows and than an image of 8 x 4 patches
+    "head_dim": 16,
+    "global_head_dim": 32,  # full layers: wider heads (per_layer_config), as in Gemma 4
+    "hidden_size_per_layer_input": 8,  # per-layer embeddings on
+    "vocab_size_per_layer_input": TEXT["vocab_size"],
+    "use_bidirectional_attention": "vision",
+    "final_logit_softcapping": 30.0,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {
+            "rope_type": "proportional",
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 1e6,
+        },
+    },
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+_VISION = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "patch_size": 8,
+    "pooling_kernel_size": 2,
+    "position_embedding_size": 64,
+}
+
+
+def tiny_gemma4_config(**overrides) -> Gemma4Config:
+    """A Gemma 4 config small enough for float64 CPU tests (no audio tower)."""
+    vision, text, top = split_overrides(overrides)
+    top = with_overrides(
+        {
+            "boi_token_id": BOI_TOKEN_ID,
+            "eoi_token_id": EOI_TOKEN_ID,
+            "image_token_id": IMAGE_TOKEN_ID,
+            "video_token_id": VIDEO_TOKEN_ID,
+            "audio_token_id": AUDIO_TOKEN_ID,
+            "audio_config": None,
+            "attn_implementation": "sdpa",
+        },
+        top,
+    )
+    return Gemma4Config(
+        text_config=with_overrides(_TEXT, text),
+        vision_config=with_overrides(_VISION, vision),
+        **top,
+    )
+
+
+def gemma4_vision_cost(vc) -> VisionCost:
+    """Patch embedding P w; blocks w d (2 Hq + 2 Hkv) (q, o and k, v projections) + 3 w I (gated
+    MLP); full attention within the image or frame (pooling and projection are small)."""
+    w, d = vc.hidden_size, vc.head_dim
+    attn = w * d * (2 * vc.num_attention_heads + 2 * vc.num_key_value_heads)
+    mlp = 3 * w * vc.intermediate_size
+    linear = 3 * vc.patch_size**2 * w + vc.num_hidden_layers * (attn + mlp)
+    return VisionCost(
+        linear_per_patch=linear,
+        pair=2 * vc.num_attention_heads * d,
+        full_blocks=vc.num_hidden_layers,
+    )
+
+
+def _rms_norm_in_dtype(self, x):
+    """``Gemma4RMSNorm.forward``'s math in the input's dtype (transformers casts to float32)."""
+    out = x * torch.pow(x.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+    return out * self.weight if self.with_scale else out
+
+
+def _pool_in_dtype(self, hidden_states, pixel_position_ids, padding_positions, output_length):
+    """``Gemma4VisionPooler.forward``'s math in the input's dtype (transformers pools and scales
+    in float32)."""
+    hidden_states = hidden_states.masked_fill(padding_positions.unsqueeze(-1), 0.0)
+    if hidden_states.shape[1] != output_length:
+        k = int((hidden_states.shape[1] // output_length) ** 0.5)
+        pos = pixel_position_ids.clamp(min=0)
+        max_x = pos[..., 0].max(dim=-1, keepdim=True)[0] + 1
+        kernel = torch.div(pos, k, rounding_mode="floor")
+        kernel = kernel[..., 0] + (max_x // k) * kernel[..., 1]
+        weights = torch.nn.functional.one_hot(kernel.long(), output_length).to(hidden_states)
+        weights = weights / k**2
+        hidden_states = weights.transpose(1, 2) @ hidden_states
+        padding_positions = torch.logical_not((weights == 0).all(dim=1))
+    return hidden_states * self.root_hidden_size, padding_positions
+
+
+@register
+class Gemma4Adapter(VLMAdapter):
+    family = "gemma4"
+    model_classes = ("Gemma4ForConditionalGeneration",)
+    model_types = ("gemma4",)
+    tiny_configs = {"gemma4-tiny": tiny_gemma4_config}
+    model_batch_keys = (
+        "image_position_ids",
+        "video_position_ids",
+        "num_frames_per_video",
+    )
+    span_layers = "sliding"
+    projector = ()
+
+    def __init__(self, config):
+        self.config = config
+        self.merge_size = int(config.vision_config.pooling_kernel_size)
+        text = config.text_config
+        if text.use_bidirectional_attention == "all":
+            raise ValueError(
+                "Gemma 4 with use_bidirectional_attention='all' (an encoder) is not supported "
+                "under context parallelism: its windows are two-sided"
+            )
+        if text.enable_moe_block:
+            raise ValueError("Gemma 4 MoE blocks (enable_moe_block) are not supported yet")
+
+    @property
+    def span_token_types(self):
+        vision = self.config.text_config.use_bidirectional_attention == "vision"
+        return (1, 2) if vision else ()
+
+    @property
+    def special_token_ids(self):
+        c = self.config
+        ids = (c.image_token_id, c.video_token_id, c.boi_token_id, c.eoi_token_id)
+        return (*ids, c.audio_token_id)
+
+    @property
+    def pixel_width(self) -> int:
+        return 3 * self.config.vision_config.patch_size**2
+
+    def item_tokens(self, kind, grid, text):
+        t, h, w = grid
+        c = self.config
+        pad = c.image_token_id if kind == "image" else c.video_token_id
+        frame = [c.boi_token_id] + [pad] * (h * w // self.merge_size**2) + [c.eoi_token_id]
+        if kind == "image":
+            return frame
+        tokens = []
+        for _ in range(t):
+            tokens += text(TIMESTAMP_TOKENS) + frame
+        return tokens
+
+    # ---- the model's own batch <-> the core's -------------------------------------------------
+
+    def from_model_batch(self, batch):
+        batch = dict(batch)
+        for kind, pix, pos, grid in (
+            ("image", "pixel_values", "image_position_ids", "image_grid_thw"),
+            ("video", "pixel_values_videos", "video_position_ids", "video_grid_thw"),
+        ):
+            positions = batch.pop(pos, None)
+            frames = batch.pop("num_frames_per_video", None) if kind == "video" else None
+            pixels = batch.get(pix)
+            if positions is None or pixels is None or pixels.dim() != 3:
+                continue
+            real = (positions != -1).all(-1)  # [N, max_patches]
+            hw = positions.clamp(min=0).amax(1) + 1  # [N, (w, h)]
+            frame_grids = torch.stack([torch.ones_like(hw[:, 0]), hw[:, 1], hw[:, 0]], -1)
+            if kind == "video":
+                counts = frames.tolist() if frames is not None else [len(frame_grids)]
+                firsts = torch.tensor([0, *counts[:-1]]).cumsum(0)
+                frame_grids = frame_grids[firsts].clone()
+                frame_grids[:, 0] = torch.tensor(counts)
+            batch[pix] = pixels[real]
+            batch.setdefault(grid, frame_grids)
+        return batch
+
+    def to_model_batch(self, batch):
+        batch = dict(batch)
+        for pix, pos, grid in (
+            ("pixel_values", "image_position_ids", "image_grid_thw"),
+            ("pixel_values_videos", "video_position_ids", "video_grid_thw"),
+        ):
+            grids = batch.pop(grid, None)
+            if grids is None:
+                continue
+            batch[pix], batch[pos] = self._padded(batch[pix], grids)
+            if pix == "pixel_values_videos":
+                batch["num_frames_per_video"] = grids[:, 0].clone()
+        return batch
+
+    def _padded(self, rows: torch.Tensor, grid_thw: torch.Tensor):
+        """``([frames, max_patches, C], [frames, max_patches, 2])`` of pixel rows in the grids'
+        order, every frame padded to the longest (position -1), as the processor pads."""
+        hw = torch.repeat_interleave(grid_thw[:, 1:], grid_thw[:, 0], dim=0).tolist()
+        longest = max(h * w for h, w in hw)
+        pixels = rows.new_zeros(len(hw), longest, rows.shape[1])
+        positions = torch.full((len(hw), longest, 2), -1, dtype=torch.long)
+        start = 0
+        for f, (h, w) in enumerate(hw):
+            pixels[f, : h * w] = rows[start : start + h * w]
+            y, x = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+            positions[f, : h * w] = torch.stack([x, y], -1).reshape(-1, 2)
+            start += h * w
+        return pixels, positions
+
+    # ---- modules -----------------------------------------------------------------------------
+
+    def vision_tower(self, model):
+        return model.model.vision_tower
+
+    def encoder_root(self, model):
+        return model.model  # get_image_features: the tower, then embed_vision beside it
+
+    def module_groups(self):
+        v = r"model\.vision_tower\."
+        return (
+            ("vision patch embed", (v + r"patch_embedder\.",)),
+            ("vision blocks", (v + r"encoder\.",)),
+            ("vision projector", (r"model\.embed_vision\.",)),
+            ("token embeddings", (r"model\.language_model\.embed_tokens(_per_layer)?\.",)),
+            ("decoder layers", (r"model\.language_model\.",)),
+            *untied_lm_head(self.config),
+        )
+
+    def init_tiny(self, model):
+        # The patch embedder's position table starts at ones (every position alike).
+        with torch.no_grad():
+            table = model.model.vision_tower.patch_embedder.position_embedding_table
+            table.normal_(0.0, 0.1)
+
+    def float64_islands(self, model):
+        # Gemma4RMSNorm and the vision pooler compute in float32 whatever the model dtype; the
+        # norm weights' gradients are float32 sums over the tokens of one call.
+        norm = type(model.model.language_model.norm)
+        pooler = type(model.model.vision_tower.pooler)
+        for module in model.modules():
+            if isinstance(module, norm):
+                module.forward = types.MethodType(_rms_norm_in_dtype, module)
+            elif isinstance(module, pooler):
+                module.forward = types.MethodType(_pool_in_dtype, module)
+
+    # ---- vision ------------------------------------------------------------------------------
+
+    def encode(self, root, pixel_values, grid_thw):
+        pixels, positions = self._padded(pixel_values, grid_thw)
+        out = root.get_image_features(pixels, positions.to(pixels.device), return_dict=True)
+        return torch.cat(out.pooler_output)
+
+    def vision_cost(self) -> VisionCost:
+        return gemma4_vision_cost(self.config.vision_config)
+
+    # ---- positions, decoder, loss ------------------------------------------------------------
+
+    @property
+    def rope_rows(self) -> int:
+        return 0
+
+    def decoder_inputs(self, model, input_ids, visual_mask):
+        """The per-layer embeddings' token part of this rank's ids, as ``Gemma4Model.forward``
+        computes it (placeholders looked up as the pad token)."""
+        text = self.config.text_config
+        if not text.hidden_size_per_layer_input:
+            return {}
+        c = self.config
+        placeholders = torch.isin(
+            input_ids,
+            torch.tensor([c.image_token_id, c.video_token_id, c.audio_token_id]).to(input_ids),
+        )
+        ids = torch.where(placeholders, text.pad_token_id, input_ids)
+        return {"per_layer_inputs": model.model.language_model.get_per_layer_inputs(ids, None)}
+
+    @property
+    def logit_softcap(self) -> float | None:
+        return self.config.text_config.final_logit_softcapping

@@ -1,0 +1,250 @@
+"""InternVL (``InternVLForConditionalGeneration``): a Qwen2 decoder with 1D RoPE, an InternViT tower
+on square tiles, pixel shuffle and an MLP projector.
+
+Legend: s tile side in patches (image_size // patch_size), m = 1 / downsample_ratio, p patch side.
+
+The processor cuts an image into tiles of ``image_size`` pixels (a grid chosen by its aspect
+ratio, plus a thumbnail when there is more than one tile) and writes ``<img>``, then
+``image_seq_length`` = s*s/m**2 context tokens per tile, then ``</img>``; ``pixel_values`` is
+``[tiles, C, H, W]`` for all images of the batch. A video is written as one-tile images, one per
+frame, with its frame labels as text, and its frames join ``pixel_values``: the model has image
+tokens only, and so has this adapter (synthetic videos become one-tile images, ``synthetic_items``).
+
+The unit is one tile. ``get_image_features`` encodes each tile alone (the ViT attends within a
+tile, its CLS token and position table are per tile), and pixel shuffle and the projector act on
+one tile's features: so a tile's rows depend on that tile's pixels only, and the tiles of one image
+may be encoded on different CP ranks exactly (tests/hf/test_tiled_families.py). In cpvlm's batch
+an image of k tiles has the grid (k, s, s) and its pixels are the tiles' values viewed as k*s*s
+rows of C*p*p values (``to_model_batch`` gives the model its ``[tiles, C, H, W]`` back): the tiles of
+an image are the "frames" of the Qwen layout, units of s*s pixel rows and s*s/m**2 output rows.
+
+Positions are 1D: ``rope_index`` returns None, and the core gives every packed document positions
+0..n-1, as the model's own forward gives a document alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+from transformers import InternVLConfig
+
+from cpvlm.vision.cost import VisionCost, block_linear_macs
+
+from ..adapter import VLMAdapter
+from ..registry import register
+from ..tiny import (
+    IMAGE_TOKEN_ID,
+    TEXT,
+    VISION,
+    VISION_END_TOKEN_ID,
+    VISION_START_TOKEN_ID,
+    split_overrides,
+    with_overrides,
+)
+
+TILE = 32
+"""Tile side of the tiny config in pixels: 4 x 4 patches of 8, 4 context tokens per tile."""
+
+
+def tiny_internvl_config(**overrides) -> InternVLConfig:
+    """An InternVL config small enough for float64 CPU tests (~140k parameters): InternViT of 2
+    layers on 32-pixel tiles, a Qwen2 decoder with GQA, tied embeddings as in InternVL3-1B."""
+    vision, text, top = split_overrides(overrides)
+    vision = with_overrides(
+        {
+            "hidden_size": VISION["hidden_size"],
+            "intermediate_size": VISION["intermediate_size"],
+            "num_hidden_layers": VISION["depth"],
+            "num_attention_heads": VISION["num_heads"],
+            "image_size": TILE,
+            "patch_size": VISION["patch_size"],
+        },
+        vision,
+    )
+    text = with_overrides(
+        {**TEXT, "model_type": "qwen2", "bos_token_id": 1, "eos_token_id": 2}, text
+    )
+    side = TILE // VISION["patch_size"]
+    top = with_overrides(
+        {
+            "image_token_id": IMAGE_TOKEN_ID,
+            # <img> and </img>: the tokenizer's ids, kept in the config for the adapter
+            "start_image_token_id": VISION_START_TOKEN_ID,
+            "end_image_token_id": VISION_END_TOKEN_ID,
+            "image_seq_length": side * side // 4,
+            "attn_implementation": "sdpa",
+        },
+        top,
+    )
+    return InternVLConfig(text_config=text, vision_config=vision, **top)
+
+
+def _pair(value) -> tuple[int, int]:
+    return tuple(value) if isinstance(value, (list, tuple)) else (value, value)
+
+
+def internvl_vision_cost(config) -> VisionCost:
+    """Per tile: patch embedding (C p^2 w per patch), blocks 4 w^2 + 2 w I with full attention,
+    the projector on pixel-shuffled tokens ((m^2 w) D + D^2 per token, i.e. w D + D^2 / m^2 per
+    patch). The CLS token (one of s*s + 1 per tile) is left out: every tile is s x s, so it scales
+    every unit alike and changes no assignment."""
+    vc, d = config.vision_config, config.text_config.hidden_size
+    w, m = vc.hidden_size, round(1 / config.downsample_ratio)
+    p = math.prod(_pair(vc.patch_size))
+    projector = w * d + d * d // (m * m)
+    linear = (
+        vc.num_channels * p * w
+        + vc.num_hidden_layers * block_linear_macs(w, vc.intermediate_size, gated=False)
+        + projector
+    )
+    return VisionCost(linear_per_patch=linear, pair=2 * w, full_blocks=vc.num_hidden_layers)
+
+
+@register
+class InternVLAdapter(VLMAdapter):
+    family = "internvl"
+    model_classes = ("InternVLForConditionalGeneration",)
+    model_types = ("internvl",)
+    tiny_configs = {"internvl-tiny": tiny_internvl_config}
+    projector = ("multi_modal_projector",)
+
+    def __init__(self, config):
+        self.config = config
+        m = 1 / config.downsample_ratio
+        if abs(m - round(m)) > 1e-9:
+            raise ValueError(
+                f"InternVL: downsample_ratio {config.downsample_ratio} is not 1/integer; pixel "
+                "shuffle then has no whole merge size"
+            )
+        self.merge_size = round(m)
+        vc = config.vision_config
+        side_h, side_w = (i // p for i, p in zip(_pair(vc.image_size), _pair(vc.patch_size)))
+        if side_h != side_w or side_h % self.merge_size:
+            raise ValueError(
+                f"InternVL: tiles of {side_h} x {side_w} patches; the model needs square tiles "
+                f"whose side divides by 1/downsample_ratio = {self.merge_size}"
+            )
+        self.tile_side = side_h
+        self.patch = _pair(vc.patch_size)[0]
+
+    # ---- tokens ---------------------------------------------------------------------------------
+
+    @property
+    def video_token_id(self) -> int:
+        return -1  # no video tokens: video frames are images
+
+    @property
+    def start_image_token_id(self) -> int:
+        # InternVL-hf tokenizers put <img>, </img>, <IMG_CONTEXT> at consecutive ids
+        return getattr(self.config, "start_image_token_id", self.config.image_token_id - 2)
+
+    @property
+    def end_image_token_id(self) -> int:
+        return getattr(self.config, "end_image_token_id", self.config.image_token_id - 1)
+
+    @property
+    def special_token_ids(self):
+        return (self.image_token_id, self.start_image_token_id, self.end_image_token_id)
+
+    @property
+    def pixel_width(self) -> int:
+        return self.config.vision_config.num_channels * self.patch * self.patch
+
+    def mm_token_type_ids(self, input_ids, attention_mask=None):
+        types = (input_ids == self.image_token_id).long()
+        return types if attention_mask is None else types * attention_mask.bool()
+
+    def tiles(self, h: int, w: int) -> int:
+        """Tiles of an image of h x w patches, as the processor's ``crop_to_patches`` cuts one of
+        that aspect ratio: a grid of ceil(h/s) x ceil(w/s) tiles, plus a thumbnail if more than
+        one (the tiny model's stand-in for the processor's choice among its tile grids)."""
+        s = self.tile_side
+        n = -(-h // s) * -(-w // s)
+        return n + 1 if n > 1 else n
+
+    def synthetic_items(self, kind, grid, *, images_in_sample=1):
+        t, h, w = grid
+        s = self.tile_side
+        if kind == "video":
+            return [("image", (1, s, s))] * t
+        return [("image", (self.tiles(h, w) * t, s, s))]
+
+    def item_tokens(self, kind, grid, text):
+        if kind != "image":
+            raise ValueError("InternVL writes video frames as images; it has no video tokens")
+        t, h, w = grid
+        rows = t * h * w // self.merge_size**2
+        return (
+            [self.start_image_token_id] + [self.image_token_id] * rows + [self.end_image_token_id]
+        )
+
+    def to_model_batch(self, batch):
+        out = {k: v for k, v in batch.items() if k not in ("image_grid_thw", "mm_token_type_ids")}
+        if batch.get("pixel_values") is not None:
+            tile = (self.tile_side, self.tile_side)
+            out["pixel_values"] = self._tiles(batch["pixel_values"], tile)
+        return out
+
+    # ---- modules --------------------------------------------------------------------------------
+
+    def vision_tower(self, model):
+        # InternVLModel: encode calls its get_image_features (tower, feature layer, pixel
+        # shuffle, projector); its vision parameters are vision_tower and multi_modal_projector.
+        return model.model
+
+    def fsdp_units(self, model):
+        inner = model.model
+        return [*self.decoder_layers(model), inner.vision_tower, inner.multi_modal_projector]
+
+    def freeze_vision_encoder(self, model):
+        for p in model.model.vision_tower.parameters():
+            p.requires_grad_(False)
+
+    def module_groups(self):
+        v = r"model\.vision_tower\."
+        groups = [
+            ("vision patch embed", (v + r"embeddings\.",)),
+            ("vision blocks", (v + r"(encoder|layernorm)\.",)),
+            ("vision merger", (r"model\.multi_modal_projector\.",)),
+            ("token embeddings", (r"model\.language_model\.embed_tokens\.",)),
+            ("decoder layers", (r"model\.language_model\.(layers|norm)\.",)),
+        ]
+        if not self.config.tie_word_embeddings:  # tied: the head is the token embeddings
+            groups.append(("lm head", (r"lm_head\.",)))
+        return tuple(groups)
+
+    # ---- vision ---------------------------------------------------------------------------------
+
+    def _tiles(self, rows: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        """``[tiles, C, H, W]`` from the pixel rows of tiles of ``size`` (h, w) patches (a view)."""
+        c, p = self.config.vision_config.num_channels, self.patch
+        h, w = size
+        return rows.reshape(-1, c, h * p, w * p)
+
+    def encode(self, tower, pixel_values, grid_thw):
+        # Consecutive items of one tile size go through one call (all real tiles are s x s;
+        # VisionDataParallel's dummy frame on a rank without units is a smaller one, alone).
+        grids = [tuple(int(v) for v in g) for g in grid_thw.tolist()]
+        out, row = [], 0
+        for size, group in itertools.groupby(grids, key=lambda g: g[1:]):
+            group = list(group)
+            n = sum(t * h * w for t, h, w in group)
+            tiles = self._tiles(pixel_values[row : row + n], size)
+            feats = tower.get_image_features(pixel_values=tiles, return_dict=True).pooler_output
+            out.append(feats.reshape(-1, feats.shape[-1]))
+            row += n
+        return torch.cat(out)
+
+    def vision_cost(self) -> VisionCost:
+        return internvl_vision_cost(self.config)
+
+    # ---- positions ------------------------------------------------------------------------------
+
+    def rope_index(self, *args, **kwargs):
+        return None
+
+    @property
+    def rope_rows(self) -> int:
+        return 0

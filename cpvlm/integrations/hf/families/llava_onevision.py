@@ -1,0 +1,330 @@
+"""LLaVA-OneVision (``LlavaOnevisionForConditionalGeneration``): a Qwen2 decoder with 1D RoPE, a
+SigLIP tower on square crops, an MLP projector and the anyres packing of an image's crops.
+
+Legend: S crop side in pixels (vision image_size), s = S // patch_size its side in patches,
+(H, W) an image's original size in pixels, t its crops.
+
+The processor resizes an image to the best of ``image_grid_pinpoints`` for its aspect ratio and
+cuts it into crops of S pixels, after a base crop of the whole image (t = 1 + crops); in a sample
+of several images each image is its base crop only (t = 1). The model encodes every crop alone
+(SigLIP, the feature layer, the projector: s*s rows each), then packs an image
+(``pack_image_features``): the base crop's rows, then the other crops laid out as their grid,
+unpadded to the original aspect ratio, bilinearly downsampled when larger than
+``vision_aspect_ratio`` (anyres_max_N) allows, with an ``image_newline`` row after every row of
+the grid; a base-only image gets one newline row. The processor writes one ``<image>`` token per
+packed row.
+
+The unit is one image with all its crops. The crops go through the ViT alone, but the packing
+needs all of them: unpadding keeps rows by their place in the whole grid, and the downsampling
+interpolates across crop borders, so no crop's share of the packed rows is a function of that
+crop alone. (InternVL's tile is finer: its pixel shuffle and projector act on one tile.) In cpvlm's
+batch an image has the grid (t, H, W) (the original size, from which the processor's token count
+and the unpadding follow) and t*s*s pixel rows of C*p*p values, each crop's values viewed as s*s
+rows (``to_model_batch`` gives the model its ``[images, crops, C, S, S]``, ``image_sizes`` and
+``batch_num_images`` back); ``item_sizes`` gives its pixel and packed rows.
+
+Videos are not taken: the model pools each frame and adds one newline row per video, which the
+per-item sizes could express, but a video's grid cannot be told from an image's in the core's
+``grid_thw`` (images, then videos, one list); synthetic videos become base-only images.
+
+Positions are 1D: ``rope_index`` returns None (the core's per-document positions).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers import LlavaOnevisionConfig
+from transformers.image_processing_utils import select_best_resolution
+
+from cpvlm.vision.cost import VisionCost, block_linear_macs
+
+from ..adapter import VLMAdapter
+from ..registry import register
+from ..tiny import IMAGE_TOKEN_ID, TEXT, VIDEO_TOKEN_ID, VISION, split_overrides, with_overrides
+
+CROP = 32
+"""Crop side of the tiny config in pixels: 4 x 4 patches of 8, 16 rows per crop."""
+
+TINY_PINPOINTS = [[32, 32], [32, 64], [64, 32], [64, 64], [32, 96], [96, 32]]
+
+
+def tiny_llava_onevision_config(**overrides) -> LlavaOnevisionConfig:
+    """A LLaVA-OneVision config small enough for float64 CPU tests (~150k parameters): SigLIP of
+    2 layers on 32-pixel crops, a Qwen2 decoder with GQA, resolutions up to 3 crops a side, and
+    ``anyres_max_2``, so that a 2 x 2 grid is downsampled (a 1 x 2 grid is not)."""
+    vision, text, top = split_overrides(overrides)
+    vision = with_overrides(
+        {
+            "model_type": "siglip_vision_model",
+            "hidden_size": VISION["hidden_size"],
+            "intermediate_size": VISION["intermediate_size"],
+            "num_hidden_layers": VISION["depth"],
+            "num_attention_heads": VISION["num_heads"],
+            "image_size": CROP,
+            "patch_size": VISION["patch_size"],
+            "vision_use_head": False,
+        },
+        vision,
+    )
+    text = with_overrides(
+        {**TEXT, "model_type": "qwen2", "bos_token_id": 1, "eos_token_id": 2}, text
+    )
+    top = with_overrides(
+        {
+            "image_token_index": IMAGE_TOKEN_ID,
+            "video_token_index": VIDEO_TOKEN_ID,
+            "image_grid_pinpoints": TINY_PINPOINTS,
+            "vision_aspect_ratio": "anyres_max_2",
+            "attn_implementation": "sdpa",
+        },
+        top,
+    )
+    return LlavaOnevisionConfig(text_config=text, vision_config=vision, **top)
+
+
+@dataclass(frozen=True)
+class CropCost(VisionCost):
+    """A unit of grid (t, H, W) is t crops of ``crop`` x ``crop`` patches (H, W: the original
+    image size, which does not change the tower's work)."""
+
+    crop: int = 1
+
+    def unit_cost(self, grid) -> int:
+        t = int(grid[0])
+        return t * super().unit_cost((1, self.crop, self.crop))
+
+
+def llava_onevision_vision_cost(config) -> CropCost:
+    """Per patch of a crop: SigLIP's patch embedding (C p^2 w), blocks 4 w^2 + 2 w I with full
+    attention over the crop, the projector w D + D^2 (one row per patch, for each feature layer's
+    w). The packing (gathers, the downsampling) is elementwise work."""
+    vc, d = config.vision_config, config.text_config.hidden_size
+    w = vc.hidden_size
+    layers = config.vision_feature_layer
+    feature_w = w * (1 if isinstance(layers, int) else len(layers))
+    linear = (
+        vc.num_channels * vc.patch_size**2 * w
+        + vc.num_hidden_layers * block_linear_macs(w, vc.intermediate_size, gated=False)
+        + feature_w * d
+        + d * d
+    )
+    side = vc.image_size // vc.patch_size
+    return CropCost(
+        linear_per_patch=linear, pair=2 * w, full_blocks=vc.num_hidden_layers, crop=side
+    )
+
+
+@register
+class LlavaOnevisionAdapter(VLMAdapter):
+    family = "llava_onevision"
+    model_classes = ("LlavaOnevisionForConditionalGeneration",)
+    model_types = ("llava_onevision",)
+    tiny_configs = {"llava-onevision-tiny": tiny_llava_onevision_config}
+    projector = ("multi_modal_projector", "image_newline")
+    split_frames = False
+    unit_sizes = True
+    zero_gradients = (r"model\.vision_tower\..*self_attn\.k_proj\.bias",)
+
+    def __init__(self, config):
+        self.config = config
+        self.merge_size = 1  # the grid's h, w are the original size in pixels
+        vc = config.vision_config
+        if config.vision_feature_select_strategy != "full":
+            raise ValueError(
+                "LLaVA-OneVision: vision_feature_select_strategy must be 'full' (SigLIP has no "
+                f"CLS token; 'default' drops a patch of every crop), got "
+                f"{config.vision_feature_select_strategy!r}"
+            )
+        if vc.image_size % vc.patch_size:
+            raise ValueError(
+                f"LLaVA-OneVision: vision image_size {vc.image_size} is not a multiple of "
+                f"patch_size {vc.patch_size}"
+            )
+        self.crop, self.patch = vc.image_size, vc.patch_size
+        self.side = vc.image_size // vc.patch_size
+        self.max_crops = int(config.vision_aspect_ratio.removeprefix("anyres_max_"))
+
+    # ---- tokens ---------------------------------------------------------------------------------
+
+    @property
+    def special_token_ids(self):
+        return (self.image_token_id, self.video_token_id)
+
+    @property
+    def pixel_width(self) -> int:
+        return self.config.vision_config.num_channels * self.patch**2
+
+    def crop_grid(self, height: int, width: int) -> tuple[int, int]:
+        """(rows, columns) of crops the processor cuts an image of height x width pixels into:
+        the best of ``image_grid_pinpoints`` (``select_best_resolution``) in crops."""
+        best_h, best_w = select_best_resolution((height, width), self.config.image_grid_pinpoints)
+        return best_h // self.crop, best_w // self.crop
+
+    def item_sizes(self, grid):
+        t, height, width = grid
+        s = self.side
+        if t == 1:  # base crop only (an image of a multi-image sample)
+            return s * s, s * s + 1
+        rows, cols = self.crop_grid(height, width)
+        if t != 1 + rows * cols:
+            raise ValueError(
+                f"LLaVA-OneVision: an image of {height} x {width} pixels has 1 + {rows} x {cols} "
+                f"crops (or 1 in a multi-image sample), not t = {t}"
+            )
+        # The processor's _get_unpadded_features, on the grid of crops' features.
+        cur_h, cur_w = rows * s, cols * s
+        if width / height > cur_w / cur_h:
+            new_h = int(round(height * (cur_w / width), 7))
+            cur_h -= (cur_h - new_h) // 2 * 2
+        else:
+            new_w = int(round(width * (cur_h / height), 7))
+            cur_w -= (cur_w - new_w) // 2 * 2
+        ratio = math.sqrt(cur_h * cur_w / (self.max_crops * s * s))
+        if ratio > 1.1:
+            cur_h, cur_w = int(cur_h // ratio), int(cur_w // ratio)
+        return t * s * s, s * s + cur_h * (cur_w + 1)
+
+    def mm_token_type_ids(self, input_ids, attention_mask=None):
+        types = (input_ids == self.image_token_id).long()
+        types += 2 * (input_ids == self.video_token_id).long()
+        return types if attention_mask is None else types * attention_mask.bool()
+
+    def synthetic_items(self, kind, grid, *, images_in_sample: int = 1):
+        t, h, w = grid
+        if kind == "video":
+            return [("image", (1, self.crop, self.crop))] * t
+        height, width = h * self.patch, w * self.patch
+        if images_in_sample > 1:
+            return [("image", (1, height, width))]
+        rows, cols = self.crop_grid(height, width)
+        return [("image", (1 + rows * cols, height, width))]
+
+    def item_tokens(self, kind, grid, text):
+        if kind != "image":
+            raise ValueError("cpvlm takes LLaVA-OneVision images only (see its adapter)")
+        return [self.image_token_id] * self.item_sizes(grid)[1]
+
+    def to_model_batch(self, batch):
+        out = {k: v for k, v in batch.items() if k not in ("image_grid_thw", "mm_token_type_ids")}
+        if batch.get("pixel_values") is None:
+            return out
+        grids = [tuple(int(v) for v in g) for g in batch["image_grid_thw"].tolist()]
+        crops = self._crops(batch["pixel_values"], [t for t, _, _ in grids])
+        most = max(c.shape[0] for c in crops)
+        padded = crops[0].new_zeros(len(crops), most, *crops[0].shape[1:])
+        for i, c in enumerate(crops):
+            padded[i, : c.shape[0]] = c
+        out["pixel_values"] = padded
+        out["image_sizes"] = torch.tensor([[h, w] for _, h, w in grids], dtype=torch.long)
+        out["batch_num_images"] = torch.tensor(_samples_of(grids), dtype=torch.long)
+        return out
+
+    # ---- modules --------------------------------------------------------------------------------
+
+    def vision_tower(self, model):
+        # LlavaOnevisionModel: encode runs its tower, projector and pack_image_features; its
+        # vision parameters are vision_tower, multi_modal_projector and image_newline.
+        return model.model
+
+    def fsdp_units(self, model):
+        # The tower's layers, not the tower: encode reads the feature layer's output, not the
+        # tower's, and FSDP2 re-gathers a unit's parameters for the backward from the gradient
+        # of the unit's outputs (the embeddings and post_layernorm stay with the root).
+        inner = model.model
+        layers = list(inner.vision_tower.encoder.layers)
+        return [*self.decoder_layers(model), *layers, inner.multi_modal_projector]
+
+    def freeze_vision_encoder(self, model):
+        for p in model.model.vision_tower.parameters():
+            p.requires_grad_(False)
+
+    def module_groups(self):
+        v = r"model\.vision_tower\."
+        return (
+            ("vision patch embed", (v + r"embeddings\.",)),
+            ("vision blocks", (v + r"(encoder|post_layernorm)\.",)),
+            ("vision merger", (r"model\.(multi_modal_projector\.|image_newline)",)),
+            *super().module_groups()[3:],
+        )
+
+    # ---- vision ---------------------------------------------------------------------------------
+
+    def _crops(self, rows: torch.Tensor, crops_per_item: list[int]) -> list[torch.Tensor]:
+        """``[t, C, S, S]`` per item from pixel rows (views)."""
+        c = self.config.vision_config.num_channels
+        per_crop = rows.reshape(-1, c, self.crop, self.crop)
+        return list(torch.split(per_crop, crops_per_item))
+
+    def encode(self, tower, pixel_values, grid_thw):
+        # get_image_features (modeling_llava_onevision.py) with the crops of each image as grid_thw
+        # says, not as image_sizes and batch_num_images would infer them: the tower on every crop
+        # at once, the feature layer(s) (the "full" strategy), the projector, then the model's own
+        # pack_image_features.
+        config = self.config
+        grids = [tuple(int(v) for v in g) for g in grid_thw.tolist()]
+        counts = [t for t, _, _ in grids]
+        crops = torch.cat(self._crops(pixel_values, counts)) if grids else pixel_values
+        feats = self._feature_layers(tower.vision_tower, crops)
+        feats = tower.multi_modal_projector(feats)
+        # The dummy frame of a rank without units is grid (1, 1, 1): one base crop, packed alike.
+        sizes = torch.tensor([[h, w] for _, h, w in grids], dtype=torch.long)
+        packed, _ = tower.pack_image_features(
+            torch.split(feats, counts),
+            sizes,
+            image_newline=tower.image_newline,
+            vision_aspect_ratio=config.vision_aspect_ratio,
+        )
+        return torch.cat(packed)
+
+    def _feature_layers(self, vision, crops: torch.Tensor) -> torch.Tensor:
+        """The hidden states of ``vision_feature_layer`` (concatenated, for a list), caught by
+        forward hooks on the embeddings and encoder layers: transformers' own
+        ``output_hidden_states`` returns None once FSDP2 has wrapped the tower (checked in
+        tests/hf/test_tiled_families.py), and the hidden states it returns are these outputs."""
+        layer = self.config.vision_feature_layer
+        wanted = [layer] if isinstance(layer, int) else list(layer)
+        modules = [vision.embeddings, *vision.encoder.layers]
+        caught, hooks = {}, []
+        for i in {k % len(modules) for k in wanted}:
+
+            def keep(module, args, out, i=i):
+                caught[i] = out[0] if isinstance(out, tuple) else out
+
+            hooks.append(modules[i].register_forward_hook(keep))
+        try:
+            vision(crops, return_dict=True)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return torch.cat([caught[k % len(modules)] for k in wanted], dim=-1)
+
+    def vision_cost(self) -> VisionCost:
+        return llava_onevision_vision_cost(self.config)
+
+    # ---- positions ------------------------------------------------------------------------------
+
+    def rope_index(self, *args, **kwargs):
+        return None
+
+    @property
+    def rope_rows(self) -> int:
+        return 0
+
+
+def _samples_of(grids) -> list[int]:
+    """``batch_num_images`` for the model's forward: 1 per anyres image (t > 1), and the length
+    of each run of base-only images (t = 1), which the model reads as one multi-image sample."""
+    counts = []
+    for base, run in itertools.groupby(grids, key=lambda g: g[0] == 1):
+        n = len(list(run))
+        if base and n == 1:
+            raise ValueError(
+                "LLaVA-OneVision's forward reads a lone base-only image as an anyres one; "
+                "base-only images come in multi-image samples of two or more"
+            )
+        counts += [n] if base else [1] * n
+    return counts
