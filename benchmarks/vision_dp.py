@@ -21,7 +21,10 @@
    before, with the cost-balanced assignment: ring algorithms, an all-gather or reduce-scatter of
    W blocks of M rows sends and receives (W-1)*M rows per rank, an all-reduce of N rows
    2*(W-1)/W*N. Rows are bf16 Qwen3-VL-8B-sized: 4096 features plus 3 deepstack levels.
-Run: python benchmarks/vision_dp.py [--rounds 15]
+5. vision="split" (benchmarks/_vision_split.py): modelled cost balance, measured encoder
+   fwd+bwd max/mean and per-rank activation memory of the tower, sharded vs whole units, on a mix
+   with units larger than a rank's share and on one long high-resolution video, cp 2/4/8.
+Run: python benchmarks/vision_dp.py [--rounds 15] [--part all|split]
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import argparse
 import os
 import time
 
+import _vision_split
 import torch
 import torch.nn.functional as F
 from _common import print_table, write_json
@@ -38,7 +42,7 @@ from transformers import AutoConfig
 
 from cpvlm import ShardPlan
 from cpvlm.integrations.hf.vision_cost import vision_cost
-from cpvlm.testing.vision_cases import CURRENT_MIX, MIXES, PUBLISHED_TOWERS
+from cpvlm.testing.vision_cases import CURRENT_MIX, MIXES, PUBLISHED_TOWERS, SPLIT_MIXES
 from cpvlm.vision import assign_vision_units, contiguous_assignment, route_plan, vision_units
 from cpvlm.vision.cost import VisionCost, block_linear_macs
 
@@ -355,9 +359,16 @@ def comm_rows(target: VisionCost) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds")
+    parser.add_argument(
+        "--part", choices=("all", "split"), default="all", help="split: item 5 only"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     costs = published_costs()
+    split = split_rows(costs[TARGET], args.rounds)
+    if args.part == "split":
+        write_json("vision_split", {**split, "load_average": os.getloadavg()})
+        return
     towers = tower_rows(costs)
     print_table(
         towers,
@@ -418,8 +429,33 @@ def main() -> None:
             "comm": comm,
             "features": FEATURES,
             "bytes_per_value": BYTES_PER_VALUE,
+            "split": split,
         },
     )
+
+
+def split_rows(target: VisionCost, rounds: int) -> dict:
+    """Item 5: the vision="split" tables, printed; returned for the JSON."""
+    bal = _vision_split.balance_rows(target, CPS)
+    print_table(
+        bal,
+        list(bal[0]),
+        f"vision='split': modelled max/mean per rank ({TARGET} cost): whole units (cost-balanced), "
+        "sharded units, the whole-unit bound",
+    )
+    print()
+    torch.manual_seed(0)
+    tower = timing_tower(target)
+    timing = _vision_split.timing_rows(target, tower, CPS, rounds, SCALE, _share_input)
+    print_table(
+        timing,
+        list(timing[0]),
+        f"vision='split': encoder fwd+bwd max/mean per rank (CPU s, best of {rounds}) and the "
+        f"largest rank's saved activations, timing tower width {tower.width}, units / {SCALE}, "
+        f"load average {os.getloadavg()[0]:.1f}",
+    )
+    print()
+    return {"mixes": SPLIT_MIXES, "balance": bal, "encoder": timing}
 
 
 if __name__ == "__main__":

@@ -15,13 +15,14 @@ LAYOUTS = ("head_tail", "balanced")
 """How ``ShardPlan`` places documents on the CP ranks (``ShardPlan(layout=...)``, ``--layout``):
 head-tail chunks of every document, or long documents head-tail and short ones whole, balanced."""
 
-VISION_MODES = ("route", "allgather", "replicate")
+VISION_MODES = ("route", "allgather", "split", "replicate")
 """How the CP ranks of a replica share the vision tower (``ContextParallelVLM(vision=...)``,
-``--vision``); the first two are ``VisionDataParallel`` modes, "replicate" encodes everything on
+``--vision``); the first three are ``VisionDataParallel`` modes, "replicate" encodes everything on
 every rank (the baseline)."""
 
-VISION_DP_MODES = ("route", "allgather")
-"""``VisionDataParallel(mode=...)``: each unit encoded once, rows routed to owners or all-gathered."""
+VISION_DP_MODES = ("route", "allgather", "split")
+"""``VisionDataParallel(mode=...)``: each unit encoded once, rows routed to owners or all-gathered;
+or, "split", units too large for a rank's share sharded across ranks, rows routed."""
 
 FLOWS = ("scalable", "compat")
 """``ContextParallelVLM(flow=...)``: no full-length tensor on any rank, or the full

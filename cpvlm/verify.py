@@ -255,7 +255,10 @@ def run_verify(
     labels = ["loss"] + [g for g, _ in groups if g in present]
 
     skipped = [
-        f"flow={f} vision={v}" for f in flows for v in visions if f == "compat" and v == "route"
+        f"flow={f} vision={v}"
+        for f in flows
+        for v in visions
+        if f == "compat" and v in ("route", "split")
     ]
     if len(skipped) == len(flows) * len(visions):
         raise ValueError("run_verify: flow='compat' needs vision='allgather' or 'replicate'")
@@ -269,7 +272,7 @@ def run_verify(
             Case(cp, a, v, f, b, hybrid_size(cp, ulysses_size) if a == "hybrid" else None)
             for f in flows
             for v in visions
-            if not (f == "compat" and v == "route")
+            if not (f == "compat" and v in ("route", "split"))
             for a in attns
             for b in batches
         ]
@@ -392,7 +395,7 @@ def _check_args(args) -> str | None:
         return f"--ulysses-size {u} must divide every --cp size, got {args.cp}"
     if args.tol is not None and not (math.isfinite(args.tol) and args.tol > 0):
         return f"--tol must be a finite number > 0, got {args.tol}"
-    if all(f == "compat" and v == "route" for f in args.flow for v in args.vision):
+    if all(f == "compat" and v in ("route", "split") for f in args.flow for v in args.vision):
         return (
             "--flow compat builds the full input embeddings, which needs every visual row on "
             "every rank: check it with --vision allgather or --vision replicate"

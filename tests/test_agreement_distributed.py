@@ -197,7 +197,13 @@ def _divergent_batches(rank, world_size):
     mesh = build_mesh(dp_shard=1, cp=world_size)
     groups = mesh_groups(mesh)
     out = {}
-    for case in ("route", "allgather", "replicate", "replicate: the tower returns a row too few"):
+    for case in (
+        "route",
+        "allgather",
+        "split",
+        "replicate",
+        "replicate: the tower returns a row too few",
+    ):
         vision = case.split(":")[0]
         model = build_model("qwen3-vl-tiny", dtype=torch.float64)
         cp_model = ContextParallelVLM(model, groups.cp_group, vision=vision)

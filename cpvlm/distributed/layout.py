@@ -30,6 +30,12 @@ balancing causal work across ranks. The rule, deterministic and computed from th
      The score is compared in exact integers (the denominators are the same for every k).
 Large documents thus end up split only where placing them whole would unbalance the ranks or cost
 more padding than it saves; every document placed whole costs no padding at all.
+
+``contiguous`` (``ShardPlan.contiguous``, for bidirectional attention such as a vision tower's):
+the documents unpadded, one after another; rank r holds the real positions ``[cuts[r],
+cuts[r+1])``, which may begin or end inside a document, then its padding in the tail as above.
+Under a causal mask this would give the last rank the most work; without one, contiguous ranges of
+balanced length are balanced.
 """
 
 from __future__ import annotations
@@ -116,6 +122,41 @@ def _positions(doc_lens: Sequence[int], w: int, whole_on: Sequence[int]) -> Layo
         start += local_len - tokens[r]
     return Layout(
         padded_doc_lens=tuple(padded_doc_lens),
+        padded_len=start,
+        ranges=tuple(tuple((a, b) for a, b in rs if b > a) for rs in ranges),
+        whole_on=tuple(whole_on),
+    )
+
+
+def contiguous_layout(doc_lens: tuple[int, ...], cuts: tuple[int, ...]) -> Layout:
+    """Rank r holds real positions ``[cuts[r], cuts[r+1])`` of the unpadded documents, then its
+    padding at the tail. ``cuts`` ascend from 0 to sum(doc_lens); ``whole_on`` names the rank of
+    every document that lies within one range (-1: it is cut)."""
+    total = sum(doc_lens)
+    if len(cuts) < 2 or cuts[0] != 0 or cuts[-1] != total:
+        raise ValueError(
+            f"ShardPlan.contiguous: cuts must run from 0 to the total length {total} (one more "
+            f"than the ranks), got {list(cuts)}"
+        )
+    if any(isinstance(c, bool) or not isinstance(c, int) for c in cuts) or any(
+        b < a for a, b in zip(cuts[:-1], cuts[1:])
+    ):
+        raise ValueError(f"ShardPlan.contiguous: cuts must be ascending ints, got {list(cuts)}")
+    w = len(cuts) - 1
+    local_len = max(b - a for a, b in zip(cuts[:-1], cuts[1:]))
+    ranges: list[list[tuple[int, int]]] = [[(cuts[r], cuts[r + 1])] for r in range(w)]
+    start = total
+    for r in range(w):  # the tail, rank by rank: every rank's positions stay ascending
+        pad = local_len - (cuts[r + 1] - cuts[r])
+        ranges[r].append((start, start + pad))
+        start += pad
+    whole_on, doc_start = [], 0
+    for n in doc_lens:
+        ranks = [r for r in range(w) if cuts[r] <= doc_start and doc_start + n <= cuts[r + 1]]
+        whole_on.append(ranks[0] if ranks else -1)
+        doc_start += n
+    return Layout(
+        padded_doc_lens=tuple(doc_lens),
         padded_len=start,
         ranges=tuple(tuple((a, b) for a, b in rs if b > a) for rs in ranges),
         whole_on=tuple(whole_on),

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from cpvlm.constants import IGNORE_INDEX
 from cpvlm.distributed.collectives import differentiable_all_gather_dim0
-from cpvlm.distributed.layout import build_layout
+from cpvlm.distributed.layout import Layout, build_layout, contiguous_layout
 
 PAD_DOC = -1
 """Document id of a padding position."""
@@ -72,12 +72,33 @@ class ShardPlan:
             raise ValueError(f"ShardPlan: doc_lens sum to {sum(doc_lens)} but seq_len is {seq_len}")
         self.doc_lens = doc_lens
         self.layout = layout
-        placed = build_layout(doc_lens, cp_size, layout)
+        self.cuts = None
+        self._place(build_layout(doc_lens, cp_size, layout))
+
+    @classmethod
+    def contiguous(cls, doc_lens: Sequence[int], cuts: Sequence[int]) -> ShardPlan:
+        """Rank r holds the real positions ``[cuts[r], cuts[r+1])`` of the documents ``doc_lens``
+        (unpadded, in order; a range may begin or end inside a document), then padding up to the
+        longest range, at the tail. ``len(cuts) - 1`` ranks. For bidirectional attention (a vision
+        tower's images or windows), where contiguous ranges of balanced work are balanced."""
+        doc_lens, cuts = tuple(doc_lens), tuple(cuts)
+        if not doc_lens or len(cuts) < 2:
+            raise ValueError(
+                f"ShardPlan.contiguous: needs documents and one cut more than ranks, got "
+                f"doc_lens={list(doc_lens)}, cuts={list(cuts)}"
+            )
+        placed = contiguous_layout(doc_lens, cuts)  # checks the cuts first
+        plan = cls(sum(doc_lens), len(cuts) - 1, doc_lens=doc_lens)  # checks the documents
+        plan.layout, plan.cuts = "contiguous", cuts
+        plan._place(placed)
+        return plan
+
+    def _place(self, placed: Layout) -> None:
         self.padded_doc_lens = placed.padded_doc_lens
         self.whole_on = placed.whole_on
         """Per document, the rank that holds it whole, or -1 where it is split head-tail."""
         self.padded_len = placed.padded_len
-        self.local_len = self.padded_len // cp_size
+        self.local_len = self.padded_len // self.cp_size
         self.merged = 1
         self._ranges = placed.ranges
 
@@ -104,6 +125,7 @@ class ShardPlan:
             cp_size=self.cp_size // group_size,
             doc_lens=self.doc_lens,
             layout=self.layout,
+            cuts=self.cuts,
             padded_doc_lens=self.padded_doc_lens,
             whole_on=tuple(r // group_size if r >= 0 else -1 for r in self.whole_on),
             padded_len=self.padded_len,
@@ -119,11 +141,13 @@ class ShardPlan:
     def __repr__(self) -> str:
         docs = "" if len(self.doc_lens) == 1 else f", doc_lens={list(self.doc_lens)}"
         layout = "" if self.layout == "head_tail" else f", layout={self.layout!r}"
+        if self.cuts is not None:
+            layout += f", cuts={list(self.cuts)}"
         merged = "" if self.merged == 1 else f" merged from cp_size={self.cp_size * self.merged}"
         return f"ShardPlan(seq_len={self.seq_len}, cp_size={self.cp_size}{docs}{layout}){merged}"
 
     def _key(self) -> tuple:
-        return (self.cp_size, self.merged, self.layout, self.doc_lens)
+        return (self.cp_size, self.merged, self.layout, self.doc_lens, self.cuts)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ShardPlan) and self._key() == other._key()

@@ -22,6 +22,13 @@ LONG_VIDEO_MIX = [(50, 32, 48), *[_SMALL[i % 4] for i in range(300)]]
 
 MIXES = {"current": CURRENT_MIX, "automodel": AUTOMODEL_MIX, "long video": LONG_VIDEO_MIX}
 
+# Units larger than a rank's share (vision="split"): three 1600-patch images among 23 small ones
+# (at cp 8 one big image is 1.67x the mean Qwen3-VL-8B cost), and one long high-resolution video
+# (12 frames of 64 x 96 patches: at cp 8 whole frames give some ranks two, 1.33x the mean).
+SPLIT_MIX = [*[(1, 40, 40)] * 3, *[_SMALL[i % 4] for i in range(23)]]
+HIGH_RES_VIDEO = [(12, 64, 96)]
+SPLIT_MIXES = {"3 x 1600 + small": SPLIT_MIX, "high-res video": HIGH_RES_VIDEO}
+
 # The vision_config of published checkpoints (their config.json; fields the cost model reads),
 # by top-level model_type: build with transformers.AutoConfig.for_model(model_type,
 # vision_config=...). Qwen2-VL's hidden_size is its output width; embed_dim is the tower's.

@@ -146,7 +146,7 @@ class ParallelConfig:
         _choice("parallel.vision", "--vision", self.vision, VISION_MODES)
         _choice("parallel.flow", "--flow", self.flow, FLOWS)
         _choice("parallel.data_parallel", "--data-parallel", self.data_parallel, DATA_PARALLEL)
-        if self.flow == "compat" and self.vision == "route":
+        if self.flow == "compat" and self.vision in ("route", "split"):
             _fail(
                 "parallel.vision",
                 "--vision",

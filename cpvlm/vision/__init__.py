@@ -3,7 +3,8 @@
 Read in this order: units.py (images and frames), cost.py (what encoding a unit costs),
 assign.py (who encodes what), gather.py (all-gather, backward reduce-scatter), route.py (rows to
 position owners, backward transposed), parallel.py (VisionDataParallel, the wrapper that puts
-them together).
+them together); for units larger than a rank's share, split_assign.py (which units are sharded,
+where the cuts go) and split.py (the tower sequence-parallel on their patches).
 """
 
 from cpvlm.vision.assign import assign_vision_units, contiguous_assignment
@@ -11,10 +12,15 @@ from cpvlm.vision.cost import VisionCost
 from cpvlm.vision.gather import gather_vision_embeddings
 from cpvlm.vision.parallel import VisionDataParallel
 from cpvlm.vision.route import RoutePlan, route_plan, route_to_owners
+from cpvlm.vision.split import SplitAttention, UnitOrder
+from cpvlm.vision.split_assign import SplitAssignment, split_assignment
 from cpvlm.vision.units import VisionUnits, vision_units
 
 __all__ = [
     "RoutePlan",
+    "SplitAssignment",
+    "SplitAttention",
+    "UnitOrder",
     "VisionCost",
     "VisionDataParallel",
     "VisionUnits",
@@ -23,5 +29,6 @@ __all__ = [
     "gather_vision_embeddings",
     "route_plan",
     "route_to_owners",
+    "split_assignment",
     "vision_units",
 ]

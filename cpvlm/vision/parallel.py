@@ -8,7 +8,10 @@ the tower's modelled cost, ``VisionCost``), encodes only those, and then either
 - ``mode="allgather"``: all-gathers every unit's rows; every rank gets all R rows in the
   unwrapped tower's order (backward: reduce-scatter), or
 - ``mode="route"``: sends each row only to the rank owning its sequence position; every rank
-  gets the rows of its own visual positions (backward: the transposed all-to-all).
+  gets the rows of its own visual positions (backward: the transposed all-to-all), or
+- ``mode="split"``: as route, but units that cost more than a rank's share are sharded across
+  ranks at merge-group granularity and the tower runs sequence-parallel on them
+  (``cpvlm.vision.split``; the encoder must implement the split protocol below).
 
 A rank with no units still joins both collectives with ``[0, D]`` placeholders. By default it
 learns their dtype and widths by running the tower on one m x m dummy frame, in the caller's
@@ -33,6 +36,8 @@ from cpvlm.vision.assign import assign_vision_units
 from cpvlm.vision.cost import VisionCost
 from cpvlm.vision.gather import gather_vision_embeddings
 from cpvlm.vision.route import route_plan, route_to_owners
+from cpvlm.vision.split import LocalSplit, Piece, SplitAttention, check_orders, local_split
+from cpvlm.vision.split_assign import SplitAssignment, split_assignment
 from cpvlm.vision.units import UnitSizes, VisionUnits, check_merge_size, vision_units
 
 
@@ -94,6 +99,14 @@ class VisionDataParallel(nn.Module):
         unit_sizes: ``grid -> (pixel rows, output rows)`` of a unit, for a tower whose layout is
             not t*h*w pixel rows and t*h*w/m**2 output rows (see ``vision_units``); it also sizes
             the dummy frame (1, m, m) of a rank without units.
+        attn, attn_options: ``mode="split"``: the ``cp_attention`` impl (and its keywords) of
+            the tower's attention over the sharded units.
+
+    Split protocol (``mode="split"``): ``encoder.unit_order(grid) -> UnitOrder`` (the tower's
+    order of a unit's merge groups and its windows) and ``encoder.encode_local(pixel_rows,
+    pieces, attention)``: run the tower on the local pixel rows (the ``Piece`` s one after another,
+    each in the tower's order) with position embeddings for exactly those patches and attention
+    through ``attention.attend``; return one row per local group, in the same order.
     """
 
     def __init__(
@@ -108,6 +121,8 @@ class VisionDataParallel(nn.Module):
         dtype: torch.dtype | None = None,
         cost: VisionCost | None = None,
         unit_sizes: UnitSizes | None = None,
+        attn: str = "ring",
+        attn_options: dict | None = None,
     ):
         super().__init__()
         if mode not in VISION_DP_MODES:
@@ -125,6 +140,15 @@ class VisionDataParallel(nn.Module):
         self.dtype = dtype
         self.cost = _cost_model(encoder, cost)
         self.unit_sizes = unit_sizes
+        self.attn, self.attn_options = attn, dict(attn_options or {})
+        if mode == "split":
+            missing = [a for a in ("unit_order", "encode_local") if not hasattr(encoder, a)]
+            if missing or out_dims is not None or unit_sizes is not None:
+                raise ValueError(
+                    f"VisionDataParallel: mode='split' needs an encoder with unit_order and "
+                    f"encode_local (missing: {missing}) and no out_dims or unit_sizes; other modes: route, "
+                    "allgather"
+                )
 
     def units(self, grid_thw: torch.Tensor) -> VisionUnits:
         return vision_units(
@@ -132,7 +156,14 @@ class VisionDataParallel(nn.Module):
         )
 
     def assignment(self, units: VisionUnits) -> list[list[int]]:
+        """Whole units per rank (modes route and allgather)."""
         return assign_vision_units(self.cost.unit_costs(units), dist.get_world_size(self.group))
+
+    def split_assignment(self, units: VisionUnits) -> SplitAssignment:
+        """Whole units per rank and the sharded units' cuts (mode split)."""
+        return split_assignment(
+            self.cost.unit_costs(units), units.row_counts, dist.get_world_size(self.group)
+        )
 
     def forward(
         self,
@@ -156,13 +187,19 @@ class VisionDataParallel(nn.Module):
         output row g in the padded batch, ``b * plan.padded_len + p`` (see ``cpvlm.vision.route``);
         the result holds this rank's visual rows sorted by local index in its ``[B, S_loc]`` shard.
         ``step``: the CP step this belongs to (see ``cpvlm.distributed.collectives.StepAgreement``).
-        ``with_unit_count``: return ``(result, units this rank encoded)``.
+        ``with_unit_count``: return ``(result, units this rank encoded)`` (split mode: whole units
+        plus pieces of sharded ones). split mode: as route mode (``plan``, ``row_positions``).
 
         A problem found on one rank only (its tower returned the wrong number of rows) is raised
         on every rank, through the agreement that precedes the rows' collective.
         """
         if step is None:
             step = StepAgreement()
+        if self.mode == "split":
+            out, encoded = self._forward_split(
+                pixel_values, grid_thw, plan, row_positions, local_pixels, step
+            )
+            return (out, encoded) if with_unit_count else out
         try:
             units, assignment, rp, tensors, has_deepstack = self._encode_local(
                 pixel_values, grid_thw, plan, row_positions, local_pixels
@@ -209,6 +246,68 @@ class VisionDataParallel(nn.Module):
         else:
             tensors, has_deepstack = self._placeholders(pixel_values, grid_thw.device)
         return units, assignment, rp, tensors, has_deepstack
+
+    def _forward_split(self, pixel_values, grid_thw, plan, row_positions, local_pixels, step):
+        """Mode split: ``(this rank's visual rows, units and pieces it encoded)``."""
+        rank = dist.get_rank(self.group)
+        facts, error = {}, None
+        try:
+            if local_pixels:
+                raise ValueError(
+                    "VisionDataParallel: mode='split' takes every pixel row (local_pixels=False): "
+                    "a sharded unit's patches are spread over ranks"
+                )
+            units = self.units(grid_thw)
+            self._check_pixels(pixel_values, units, None)
+            orders = [self.encoder.unit_order(g) for g in units.grids]
+            check_orders(units, orders)
+            sa = self.split_assignment(units)
+            local = local_split(units, orders, sa, rank)
+            if not isinstance(plan, ShardPlan) or row_positions is None:
+                raise ValueError("VisionDataParallel: mode='split' needs plan= and row_positions=")
+            rp = route_plan(local.row_ranks, row_positions, plan, rank)
+            facts = {"split units": sa.split, "cuts": sa.cuts, "dtype": pixel_values.dtype}
+        except ValueError as err:
+            error = str(err)
+        # Before the tower: its attention runs collectives over the sharded units' plan.
+        agree("VisionDataParallel split", self.group, facts, error=error, step=step)
+        tensors, has_deepstack = self._encode_split(pixel_values, local, step)
+        moved = route_to_owners(tensors, rp, self.group, step=step)
+        encoded = len(local.pieces) if local.row_ids.numel() else 0
+        return _join_output(moved, has_deepstack), encoded
+
+    def _encode_split(self, pixel_values, local: LocalSplit, step):
+        """The tower on this rank's patches; rows in ascending global row (route's order)."""
+        m2 = self.merge_size**2
+        attention = SplitAttention(
+            whole_lens=local.whole_lens,
+            whole_windows=local.whole_windows,
+            plan=local.plan,
+            window_plan=local.window_plan,
+            line_len=local.line_len,
+            group=self.group,
+            impl=self.attn,
+            options=self.attn_options,
+            step=step,
+        )
+        empty = local.row_ids.numel() == 0
+        if empty:
+            # Nothing here: one m x m dummy frame as a whole unit, so that this rank calls the
+            # tower (and its attention collectives) as the others do; none of its rows is kept.
+            attention.whole_lens = (m2,)
+            attention.whole_windows = None if local.whole_windows is None else (m2,)
+            pix = pixel_values.new_zeros(m2, pixel_values.shape[1])
+            pieces = (Piece(-1, (1, self.merge_size, self.merge_size), torch.arange(m2)),)
+        else:
+            pix = pixel_values.index_select(0, local.pixel_index.to(pixel_values.device))
+            pieces = local.pieces
+        tensors, has_deepstack = _split_output(self.encoder.encode_local(pix, pieces, attention))
+        if any(t.dim() != 2 or t.shape[0] != max(1, local.row_ids.numel()) for t in tensors):
+            return tensors, has_deepstack  # route_to_owners raises it on every rank
+        if empty:
+            return [t[:0] for t in tensors], has_deepstack
+        order = torch.argsort(local.row_ids).to(tensors[0].device)
+        return [t.index_select(0, order) for t in tensors], has_deepstack
 
     # ---- pieces -------------------------------------------------------------------------------
 

@@ -64,6 +64,10 @@ HEAD_CONFIGS = [
     ("ulysses", "allgather", "compat"),
 ]
 FIRST_FAMILIES = ("qwen3-vl-tiny", "qwen2.5-vl-tiny")
+# vision="split" (the mixed batch's largest image is sharded at cp 2 and 4, tests/vision/
+# test_vision_split.py checks that): every family whose adapter supports it, ring at cp 2; the
+# first two families also all-gather K/V, and at cp 4.
+SPLIT_CONFIGS = [("ring", "split", "scalable"), ("allgather", "split", "scalable")]
 ALL_CONFIGS = [
     *EXACT_CONFIGS,
     ("allgather", "allgather", "scalable"),
@@ -193,6 +197,9 @@ def test_loss_and_every_gradient_match_transformers_float64(name, cp):
     if name in GEMMA:  # the suite's time: both attentions and both vision collectives at cp 2,
         # the scalable flow's two attentions with Ulysses and hybrid at cp 4 (masks: test_gemma)
         configs = EXACT_CONFIGS if cp == 2 else [*EXACT_CONFIGS[:2], *HEAD_CONFIGS[:2]]
+    if adapter_for(_model(name, torch.float64)).split_vision:
+        split = SPLIT_CONFIGS if name in FIRST_FAMILIES else SPLIT_CONFIGS[:1] * (cp == 2)
+        configs = [*configs, *split]  # a new list: configs may be ALL_CONFIGS itself
     ref_loss, ref_grads, per_rank = _run(name, cp, "mixed", configs)
     if name in ("qwen3-vl-tiny", "qwen3-vl-moe-tiny"):
         assert any(n.startswith("model.visual.deepstack_merger_list") for n in ref_grads)

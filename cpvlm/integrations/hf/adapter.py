@@ -53,6 +53,7 @@ from torch import nn
 
 from cpvlm.router_loss import load_balancing_loss_share
 from cpvlm.vision.cost import VisionCost
+from cpvlm.vision.split import Piece, UnitOrder, pixel_order
 
 from .vision_cost import qwen2_vl_vision_cost
 
@@ -145,6 +146,11 @@ class VLMAdapter:
     mask span per run and document); () for causal-only models."""
     span_layers: ClassVar[str] = "all"
     """Where the spans apply: ``"all"`` layers or the ``"sliding"`` (windowed) ones only."""
+
+    split_vision: ClassVar[bool] = False
+    """The tower can run sequence-parallel on a unit's patches (``vision="split"``): it takes
+    every per-patch input precomputed (``split_tower_kwargs``) and attends through its attention
+    function with ``cu_seqlens``."""
 
     def __init__(self, config):
         self.config = config
@@ -289,11 +295,33 @@ class VLMAdapter:
     # ---- vision ---------------------------------------------------------------------------------
 
     def encode(
-        self, tower: nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+        self, tower: nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor, **kwargs
     ) -> VisionRows:
         """Run the tower on pixel rows ``[patches, C]`` of the items of ``grid_thw``; return one row
-        per merged token, in item order (and the deepstack levels, for families that have them)."""
-        return tower(pixel_values, grid_thw=grid_thw, return_dict=True).pooler_output
+        per merged token, in item order (and the deepstack levels, for families that have them).
+        ``kwargs`` (``vision="split"``): precomputed per-patch inputs and the attention context."""
+        return tower(pixel_values, grid_thw=grid_thw, return_dict=True, **kwargs).pooler_output
+
+    def unit_order(self, grid: tuple[int, int, int]) -> UnitOrder:
+        """``vision="split"``: the tower's order of a unit's merge groups (default: pixel order)."""
+        t, h, w = grid
+        return pixel_order(t * h * w // self.merge_size**2)
+
+    def windowed_attention(self, tower: nn.Module) -> list[nn.Module]:
+        """``vision="split"``: the attention modules of windowed blocks (default: none)."""
+        return []
+
+    def split_tower_kwargs(self, tower: nn.Module, pieces: Sequence[Piece], n: int) -> dict:
+        """``vision="split"``: the tower's precomputed inputs for ``n`` local patches, the
+        ``pieces`` one after another: rotary positions of exactly those patches and one attention
+        call over all of them (``cpvlm.integrations.hf.vision_attention``)."""
+        from transformers.vision_utils import get_vision_position_ids
+
+        from .vision_attention import local_rows, single_call
+
+        m = self.merge_size
+        positions = local_rows(pieces, lambda g: get_vision_position_ids(g, m))
+        return {"position_ids": positions, "cu_seqlens": single_call(n, positions.device)}
 
     def vision_cost(self) -> VisionCost:
         """The per-unit cost model of this family's tower, by which vision units are balanced

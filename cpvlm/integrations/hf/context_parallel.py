@@ -50,6 +50,7 @@ from .adapter import LossContext, VLMAdapter
 from .attention import CP_ATTENTION, CPAttentionContext
 from .inputs import BASE_KEYS, PreparedBatch, prepare_batch
 from .registry import adapter_for
+from .vision_attention import SplitTower
 
 
 @dataclass
@@ -116,8 +117,10 @@ class ContextParallelVLM(nn.Module):
         attn: CP attention: ``"ring"``, ``"allgather"``, ``"ulysses"``, ``"hybrid"`` (with
             ``ulysses_size``) or ``"auto"`` (see ``cpvlm.cp_attention``); every family.
         vision: ``"route"`` (each unit encoded once, rows sent to their owners), ``"allgather"``
-            (each unit encoded once, every rank gets every row) or ``"replicate"`` (every rank
-            encodes every unit: the simple baseline).
+            (each unit encoded once, every rank gets every row), ``"split"`` (as route, units
+            larger than a rank's share sharded across ranks, the tower sequence-parallel on them,
+            its attention through ``attn``; families with ``adapter.split_vision``) or
+            ``"replicate"`` (every rank encodes every unit: the simple baseline).
         flow: ``"scalable"`` or ``"compat"`` (full ``inputs_embeds`` built, then sharded).
         ulysses_size: ``attn="hybrid"`` only: ranks per Ulysses group (a divisor of the CP size).
         layout: ``ShardPlan`` layout, ``"head_tail"`` or ``"balanced"`` (short packed documents
@@ -160,10 +163,16 @@ class ContextParallelVLM(nn.Module):
                 raise ValueError(
                     f"ContextParallelVLM: {name} must be one of {allowed}, got {value!r}"
                 )
-        if flow == "compat" and vision == "route":
+        if flow == "compat" and vision in ("route", "split"):
             raise ValueError(
                 "ContextParallelVLM: flow='compat' builds the full inputs_embeds, which needs every "
                 "visual row on every rank: use vision='allgather' or 'replicate'"
+            )
+        if vision == "split" and not self.adapter.split_vision:
+            modes = [m for m in VISION_MODES if m != "split"]
+            raise ValueError(
+                f"ContextParallelVLM: vision='split' is not supported for {self.family} (its "
+                f"tower cannot run on part of an image); supported vision modes: {modes}"
             )
         if loss_chunk is not None and (
             isinstance(loss_chunk, bool) or not isinstance(loss_chunk, int) or loss_chunk < 1
@@ -188,17 +197,22 @@ class ContextParallelVLM(nn.Module):
             hybrid_groups(cp_group, self.attn_options["ulysses_size"])
         self.adapter.text_model(model).set_attn_implementation(CP_ATTENTION)
         self.adapter.install_context_parallel(model)
+        tower = self.adapter.vision_tower(model)
         self.encode = TowerCall(self.adapter, self.adapter.encoder_root(model))
         self.vision_cost = self.adapter.vision_cost()  # units balanced by the tower's cost
         # "replicate" with no units at all runs the same dummy frame as the other modes.
+        split = {}
+        if vision == "split":  # the tower's attention: SDPA per unit, cp_attention when sharded
+            split = {"attn": attn, "attn_options": self.attn_options}
         self.vision_dp = VisionDataParallel(
-            self.encode,
+            SplitTower(self.adapter, tower) if vision == "split" else self.encode,
             cp_group,
             mode="allgather" if vision == "replicate" else vision,
             merge_size=self.adapter.merge_size,
             split_frames=self.adapter.split_frames,
             cost=self.vision_cost,
             unit_sizes=self.adapter.item_sizes if self.adapter.unit_sizes else None,
+            **split,
         )
         self.batch_keys = (*BASE_KEYS, *self.adapter.video_keys, *self.adapter.model_batch_keys)
 
@@ -403,16 +417,17 @@ class ContextParallelVLM(nn.Module):
             agree("ContextParallelVLM vision", self.cp_group, {}, error=wrong, step=step)
         else:
             route = {"plan": prep.plan, "row_positions": prep.row_positions}
+            routed = self.vision in ("route", "split")
             out, encoded = self.vision_dp(
                 pixel_values,
                 prep.grid_thw,
                 local_pixels=prep.local_pixels,
                 with_unit_count=True,
                 step=step,
-                **(route if self.vision == "route" else {}),
+                **(route if routed else {}),
             )
             rows = _as_rows(out)
-        if self.flow == "scalable" and self.vision != "route":
+        if self.flow == "scalable" and self.vision not in ("route", "split"):
             mine = _local_row_order(prep, self.cp_rank).to(rows[0].device)
             rows = [t.index_select(0, mine) for t in rows]
         return rows, encoded

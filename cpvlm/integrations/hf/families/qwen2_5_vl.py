@@ -1,12 +1,18 @@
 """Qwen2.5-VL: Qwen2-VL's layout with window attention in the tower and video time steps.
 
 Videos carry ``second_per_grid_ts`` (one entry per video), which ``get_rope_index`` turns into
-temporal position steps; the tower's windows are per frame, so frames stay independent units.
+temporal position steps; the tower's windows are per frame, so frames stay independent units. Under ``vision="split"``
+each unit's merge groups are put in the tower's window order before they are cut (the window
+reordering the tower does itself), so every window is contiguous on the line.
 """
 
 from __future__ import annotations
 
+import torch
 from transformers import Qwen2_5_VLConfig
+from transformers.vision_utils import get_vision_window_index
+
+from cpvlm.vision.split import UnitOrder
 
 from ..adapter import VLMAdapter
 from ..registry import register
@@ -55,3 +61,26 @@ class Qwen2_5_VLAdapter(VLMAdapter):
     tiny_configs = {"qwen2.5-vl-tiny": tiny_qwen2_5_vl_config}
     video_keys = ("second_per_grid_ts",)
     cost_model = staticmethod(qwen2_5_vl_vision_cost)
+
+    split_vision = True
+
+    def unit_order(self, grid):
+        """The tower's own window order of the unit's groups, and its window lengths."""
+        vc = self.config.vision_config
+        index, cu = get_vision_window_index(
+            torch.tensor([grid]), vc.spatial_merge_size, vc.window_size, vc.patch_size
+        )
+        windows = torch.diff(cu) // self.merge_size**2
+        return UnitOrder(index.long(), tuple(int(n) for n in windows))
+
+    def windowed_attention(self, tower):
+        full = set(tower.fullatt_block_indexes)
+        return [blk.attn for i, blk in enumerate(tower.blocks) if i not in full]
+
+    def split_tower_kwargs(self, tower, pieces, n):
+        """Positions of the local patches, already in window order: the identity window index."""
+        kwargs = super().split_tower_kwargs(tower, pieces, n)
+        device = kwargs["position_ids"].device
+        kwargs["window_index"] = torch.arange(n // self.merge_size**2, device=device)
+        kwargs["cu_window_seqlens"] = kwargs["cu_seqlens"]
+        return kwargs

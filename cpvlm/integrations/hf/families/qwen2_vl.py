@@ -50,3 +50,4 @@ class Qwen2VLAdapter(VLMAdapter):
     model_classes = ("Qwen2VLForConditionalGeneration",)
     model_types = ("qwen2_vl",)
     tiny_configs = {"qwen2-vl-tiny": tiny_qwen2_vl_config}
+    split_vision = True  # positions and cu_seqlens precomputable, everything else per patch

@@ -243,8 +243,8 @@ class Qwen3_5Adapter(Qwen3VLAdapter):
         groups.insert(i, ("linear attention", (linear,)))
         return tuple(groups)
 
-    def encode(self, tower, pixel_values, grid_thw):
-        return VLMAdapter.encode(self, tower, pixel_values, grid_thw)
+    def encode(self, tower, pixel_values, grid_thw, **kwargs):
+        return VLMAdapter.encode(self, tower, pixel_values, grid_thw, **kwargs)
 
     def decoder_kwargs(self, visual_mask, deepstack):
         return VLMAdapter.decoder_kwargs(self, visual_mask, deepstack)

@@ -5,14 +5,18 @@ Legend: L local length, N local visual rows, D text width.
 The tower returns the merged rows and one ``[R, D]`` deepstack level per entry of
 ``vision_config.deepstack_visual_indexes``; the text model adds level l after decoder layer l at
 the visual positions (``visual_pos_masks``, ``deepstack_visual_embeds``), which on a shard are
-the local visual mask and the local rows in their order. The processor writes each temporal
+the local visual mask and the local rows in their order. Under ``vision="split"`` the tower's
+learned position table is interpolated per unit and taken at the local patches. The processor
+writes each temporal
 patch-frame of a video as ``<t seconds><vision_start> pads <vision_end>``, and ``get_rope_index``
 needs that text between frames.
 """
 
 from __future__ import annotations
 
+import torch
 from transformers import Qwen3VLConfig
+from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
 from ..adapter import VLMAdapter
 from ..registry import register
@@ -79,9 +83,27 @@ class Qwen3VLAdapter(VLMAdapter):
         groups.insert(3, ("deepstack mergers", (r"model\.visual\.deepstack_merger_list\.",)))
         return tuple(groups)
 
-    def encode(self, tower, pixel_values, grid_thw):
-        out = tower(pixel_values, grid_thw=grid_thw, return_dict=True)
+    def encode(self, tower, pixel_values, grid_thw, **kwargs):
+        out = tower(pixel_values, grid_thw=grid_thw, return_dict=True, **kwargs)
         return out.pooler_output, list(out.deepstack_features)
+
+    split_vision = True
+
+    def split_tower_kwargs(self, tower, pieces, n):
+        """The learned position table, interpolated per unit, at exactly the local patches."""
+        kwargs = super().split_tower_kwargs(tower, pieces, n)
+        interp = {}
+        for g in {p.grid for p in pieces}:
+            interp[g] = get_vision_interpolation_indices_and_weights(
+                torch.tensor([g]),
+                num_grid_per_side=tower.num_grid_per_side,
+                mode=tower.interpolation_mode,
+                align_corners=tower.interpolation_align_corners,
+                spatial_merge_size=self.merge_size,
+            )
+        for i, key in enumerate(("interp_indices", "interp_weights")):
+            kwargs[key] = torch.cat([interp[p.grid][i].index_select(0, p.patches) for p in pieces])
+        return kwargs
 
     def decoder_kwargs(self, visual_mask, deepstack):
         kwargs = super().decoder_kwargs(visual_mask, deepstack)

@@ -1,0 +1,193 @@
+"""vision="split": a unit sharded across CP ranks gives the one-process tower's rows and gradients.
+
+The real Qwen2.5-VL (windowed blocks, window reordering) and Qwen3-VL (learned position table,
+deepstack) tiny towers in float64 on gloo ranks, through ``VisionDataParallel(mode="split")``:
+every rank gets the rows of the visual positions it owns (one document of all rows, head-tail),
+and the loss sum over ranks of <rows, fixed random weights> back-propagates through the routing,
+``cp_attention`` and the local tower. Reference: the unwrapped tower on every unit in one call.
+Tolerance 1e-10: the same float64 math (the towers' float32 casts are per value, on the same
+values), summed in a different order across ranks.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("transformers")
+
+from cpvlm import ShardPlan  # noqa: E402
+from cpvlm.integrations.hf import adapter_for, build_model  # noqa: E402
+from cpvlm.integrations.hf.vision_attention import SplitTower  # noqa: E402
+from cpvlm.testing import rel_err, run_distributed  # noqa: E402
+from cpvlm.vision import VisionDataParallel, vision_units  # noqa: E402
+
+FAMILIES = ("qwen2.5-vl-tiny", "qwen3-vl-tiny")
+# (name, grids, ranks): the grids in patches; what each case shows is in the test below.
+CASES = {
+    2: [("one image", [(1, 8, 12)])],
+    3: [("one image", [(1, 8, 12)]), ("mix", [(1, 4, 4), (1, 8, 12), (1, 4, 8), (1, 8, 4)])],
+    4: [
+        ("one image", [(1, 8, 12)]),
+        ("video", [(1, 4, 4), (2, 8, 8)]),
+        ("two groups", [(1, 2, 4)]),  # 2 merge groups over 4 ranks: two ranks hold nothing
+    ],
+}
+
+_towers: dict = {}
+
+
+def _tower(name):
+    if name not in _towers:
+        model = build_model(name, dtype=torch.float64)
+        adapter = adapter_for(model)
+        _towers[name] = (adapter, adapter.vision_tower(model))
+    return _towers[name]
+
+
+def _inputs(adapter, grids, seed):
+    gen = torch.Generator().manual_seed(seed)
+    grid = torch.tensor(grids)
+    patches = int(grid.prod(dim=1).sum())
+    pixels = torch.randn(patches, adapter.pixel_width, generator=gen, dtype=torch.float64)
+    rows = patches // adapter.merge_size**2
+    return grid, pixels, rows, gen
+
+
+def _weights(gen, rows, widths):
+    return [torch.randn(rows, d, generator=gen, dtype=torch.float64) for d in widths]
+
+
+def _as_list(out):
+    return [out[0], *out[1]] if isinstance(out, tuple) else [out]
+
+
+def _reference(name, grids, seed):
+    adapter, tower = _tower(name)
+    tower = copy.deepcopy(tower)
+    grid, pixels, rows, gen = _inputs(adapter, grids, seed)
+    outs = _as_list(adapter.encode(tower, pixels, grid))
+    weights = _weights(gen, rows, [o.shape[1] for o in outs])
+    sum((o * w).sum() for o, w in zip(outs, weights)).backward()
+    return outs, {n: p.grad.clone() for n, p in tower.named_parameters()}
+
+
+def _split_rank(rank, world, name, grids, seed, attn="ring"):
+    adapter, base = _tower(name)
+    tower = copy.deepcopy(base)
+    grid, pixels, rows, gen = _inputs(adapter, grids, seed)
+    vdp = VisionDataParallel(
+        SplitTower(adapter, tower),
+        dist.group.WORLD,
+        mode="split",
+        merge_size=adapter.merge_size,
+        cost=adapter.vision_cost(),
+        attn=attn,
+    )
+    plan = ShardPlan(rows, world)
+    positions = plan.padded_index
+    outs, encoded = vdp(pixels, grid, plan=plan, row_positions=positions, with_unit_count=True)
+    outs = _as_list(outs)
+    owner, local = plan.locate(positions)
+    mine = torch.nonzero(owner == rank).squeeze(1)
+    mine = mine[torch.argsort(local[mine])]
+    weights = _weights(gen, rows, [o.shape[1] for o in outs])
+    sum((o * w[mine]).sum() for o, w in zip(outs, weights)).backward()
+    grads = {}
+    for n, p in tower.named_parameters():
+        g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(g)
+        grads[n] = g
+    sa = vdp.split_assignment(vision_units(grid, adapter.merge_size))
+    return {
+        "rows": [o.detach() for o in outs],
+        "mine": mine,
+        "grads": grads if rank == 0 else None,
+        "encoded": encoded,
+        "split": sa.split,
+        "pieces": len(sa.pieces(rank)),
+    }
+
+
+def _cases_rank(rank, world, cases):
+    return [_split_rank(rank, world, *case) for case in cases]
+
+
+def _case_list(world):
+    """(family, grids, seed, attn) of every case; ring and all-gather K/V alternate."""
+    cases = []
+    for name in FAMILIES:
+        for _, grids in CASES[world]:
+            i = len(cases)
+            cases.append((name, grids, i, "allgather" if i % 2 else "ring"))
+    return cases
+
+
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_split_tower_matches_one_process_tower(world):
+    cases = _case_list(world)
+    per_rank = run_distributed(_cases_rank, world, cases, timeout=240)
+    labels = [label for _ in FAMILIES for label, _ in CASES[world]]
+    for i, (case, label) in enumerate(zip(cases, labels)):
+        name, grids, seed = case[:3]
+        ref_rows, ref_grads = _reference(name, grids, seed)
+        results = [r[i] for r in per_rank]
+        assert len(results[0]["rows"]) == (3 if name == "qwen3-vl-tiny" else 1)  # deepstack
+        for res in results:
+            for got, want in zip(res["rows"], ref_rows):
+                assert rel_err(got, want[res["mine"]]) <= 1e-10, (name, label)
+        for n, g in ref_grads.items():
+            assert rel_err(results[0]["grads"][n], g) <= 1e-10, (name, label, n)
+            assert g.abs().sum() > 0, (name, label, n)  # every parameter took part
+        # What each case is about.
+        units = vision_units(torch.tensor(grids), 2)
+        split = results[0]["split"]
+        if label == "one image":
+            assert split == (0,) and all(r["pieces"] == 1 for r in results)
+        elif label == "mix":
+            assert split == (1,) and units.num_units == 4  # the 8x12 image sharded, 3 whole
+        elif label == "video":
+            assert split == (1, 2)  # both 8x8 frames sharded, the 4x4 image whole
+        else:
+            assert split == (0,) and [r["encoded"] for r in results].count(0) == 2
+
+
+def _bad_inputs_rank(rank, world):
+    from cpvlm.integrations.hf import ContextParallelVLM
+
+    adapter, base = _tower("qwen3-vl-tiny")
+    tower = copy.deepcopy(base)
+    grid, pixels, rows, _ = _inputs(adapter, [(1, 8, 12)], 0)
+    vdp = VisionDataParallel(
+        SplitTower(adapter, tower), dist.group.WORLD, mode="split", cost=adapter.vision_cost()
+    )
+    plan = ShardPlan(rows, world)
+    errors = []
+    for case in ("one rank short", "local pixels", "glm"):
+        try:
+            if case == "glm":
+                ContextParallelVLM(build_model("glm4v-tiny"), dist.group.WORLD, vision="split")
+            else:
+                pix = pixels[:-1] if case == "one rank short" and rank == 1 else pixels
+                vdp(
+                    pix,
+                    grid,
+                    plan=plan,
+                    row_positions=plan.padded_index,
+                    local_pixels=case == "local pixels",
+                )
+            errors.append(None)
+        except ValueError as err:
+            errors.append(str(err))
+    return errors
+
+
+def test_bad_input_raises_the_same_error_on_every_rank():
+    per_rank = run_distributed(_bad_inputs_rank, 2, timeout=120)
+    assert per_rank[0] == per_rank[1]
+    short, local, glm = per_rank[0]
+    assert "rank 1" in short and "pixel_values has 95 rows but the grids have 96" in short
+    assert "mode='split' takes every pixel row (local_pixels=False)" in local
+    assert "vision='split' is not supported for glm4v" in glm
+    assert "supported vision modes: ['route', 'allgather', 'replicate']" in glm
