@@ -178,7 +178,9 @@ def decode_row(job: RowJob, decode: Decoder, temporal_patch: int = 2) -> LocalRo
     parts: dict[str, list[torch.Tensor]] = {"pixel_values": [], "pixel_values_videos": []}
     for k, temporal in wanted.items():
         doc, item = (images + videos)[k]
-        if len(temporal) == item.grid[0]:  # (a tiled image's tiles are its temporal units)
+        # a tiled image's tiles are its temporal units; a family with its own item sizes
+        # (LLaVA-OneVision) has whole items as units: all of the item's rows
+        if job.ids.sizes is not None or len(temporal) == item.grid[0]:
             temporal = None
         try:
             rows = _item_rows(decode, item, temporal)
