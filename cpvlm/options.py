@@ -88,12 +88,12 @@ class CPOptions:
     vision: how the CP ranks share the vision tower.
     flow: "scalable" (no full-length tensor on any rank) or "compat" (the full ``inputs_embeds``
         built, then sharded: needs every visual row on every rank, ``vision`` in ``ALL_ROWS``).
-    layout: the ``ShardPlan`` layout of every batch. "balanced" by default: it keeps head-tail for
-        a sequence of one document (so unpacked rows are laid out exactly as by "head_tail") and
-        for long packed documents, and places short packed documents whole, which is never worse
-        than per-document head-tail by the layout's own measure (``cpvlm.distributed.layout``)
-        and made ``cpvlm train`` faster (README, Benchmarks: no padding to 2 x cp per document,
-        no chunks of a few tokens, ring steps without work skipped).
+    layout: the ``ShardPlan`` layout of every batch, "head_tail" by default (as ``ShardPlan``'s).
+        "balanced" places short packed documents whole on one rank: never worse by the layout's
+        own measure (``cpvlm.distributed.layout``) and faster for ``cpvlm train``'s packed rows
+        of short samples (README, Benchmarks), the same as head-tail for rows of one document;
+        but the linear-attention layers (Qwen3.5's Gated DeltaNet) need every document split
+        head-tail (``cpvlm.attention.linear.layout``), so only "head_tail" runs on every family.
     ulysses_size: ``attn="hybrid"`` only: ranks per Ulysses group, a divisor of the CP size.
     cp_size: the CP group size when known (the library: its group's; ``cpvlm train``: ``--cp``),
         checked against ``ulysses_size``; None: not known yet.
@@ -102,7 +102,7 @@ class CPOptions:
     attn: str = "ring"
     vision: str = "route"
     flow: str = "scalable"
-    layout: str = "balanced"
+    layout: str = "head_tail"
     ulysses_size: int | None = None
     cp_size: int | None = None
 
@@ -146,8 +146,9 @@ HELP = {
     "sent to their owners), allgather, split (large images sharded too), replicate",
     "flow": "scalable: no rank builds full-length embeddings; compat: the full input embeddings "
     "built, then sharded (with --vision allgather or replicate)",
-    "layout": "balanced: short packed documents whole on one rank, long ones head-tail; "
-    "head_tail: every document in 2 x cp chunks",
+    "layout": "head_tail: every document in 2 x cp chunks; balanced: short packed documents "
+    "whole on one rank, long ones head-tail (faster on packed short samples; not with "
+    "linear-attention models such as Qwen3.5)",
 }
 
 

@@ -147,8 +147,8 @@ class ContextParallelVLM(nn.Module):
             ``"replicate"`` (every rank encodes every unit: the simple baseline).
         flow: ``"scalable"`` or ``"compat"`` (full ``inputs_embeds`` built, then sharded).
         ulysses_size: ``attn="hybrid"`` only: ranks per Ulysses group (a divisor of the CP size).
-        layout: ``ShardPlan`` layout, ``"balanced"`` (short packed documents whole on one rank,
-            the default) or ``"head_tail"``.
+        layout: ``ShardPlan`` layout, ``"head_tail"`` (the default) or ``"balanced"`` (short
+            packed documents whole on one rank; not for linear-attention families).
         attn_options: extra keywords for ``cp_attention``, passed through unchanged (not
             ``ulysses_size``, which is an option).
         loss_chunk: compute the loss ``loss_chunk`` rows at a time from the final hidden states
