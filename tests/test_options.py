@@ -2,6 +2,7 @@
 CP options with the same message (``cpvlm.options.CPOptions``'), and share every default."""
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
@@ -51,6 +52,7 @@ def _no_process_may_start(monkeypatch):
 
 def _library_messages(rank, world_size, cases):
     from cpvlm.integrations.hf import ContextParallelVLM, build_model
+    from cpvlm.vision import VisionDataParallel
 
     model = build_model("qwen3-vl-tiny", seed=0)
     messages = []
@@ -60,7 +62,18 @@ def _library_messages(rank, world_size, cases):
             messages.append(None)
         except ValueError as err:
             messages.append(str(err))
-    return messages, ContextParallelVLM(model, dist.group.WORLD).options
+    # The split tower's cp_attention (its own impl / ulysses_size keywords): the same rules.
+    tower = SimpleNamespace(unit_order=None, encode_local=None)  # the split protocol's names
+    split = []
+    for attn, u in ((f["attn"], f["ulysses_size"]) for f in cases if "ulysses_size" in f):
+        try:
+            VisionDataParallel(
+                tower, None, mode="split", attn=attn, attn_options={"ulysses_size": u}
+            )
+            split.append(None)
+        except ValueError as err:
+            split.append(str(err))
+    return messages, split, ContextParallelVLM(model, dist.group.WORLD).options
 
 
 @pytest.mark.parametrize("fields, fragment", INVALID)
@@ -82,9 +95,13 @@ def test_the_library_refuses_with_the_same_messages():
     from cpvlm.testing import run_distributed
 
     cases = [fields for fields, _ in INVALID]
-    for messages, defaults in run_distributed(_library_messages, 2, cases, timeout=300):
+    ulysses = [f for f in cases if "ulysses_size" in f]
+    assert len(ulysses) == 2
+    for messages, split, defaults in run_distributed(_library_messages, 2, cases, timeout=300):
         for fields, got in zip(cases, messages, strict=True):
             assert got == f"ContextParallelVLM: {problem(cp_size=2, **fields)}", (fields, got)
+        for fields, got in zip(ulysses, split, strict=True):
+            assert got == f"VisionDataParallel: {problem(cp_size=2, **fields)}", (fields, got)
         assert defaults == dataclasses.replace(DEFAULTS, cp_size=2)
 
 
@@ -111,3 +128,22 @@ def test_every_entry_point_has_the_same_defaults():
     assert checked.ulysses_size is None and DEFAULTS.ulysses_size is None
     assert checked.attn == list(verify.CHECKED_IMPLS)
     assert DEFAULTS.layout == "head_tail"  # ShardPlan's too, and the only one every family runs
+
+
+def test_the_default_layout_runs_linear_attention_and_whole_documents_are_refused():
+    """Why the layout default is head_tail: Qwen3.5's linear-attention layers need every document
+    split head-tail; a balanced plan that keeps them split is the same plan and runs."""
+    from cpvlm.attention.linear.layout import local_chunks
+    from cpvlm.distributed.shard_plan import ShardPlan
+
+    short = [9, 3, 7, 12, 5, 6, 4, 8, 10]
+    whole = ShardPlan(sum(short), 2, doc_lens=short, layout="balanced")
+    assert any(r >= 0 for r in whole.whole_on)
+    with pytest.raises(ValueError, match=r"places documents whole .* use layout='head_tail'"):
+        local_chunks(whole, 0)
+    default = ShardPlan(sum(short), 2, doc_lens=short, layout=DEFAULTS.layout)
+    assert len(local_chunks(default, 1)) == 2 * len(short)
+    split = [37, 3, 24]
+    kept = ShardPlan(sum(split), 2, doc_lens=split, layout="balanced")
+    assert kept.whole_on == (-1, -1, -1)
+    assert local_chunks(kept, 1) == local_chunks(ShardPlan(sum(split), 2, doc_lens=split), 1)
