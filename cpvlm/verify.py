@@ -5,8 +5,8 @@ Run it on your model config before a long job:
     cpvlm verify --model qwen3-vl-tiny --cp 2,4
     cpvlm verify --model /path/to/Qwen3-VL-checkpoint --cp 2 --dtype float64
 
-For each CP size and (attn, vision, flow) combination it runs one synthetic batch (images of
-several sizes, a video, a text-only row) and one packed row of documents through
+For each CP size and (attn, vision, flow, layout) combination it runs one synthetic batch
+(images of several sizes, a video, a text-only row) and one packed row of documents through
 ``ContextParallelVLM`` on real gloo processes, sums the loss shares and gradients over the CP ranks,
 and compares them with the unwrapped model's own forward and backward on one process. It prints
 the largest relative gradient error of each module group and exits 1 if any error (or the loss

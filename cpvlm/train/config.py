@@ -2,9 +2,9 @@
 
 Every error names the config field, the command-line flag that sets it, and the fix; the CP
 options (``--cp``, ``--attn``, ``--vision``, ``--flow``, ``--layout``, ``--ulysses-size``) are
-checked by ``cpvlm.options.CPOptions``, with the messages the library and ``cpvlm verify`` give. Checks that
-need the launch environment (the world size under torchrun) or the model (token ids, merge size)
-live in ``resolve_world`` and ``cpvlm.train.data.check_data_fits``; all of them run before any
+checked by ``cpvlm.options.CPOptions``, with the messages the library and ``cpvlm verify``
+give. Checks that need the launch environment (the world size under torchrun) or the model (token
+ids, merge size) live in ``resolve_world`` and ``cpvlm.train.data.check_data_fits``; all of them run before any
 training process starts work.
 """
 
