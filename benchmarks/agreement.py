@@ -1,7 +1,7 @@
 """The cost of agreeing before collectives (``cpvlm.distributed.collectives.agree``), per step.
 
     python benchmarks/agreement.py     # about a minute on 2 cores
-    python benchmarks/agreement.py --cp 2 --calls 20 --steps 1 --out-dir /tmp/x  # a trial run
+    python benchmarks/agreement.py --cp 2 --calls 20 --steps 1 --out-dir DIR  # a trial run
 
 A ContextParallelVLM forward agrees once, at its first collective (the vision rows' route or
 gather: the batch fingerprint, the plan, row counts, widths, dtype); the decoder layers'

@@ -4,7 +4,7 @@
     python benchmarks/attention.py --part impls --seq-lens 4096 --repeats 1
     python benchmarks/attention.py --part torch         # only the comparison with PyTorch's ring
     python benchmarks/attention.py --part window        # sliding-window layers, S = 16384
-    python benchmarks/attention.py --seq-lens 512 --window-seq 2048 --repeats 1 --out-dir /tmp/x
+    python benchmarks/attention.py --seq-lens 512 --window-seq 2048 --repeats 1 --out-dir DIR
 
 Part "impls" (``attention_impls.json``): ring, all-gather and Ulysses at CP=2 and CP=4, and hybrid
 at CP=4 as 2 x 2, causal fwd+bwd, float32, B=1, D=64, Hq/Hkv = 8/2 (GQA) and 8/8 (MHA), on one

@@ -3,7 +3,7 @@ loader's share of step time in ``cpvlm train``.
 
     python benchmarks/data.py            # about 4 minutes on 2 idle CPU cores
     python benchmarks/data.py --samples 8 --repeats 1 --cp 1 2 --train-steps 3 --train-workers 0 \
-        --out-dir /tmp/x                 # a trial run
+        --out-dir DIR  # a trial run
 
 Data that looks real: JPEG photos (smooth gradients with noise, so that they decode like
 photographs) of 320x240 to 1920x1080 pixels, one to three per conversation, a 16-frame video

@@ -2,7 +2,7 @@
 
     python benchmarks/linear_attention.py                     # S in 4096 8192 16384, a few minutes
     python benchmarks/linear_attention.py --seq-lens 4096 --repeats 1
-    python benchmarks/linear_attention.py --seq-lens 512 --repeats 1 --out-dir /tmp/x  # trial
+    python benchmarks/linear_attention.py --seq-lens 512 --repeats 1 --out-dir DIR  # trial
 
 The layer is what Qwen3.5's linear-attention layers do between their projections: a causal
 depthwise conv (width 4, SiLU) over q|k|v, then the gated delta rule with q/k l2 norms; B=1,

@@ -2,7 +2,7 @@
 
     python benchmarks/memory.py                 # S = 16472; 3 CPU-minutes, 3-5 minutes on 2 cores
     python benchmarks/memory.py --table vocab   # vocabulary 152064, S = 4096, loss chunked or not
-    python benchmarks/memory.py --cp 2 --docs 1 --out-dir /tmp/x   # a trial run: one document
+    python benchmarks/memory.py --cp 2 --docs 1 --out-dir DIR  # a trial run: one document
 
 --table vocab: the same model with a real vocabulary (152064, Qwen's) on a text-heavy row of
 4096 tokens (4 documents, 1152 visual tokens), each CP size twice: the loss from the whole local

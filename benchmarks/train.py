@@ -1,16 +1,15 @@
-"""`cpvlm train` at a fixed global batch: tokens/s and per-rank memory, CP 1, 2, 4 and the modes;
-and where a step's time goes (``--part profile``).
+"""`cpvlm train` at a fixed global batch: tokens/s and memory per rank, where a step's time goes.
 
     python benchmarks/train.py                  # about 3 minutes on 2 idle CPU cores
     python benchmarks/train.py --part profile   # about 2 minutes: CP 1 and 2 under torch.profiler
-    python benchmarks/train.py --cp 2 --seq-len 512 --steps 3 --out-dir /tmp/x   # a trial run
+    python benchmarks/train.py --cp 2 --seq-len 512 --steps 3 --out-dir DIR  # a trial run
 
-Part "sweep" (the default; ``train.json``, and ``train.png`` where matplotlib is installed):
-Every row is one run of the trainer as a user starts it, in its own processes:
-``python -m cpvlm.train --seq-len 8192 --steps 10 --cp N [--vision ...] [--attn ...]`` (tiny
-Qwen3-VL, float32, synthetic image/video/text data, FSDP2 over the CP ranks, dp = 1,
-``--pack-window 1024`` so that the ~70-token samples fill the rows), read back
-from its ``metrics.jsonl``. The global batch is the same in every row: one packed row of 8192
+Part "sweep" (the default; ``train.json``, and ``train.png`` where matplotlib is installed), CP
+1, 2, 4 and the modes. Every row is one run of the trainer as a user starts it, in its own
+processes: ``python -m cpvlm.train --seq-len 8192 --steps 10 --cp N [--vision ...] [--attn ...]``
+(tiny Qwen3-VL, float32, synthetic image/video/text data, FSDP2 over the CP ranks, dp = 1,
+``--pack-window 1024`` so that the ~70-token samples fill the rows), read back from its
+``metrics.jsonl``. The global batch is the same in every row: one packed row of 8192
 tokens per step, split over the CP ranks. Rows: the CP sweep with the defaults (vision route, ring
 attention), then at the largest CP the other vision modes (allgather, replicate) and the
 all-gather attention. At CP = 1 the modes are all the same single-rank computation.
@@ -46,9 +45,9 @@ the machine makes tok/s noisy, the memory much less so.
 Part "profile" (``train_profile.json``): each CP size is one run of the trainer's own loop
 (``cpvlm.train.loop.train_rank``, the run of the sweep: tiny Qwen3-VL, float32, synthetic data,
 one packed row of ``--seq-len`` tokens per step, FSDP2 over the CP ranks, the launcher's threads
-per rank) in fresh processes under ``torch.profiler``. The loop and ``ContextParallelVLM`` mark their phases with
-``record_function`` ("cpvlm.*" ranges); every profiled operator's own time (its time minus its
-children's) is put in one bucket by where it ran:
+per rank) in fresh processes under ``torch.profiler``. The loop and ``ContextParallelVLM`` mark
+their phases with ``record_function`` ("cpvlm.*" ranges); every profiled operator's own time (its
+time minus its children's) is put in one bucket by where it ran:
 
 - data: waiting for the loader's rows (and the agreement on decode failures);
 - prepare: positions, labels and the plan on the full integer sequence (replicated on every
@@ -511,7 +510,7 @@ def profile_main(args) -> None:
 
 def main():
     p = parser(__doc__)
-    p.add_argument("--part", choices=list(PARTS), default="sweep")
+    p.add_argument("--part", choices=list(PARTS), default="sweep", help="see the docstring")
     p.add_argument("--cp", type=int, nargs="+", help="CP sizes (sweep: 1 2 4; profile: 1 2)")
     p.add_argument("--seq-len", type=int, default=SEQ_LEN)
     p.add_argument("--steps", type=int, help=f"sweep: {STEPS}; profile: {PARTS['profile'][1]}")

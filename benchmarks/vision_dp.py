@@ -39,7 +39,7 @@
      with a large image of the same cost, so the peak falls less than the time.
 
     python benchmarks/vision_dp.py [--rounds 15] [--part all|split]   # about 6 minutes
-    python benchmarks/vision_dp.py --rounds 1 --out-dir /tmp/x         # a trial run
+    python benchmarks/vision_dp.py --rounds 1 --out-dir DIR  # a trial run
 """
 
 from __future__ import annotations
