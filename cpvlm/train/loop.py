@@ -208,7 +208,7 @@ def _forward_backward(run: _Run, rows) -> tuple[torch.Tensor, int, int, int, set
     """Every row of the step through the CP model: ``(loss sum, valid labels, units encoded,
     visual tokens held, the CP attention the rows ran)`` on this rank (``--attn auto`` picks per
     row). The ``record_function`` ranges name the phases in a torch.profiler trace
-    (benchmarks/train_profile.py); without a profiler they cost nothing measurable."""
+    (benchmarks/train.py --part profile); without a profiler they cost nothing measurable."""
     with record_function("cpvlm.labels"):
         shifted = [shift_labels(r.labels.view(1, -1), doc_lens=r.doc_lens) for r in rows]
         num_valid = count_valid_labels(shifted, run.groups.dp_group)

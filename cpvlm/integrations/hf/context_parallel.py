@@ -255,7 +255,7 @@ class ContextParallelVLM(nn.Module):
         replicas) that per-batch extra losses are averaged over."""
         self._check_call(batch, num_batches, local_pixels)
         # The record_function ranges name the phases in a torch.profiler trace (nothing when
-        # no profiler runs): benchmarks/train_profile.py reads them.
+        # no profiler runs): benchmarks/train.py --part profile reads them.
         with record_function("cpvlm.prepare"):
             try:
                 prep = prepare_batch(
