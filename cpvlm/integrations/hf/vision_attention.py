@@ -95,8 +95,9 @@ def tower_function(tower: nn.Module, name: str):
 
 def local_rows(pieces: tuple[Piece, ...], per_unit):
     """The rows of ``per_unit(grid [1, 3])`` (a per-patch tensor of one whole unit, or a tuple of
-    them) at each piece's patches, one piece after another; computed once per distinct grid: a
-    unit's table costs O(its patches), next to the tower's O(patches x width x depth) on them."""
+    them) at each piece's patches, one piece after another; computed once per distinct grid and
+    call: each rank holding a piece pays, in parallel, what the one-process tower pays for the
+    whole unit's table (O(its patches) host work, against O(patches x width x depth) tower work)."""
     cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
     parts = []
     for p in pieces:
@@ -130,6 +131,9 @@ class SplitTower:
     def encode_local(self, pixel_rows: torch.Tensor, pieces, attention: SplitAttention):
         windowed = frozenset(id(m) for m in self.adapter.windowed_attention(self.tower))
         kwargs = self.adapter.split_tower_kwargs(self.tower, pieces, pixel_rows.shape[0])
+        # Computed on the host from the grids, used on the pixels' device, as the one-process
+        # tower uses its own (elementwise float32 steps, correctly rounded on either).
+        kwargs = {k: v.to(pixel_rows.device) for k, v in kwargs.items()}
         m = self.adapter.merge_size
         # The grid is not read: every per-patch input is precomputed in kwargs.
         grid = torch.tensor([[1, m, pixel_rows.shape[0] // m]], device=pixel_rows.device)
