@@ -10,6 +10,7 @@ values), summed in a different order across ranks.
 """
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from cpvlm.integrations.hf import adapter_for, build_model  # noqa: E402
 from cpvlm.integrations.hf.vision_attention import SplitTower  # noqa: E402
 from cpvlm.testing import rel_err, run_distributed  # noqa: E402
 from cpvlm.vision import VisionDataParallel, vision_units  # noqa: E402
+from cpvlm.vision.split import Piece, SplitAttention  # noqa: E402
 
 FAMILIES = ("qwen2.5-vl-tiny", "qwen3-vl-tiny")
 # (name, grids, ranks): the grids in patches; what each case shows is in the test below.
@@ -191,3 +193,22 @@ def test_bad_input_raises_the_same_error_on_every_rank():
     assert "mode='split' takes every pixel row (local_pixels=False)" in local
     assert "vision='split' is not supported for glm4v" in glm
     assert "supported vision modes: ['route', 'allgather', 'replicate']" in glm
+
+
+def test_a_tower_that_does_not_take_a_precomputed_table_raises(monkeypatch):
+    """A transformers whose tower computes its own position table from the grid it is given (not
+    the whole unit's: a placeholder) must fail, not give silently different rows."""
+    adapter, base = _tower("qwen3-vl-tiny")
+    tower = copy.deepcopy(base)
+    module = sys.modules[type(tower).__module__]
+    own = module.get_vision_interpolation_indices_and_weights
+    monkeypatch.setattr(
+        module,
+        "get_vision_interpolation_indices_and_weights",
+        lambda *args, kwargs=None, **kw: own(*args, **kw),  # ignores the precomputed keywords
+    )
+    grid, pixels, _, _ = _inputs(adapter, [(1, 8, 12)], 0)
+    pieces = (Piece(0, (1, 8, 12), torch.arange(96)),)
+    attention = SplitAttention((96,), None, None, None, 0, None)
+    with pytest.raises(ValueError, match=r"did not take the precomputed \['interp_indices', 'in"):
+        SplitTower(adapter, tower).encode_local(pixels, pieces, attention)

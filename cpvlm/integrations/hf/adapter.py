@@ -313,14 +313,14 @@ class VLMAdapter:
 
     def split_tower_kwargs(self, tower: nn.Module, pieces: Sequence[Piece], n: int) -> dict:
         """``vision="split"``: the tower's precomputed inputs for ``n`` local patches, the
-        ``pieces`` one after another: rotary positions of exactly those patches and one attention
-        call over all of them (``cpvlm.integrations.hf.vision_attention``)."""
-        from transformers.vision_utils import get_vision_position_ids
+        ``pieces`` one after another: rotary positions of exactly those patches (the tower's own
+        function on each whole unit's grid, sliced) and one attention call over all of them
+        (``cpvlm.integrations.hf.vision_attention``)."""
+        from .vision_attention import local_rows, single_call, tower_function
 
-        from .vision_attention import local_rows, single_call
-
-        m = self.merge_size
-        positions = local_rows(pieces, lambda g: get_vision_position_ids(g, m))
+        position_ids = tower_function(tower, "get_vision_position_ids")
+        m = tower.spatial_merge_size
+        positions = local_rows(pieces, lambda g: position_ids(g, m))
         return {"position_ids": positions, "cu_seqlens": single_call(n, positions.device)}
 
     def vision_cost(self) -> VisionCost:

@@ -6,17 +6,15 @@ The tower returns the merged rows and one ``[R, D]`` deepstack level per entry o
 ``vision_config.deepstack_visual_indexes``; the text model adds level l after decoder layer l at
 the visual positions (``visual_pos_masks``, ``deepstack_visual_embeds``), which on a shard are
 the local visual mask and the local rows in their order. Under ``vision="split"`` the tower's
-learned position table is interpolated per unit and taken at the local patches. The processor
-writes each temporal
+learned position table is interpolated per whole unit, by the tower's own function (float32
+weights), and taken at the local patches. The processor writes each temporal
 patch-frame of a video as ``<t seconds><vision_start> pads <vision_end>``, and ``get_rope_index``
 needs that text between frames.
 """
 
 from __future__ import annotations
 
-import torch
 from transformers import Qwen3VLConfig
-from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
 from ..adapter import VLMAdapter
 from ..registry import register
@@ -90,19 +88,22 @@ class Qwen3VLAdapter(VLMAdapter):
     split_vision = True
 
     def split_tower_kwargs(self, tower, pieces, n):
-        """The learned position table, interpolated per unit, at exactly the local patches."""
+        """The learned position table's interpolation taps and float32 weights, computed by the
+        tower's own function and arguments on each whole unit's grid, at the local patches."""
+        from ..vision_attention import local_rows, tower_function
+
         kwargs = super().split_tower_kwargs(tower, pieces, n)
-        interp = {}
-        for g in {p.grid for p in pieces}:
-            interp[g] = get_vision_interpolation_indices_and_weights(
-                torch.tensor([g]),
+        interpolation = tower_function(tower, "get_vision_interpolation_indices_and_weights")
+        kwargs["interp_indices"], kwargs["interp_weights"] = local_rows(
+            pieces,
+            lambda grid: interpolation(
+                grid,
                 num_grid_per_side=tower.num_grid_per_side,
                 mode=tower.interpolation_mode,
                 align_corners=tower.interpolation_align_corners,
-                spatial_merge_size=self.merge_size,
-            )
-        for i, key in enumerate(("interp_indices", "interp_weights")):
-            kwargs[key] = torch.cat([interp[p.grid][i].index_select(0, p.patches) for p in pieces])
+                spatial_merge_size=tower.config.spatial_merge_size,
+            ),
+        )
         return kwargs
 
     def decoder_kwargs(self, visual_mask, deepstack):
