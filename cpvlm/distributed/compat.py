@@ -286,11 +286,13 @@ def _expand_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _sum_heads(grad: torch.Tensor, hkv: int) -> torch.Tensor:
-    """The adjoint of ``_expand_heads``: [..., Hq, D] -> [..., Hkv, D], summed in float32."""
+    """The adjoint of ``_expand_heads``: [..., Hq, D] -> [..., Hkv, D], summed in float32 (float64
+    for float64: the CPU test kernels take it)."""
     hq = grad.shape[-2]
     if hq == hkv:
         return grad
-    return grad.unflatten(-2, (hkv, hq // hkv)).sum(-2, dtype=torch.float32).to(grad.dtype)
+    acc = torch.float64 if grad.dtype == torch.float64 else torch.float32
+    return grad.unflatten(-2, (hkv, hq // hkv)).sum(-2, dtype=acc).to(grad.dtype)
 
 
 def _aligned_bias(bias: torch.Tensor | None, q, k) -> torch.Tensor | None:
