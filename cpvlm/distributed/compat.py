@@ -190,23 +190,48 @@ _HALF = (torch.bfloat16, torch.float16)
 
 
 def cuda_fused_kernel(q_BHSD: torch.Tensor) -> FusedAttentionKernel | None:
-    """The fused CUDA kernel for tensors like ``q_BHSD``, or None: not CUDA (ROCm builds too:
-    their kernels differ), float64, or a head dim the kernels do not take."""
+    """The fused CUDA kernel for tensors like ``q_BHSD``, or None (the plain-torch path): not CUDA
+    (ROCm builds too: their kernels differ), or what ``fused_kernel_for`` refuses."""
     if q_BHSD.device.type != "cuda" or torch.version.cuda is None:
         return None
-    if q_BHSD.shape[-1] not in _FUSED_HEAD_DIMS:
+    built = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)()
+    return fused_kernel_for(q_BHSD.dtype, q_BHSD.shape[-1], _capability(q_BHSD.device), built)
+
+
+def fused_kernel_for(
+    dtype: torch.dtype, head_dim: int, capability: tuple[int, int], flash_built: bool = True
+) -> FusedAttentionKernel | None:
+    """The kernel selection on a CUDA GPU of compute ``capability``: flash for bf16/fp16 on sm80+,
+    the memory-efficient kernel for fp32, for fp16 before sm80 and where flash is not built;
+    None for float64, head dims the kernels do not take, and bf16 before sm80, where neither
+    kernel has bf16 code (a one-time warning says so)."""
+    if head_dim not in _FUSED_HEAD_DIMS:
         return None
-    if q_BHSD.dtype in _HALF and _flash_available(q_BHSD.device):
+    if dtype in _HALF and flash_built and capability >= (8, 0):
         return CUDA_FLASH
-    if q_BHSD.dtype in (torch.float32, *_HALF):
+    if dtype == torch.bfloat16 and capability < (8, 0):
+        _warn_bf16_before_sm80(capability)
+        return None
+    if dtype in (torch.float32, *_HALF):
         return CUDA_EFFICIENT
     return None
 
 
 @functools.lru_cache(maxsize=16)
-def _flash_available(device: torch.device) -> bool:
-    built = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)()
-    return built and torch.cuda.get_device_capability(device) >= (8, 0)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+@functools.cache
+def _warn_bf16_before_sm80(capability: tuple[int, int]) -> None:
+    warnings.warn(
+        f"bf16 attention on a GPU of compute capability {capability[0]}.{capability[1]} (before "
+        "8.0): torch's fused attention kernels have no bf16 code there, so cpvlm runs its "
+        "plain-torch attention (float32 math, memory quadratic in each call's length); fp16 "
+        "takes the memory-efficient kernel on such GPUs",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def _lengths(q, k, packing: Packing | None) -> tuple:

@@ -7,6 +7,8 @@ Tolerance 1e-10 in float64 as in test_attn_exact: the emulated kernels do the sa
 different order; a wrong cu_seqlens offset, length or mapping back moves results by O(1).
 """
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -85,6 +87,42 @@ def test_the_efficient_kernels_mask_is_broadcast_with_an_aligned_row_stride():
 def test_no_fused_kernel_off_cuda():
     for dtype in (torch.float64, torch.float32, torch.bfloat16):
         assert compat.cuda_fused_kernel(torch.empty(1, 2, 3, 64, dtype=dtype)) is None
+
+
+@pytest.mark.parametrize(
+    "capability, flash_built, want",
+    [
+        ((9, 0), True, {"bfloat16": "flash", "float16": "flash", "float32": "efficient"}),
+        ((8, 0), False, {"bfloat16": "efficient", "float16": "efficient", "float32": "efficient"}),
+        ((7, 5), True, {"bfloat16": None, "float16": "efficient", "float32": "efficient"}),
+        ((7, 0), True, {"bfloat16": None, "float16": "efficient", "float32": "efficient"}),
+    ],
+)
+def test_the_kernel_of_each_dtype_and_gpu_generation(monkeypatch, capability, flash_built, want):
+    # cuda_fused_kernel on fake CUDA tensors (no GPU here) with a mocked device capability.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(compat, "_capability", lambda device: capability)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: flash_built)
+    compat._warn_bf16_before_sm80.cache_clear()
+    with FakeTensorMode():
+        q = torch.empty(1, 4, 8, 128, device="cuda")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = {}
+            for name in want:
+                for _ in range(2):  # the warning comes once, not on every call
+                    kernel = compat.cuda_fused_kernel(q.to(getattr(torch, name)))
+                got[name] = kernel and kernel.name
+            assert compat.cuda_fused_kernel(q.double()) is None
+            odd = torch.empty(1, 4, 8, 100, device="cuda", dtype=torch.bfloat16)
+            assert compat.cuda_fused_kernel(odd) is None  # head dim not a multiple of 8
+    assert got == want
+    bf16_warnings = [w for w in caught if "bf16 attention" in str(w.message)]
+    assert len(bf16_warnings) == (want["bfloat16"] is None)
+    if bf16_warnings:
+        assert f"capability {capability[0]}.{capability[1]}" in str(bf16_warnings[0].message)
 
 
 def test_one_call_per_block_and_kind_with_cu_seqlens_of_its_rectangles():
