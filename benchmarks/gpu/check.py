@@ -328,6 +328,8 @@ def main() -> int:
     results = {"environment": env, "deadline_s": args.deadline, "sections": {}}
     print(json.dumps(env))
     plan = [n for n in SECTIONS if n not in args.skip and no_run is None]
+    if env.get("gpus", 0) < 2 and "nccl" in plan:
+        plan.remove("nccl")  # it skips at once: no share of the time for it
     for name in SECTIONS:
         t0 = time.monotonic()
         left = args.deadline - RESERVE_S - (t0 - start)

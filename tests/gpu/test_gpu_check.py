@@ -3,6 +3,7 @@ images often have only ``python3``). It must still find an interpreter, exit 0 w
 minute and write the JSON with every section skipped and why, so that the first run on a GPU
 machine cannot be lost to the shell."""
 
+import importlib.util
 import json
 import os
 import shutil
@@ -79,3 +80,45 @@ def test_the_deadline_and_the_skips_reach_the_json(tmp_path):
     assert results["deadline_s"] == 42
     assert results["sections"]["train"]["reason"] == "--skip"
     assert not (tmp_path / "gpu.json.tmp").exists()
+
+
+def _check_module():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks/gpu/check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_subprocess_section_is_killed_with_its_children_at_its_budget(tmp_path):
+    check = _check_module()
+    pid_file = tmp_path / "child.pid"
+    # A parent that starts a grandchild (as train_compare.py starts `cpvlm train`), both asleep.
+    script = (
+        "import subprocess, sys, time; "
+        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        f"open({str(pid_file)!r}, 'w').write(str(c.pid)); print('started', flush=True); "
+        "time.sleep(60)"
+    )
+    t0 = time.monotonic()
+    code, out, _ = check._run([sys.executable, "-c", script], budget=3)
+    assert code is None and "started" in out  # timed out, with the output it had printed
+    assert time.monotonic() - t0 < 20
+    child = int(pid_file.read_text())
+    for _ in range(50):  # the grandchild is gone too (killed with the process group)
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"grandchild {child} outlived its section")
+
+
+def test_an_in_process_section_stops_between_rows_at_its_budget():
+    check = _check_module()
+    made = []
+    makers = [lambda i=i: made.append(i) or time.sleep(0.3) or {"row": i} for i in range(10)]
+    rows, complete = check._rows(makers, time.monotonic() + 0.5)
+    assert not complete and 1 <= len(rows) <= 3 and len(made) == len(rows)
+    with pytest.raises(check.SectionTimeout), check._alarm(1):
+        time.sleep(5)
