@@ -63,7 +63,7 @@ def skipped(reason: str) -> dict:
 
 def probe() -> tuple[dict, str | None]:
     """(the environment, why no section can run here or None)."""
-    env = {"python": sys.version.split()[0], "executable": sys.executable}
+    env = {"python": sys.version.split()[0], "executable": sys.executable, "cpus": os.cpu_count()}
     try:
         import torch
     except Exception as e:  # noqa: BLE001 (the check reports every failure, it never dies)
@@ -179,7 +179,10 @@ def _json_result(code: int | None, stdout: str, stderr: str, budget: float) -> d
                 "log": (stdout + stderr)[-4000:]}  # fmt: skip
     if code != 0:
         return {"status": "failed", "log": (stdout + stderr)[-4000:]}
-    return json.loads(stdout.strip().splitlines()[-1])
+    try:
+        return json.loads(stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {"status": "failed", "reason": "no JSON line last", "log": (stdout + stderr)[-4000:]}
 
 
 def section_nccl(args, budget: float) -> dict:
