@@ -12,8 +12,8 @@
 # printed table and in the JSON. Exit status 1 when a section failed or ran out of time.
 # The interpreter: $PYTHON, else python3, else python (GPU images often have only python3).
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"  # a relative --out stays the caller's
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 py="${PYTHON:-}"
 if [ -z "$py" ]; then
@@ -25,4 +25,4 @@ if [ -z "$py" ]; then
   echo "check.sh: no Python interpreter (set PYTHON, or put python3 or python on PATH)" >&2
   exit 127
 fi
-exec "$py" -u benchmarks/gpu/check.py "$@"
+exec "$py" -u "$root/benchmarks/gpu/check.py" "$@"
