@@ -68,14 +68,14 @@ class ContextParallelOutput:
 
 class TowerCall:
     """``encoder(pixel_values, grid_thw)`` as VisionDataParallel calls it: the adapter's ``encode``
-    on the model's tower. A plain callable, not a module, so the tower's parameters keep one owner
-    (the model) in ``state_dict`` and FSDP."""
+    on the model. A plain callable, not a module, so the tower's parameters keep one owner (the
+    model) in ``state_dict`` and FSDP."""
 
-    def __init__(self, adapter: VLMAdapter, tower: nn.Module):
-        self.adapter, self.tower = adapter, tower
+    def __init__(self, adapter: VLMAdapter, model: nn.Module):
+        self.adapter, self.model = adapter, model
 
     def __call__(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
-        return self.adapter.encode(self.tower, pixel_values, grid_thw)
+        return self.adapter.encode(self.model, pixel_values, grid_thw)
 
 
 def _local_row_order(prep: PreparedBatch, cp_rank: int) -> torch.Tensor:
@@ -197,21 +197,21 @@ class ContextParallelVLM(nn.Module):
             hybrid_groups(cp_group, self.attn_options["ulysses_size"])
         self.adapter.text_model(model).set_attn_implementation(CP_ATTENTION)
         self.adapter.install_context_parallel(model)
-        tower = self.adapter.vision_tower(model)
-        self.encode = TowerCall(self.adapter, self.adapter.encoder_root(model))
+        self.encode = TowerCall(self.adapter, model)
         self.vision_cost = self.adapter.vision_cost()  # units balanced by the tower's cost
         # "replicate" with no units at all runs the same dummy frame as the other modes.
         split = {}
         if vision == "split":  # the tower's attention: SDPA per unit, cp_attention when sharded
             split = {"attn": attn, "attn_options": self.attn_options}
         self.vision_dp = VisionDataParallel(
-            SplitTower(self.adapter, tower) if vision == "split" else self.encode,
+            SplitTower(self.adapter, model) if vision == "split" else self.encode,
             cp_group,
             mode="allgather" if vision == "replicate" else vision,
             merge_size=self.adapter.merge_size,
             split_frames=self.adapter.split_frames,
             cost=self.vision_cost,
-            unit_sizes=self.adapter.item_sizes if self.adapter.unit_sizes else None,
+            # split cuts units by patches: its families have the default item sizes
+            unit_sizes=None if vision == "split" else self.adapter.item_sizes,
             **split,
         )
         self.batch_keys = (*BASE_KEYS, *self.adapter.video_keys, *self.adapter.model_batch_keys)
@@ -286,8 +286,9 @@ class ContextParallelVLM(nn.Module):
                 attention_mask=None,
                 use_cache=False,
                 cpvlm_cp=context,
-                **self.adapter.decoder_kwargs(visual_mask_loc, deepstack),
-                **self.adapter.decoder_inputs(self.model, local["input_ids"], visual_mask_loc),
+                **self.adapter.decoder_inputs(
+                    self.model, local["input_ids"], visual_mask_loc, deepstack
+                ),
             )
         with record_function("cpvlm.loss"):
             loss = self._loss(decoder_out.last_hidden_state, local["labels"], prep.num_valid)

@@ -86,9 +86,10 @@ class SplitTower:
     """A family's tower as ``VisionDataParallel``'s split encoder (``unit_order``,
     ``encode_local``); selects ``SPLIT_ATTENTION`` for the tower's attention."""
 
-    def __init__(self, adapter, tower: nn.Module):
-        self.adapter, self.tower = adapter, tower
-        tower.set_attn_implementation(SPLIT_ATTENTION)
+    def __init__(self, adapter, model: nn.Module):
+        self.adapter, self.model = adapter, model
+        self.tower = adapter.vision_tower(model)
+        self.tower.set_attn_implementation(SPLIT_ATTENTION)
         self._orders: dict[tuple, UnitOrder] = {}
 
     def unit_order(self, grid: tuple[int, int, int]) -> UnitOrder:
@@ -103,4 +104,4 @@ class SplitTower:
         # The grid is not read: every per-patch input is precomputed in kwargs.
         grid = torch.tensor([[1, m, pixel_rows.shape[0] // m]], device=pixel_rows.device)
         context = VisionSplitContext(attention, windowed)
-        return self.adapter.encode(self.tower, pixel_rows, grid, cpvlm_vision=context, **kwargs)
+        return self.adapter.encode(self.model, pixel_rows, grid, cpvlm_vision=context, **kwargs)
