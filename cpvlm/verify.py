@@ -2,8 +2,8 @@
 
 Run it on your model config before a long job:
 
-    cpvlm verify --model qwen3-vl-tiny --cp 2,4
-    cpvlm verify --model /path/to/Qwen3-VL-checkpoint --cp 2 --dtype float64
+    cpvlm verify --cp 2,4
+    cpvlm verify --model /path/to/checkpoint --cp 2 --dtype float64
 
 For each CP size and (attn, vision, flow) combination it runs one synthetic batch (images of
 several sizes, a video, a text-only row) and one packed row of documents through
@@ -342,8 +342,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="qwen3-vl-tiny",
-        help="a tiny model (<family>-tiny: qwen2-vl, qwen2.5-vl, qwen3-vl, qwen3-vl-moe, glm4v, "
-        "glm46v, glm4v-moe) or a local checkpoint directory",
+        help="a tiny model of a supported family (<family>-tiny; an unknown name lists them) or a "
+        "local checkpoint directory",
     )
     parser.add_argument(
         "--cp", type=_csv(int), default="2,4", help="CP sizes to check, comma-separated"

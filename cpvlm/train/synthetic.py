@@ -6,7 +6,7 @@ communication and a resumed run reads exactly the samples an uninterrupted run w
 Each sample is one document in the layout the model family's processor writes (built with
 ``cpvlm.testing.hf_batches.synthetic_batch`` from the family's adapter): text-only (2 in 5), one or
 two images (9 in 20) (grids from 2x2 to 8x8 patches: sides spread 4x, areas 16x), or a video (3 in
-20; 2 to 4 temporal patch-frames; Qwen3-VL and GLM-4V write a group with a timestamp per frame).
+20; 2 to 4 temporal patch-frames; some layouts write a group with a timestamp per frame).
 Pixels are random and lazy (``cpvlm.data.LazyPixels``): a rank makes, in its DataLoader workers,
 only the rows of the units it encodes; planning a sample costs its ids alone.
 

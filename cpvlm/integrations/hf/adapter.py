@@ -1,44 +1,61 @@
-"""The family adapter: what one transformers VLM family does differently, and nothing else.
+"""The family adapter: the runtime protocol between cpvlm's CP step and one transformers VLM family.
 
-Legend: B batch, S full length, L local length, D hidden size, R visual rows, E experts.
+Legend: B batch, S full length, L local length, D hidden size, R visual rows.
 
-The core (``prepare_batch``, ``ContextParallelVLM``) knows the CP step: replicated integer inputs,
-the plan, local embeddings, vision data parallelism, the decoder on the shard, the token-mean
-loss. An adapter answers the family's questions:
+The core knows the CP step: replicated integer inputs and the plan (``prepare_batch``), local
+embeddings, vision data parallelism (``VisionDataParallel``, the split tower), the decoder on the
+shard, the token-mean loss (``ContextParallelVLM``), FSDP units and freezing (the trainer), and
+the data path (``cpvlm.integrations.hf.processor``, the loader). Everything it asks a family is a
+hook declared on ``VLMAdapter`` below, with its contract; nothing else is read from an adapter:
 
-- tokens: how the processor writes an image or a video into the sequence (``item_tokens``),
-  which token type each placeholder has (``mm_token_type_ids``: 0 text, 1 image, 2 video), what
-  items it makes of an image (``synthetic_items``: tiles), and the conversion between the
-  model's own batch and the core's (``from_model_batch`` / ``to_model_batch``: ``[tiles, C, H,
-  W]`` pixels for a tiling family, Gemma's images);
-- modules: where the text model, embeddings, lm head and vision tower are, which modules are
-  FSDP units, what stays trainable when the encoder is frozen, the module groups that
-  ``cpvlm verify`` reports;
-- vision: how the tower is called and what it returns (``encode``: rows, or rows and deepstack
-  levels), whether video frames are independent units, the per-unit cost model (``vision_cost``),
-  and where an item's pixel and output rows are not t*h*w and t*h*w/m**2, what they are
-  (``item_sizes`` with ``unit_sizes = True``: LLaVA-OneVision's crops and packed rows);
-- positions: ``rope_index`` per document (M-RoPE families: the model's own ``get_rope_index``;
-  1D-RoPE families return None and the core uses the plan's per-document positions);
-- masks: the token types whose runs attend bidirectionally (``span_token_types``) and on which
-  layers (``span_layers``); sliding windows come from the layers themselves (Gemma);
-- decoder: extra keywords of the text model's forward (``decoder_kwargs``: deepstack rows, router
-  logits; ``decoder_inputs``: Gemma 4's per-layer inputs); extra losses (``extra_losses``: the MoE
-  router's load-balancing loss); a final logit soft-cap (``logit_softcap``).
+- tokens and batch layout: ``image_token_id``, ``video_token_id``, ``special_token_ids``,
+  ``pixel_width``, ``merge_size``, ``mm_token_type_ids`` (0 text, 1 image, 2 video),
+  ``item_sizes`` (pixel and output rows of an item), ``video_keys``, ``model_batch_keys``,
+  ``takes_videos``, ``from_model_batch`` / ``to_model_batch`` (the model's own batch <-> the
+  core's pixel rows with grids);
+- the processor (data path): ``processor_image_grid``, ``processor_image_inputs``,
+  ``video_processing``;
+- modules: ``text_model``, ``decoder_layers``, ``embed_tokens``, ``lm_head``, ``vision_tower``
+  (the tower's own parameters), ``projector``, ``fsdp_units``, ``freeze_vision_encoder``,
+  ``install_context_parallel`` (sequence mixers other than attention);
+- vision: ``encode`` (the model's vision side on pixel rows: rows, and deepstack levels),
+  ``split_frames``, ``vision_cost``; ``vision="split"``: ``split_vision``, ``unit_order``,
+  ``windowed_attention``, ``split_tower_kwargs``;
+- positions and masks: ``rope_index`` (M-RoPE from the model's own ``get_rope_index``; None for
+  1D RoPE, then per-document positions), ``span_token_types``, ``span_layers``;
+- decoder and losses: ``decoder_inputs`` (deepstack rows, per-layer embeddings, router logits),
+  ``router_loss``, ``extra_losses``, ``logit_softcap``.
 
-The defaults are the Qwen2-VL layout: one ``<vision_start> pads <vision_end>`` group per item, a
-tower ``visual(pixel_rows, grid_thw)`` with the merger inside that returns ``pooler_output``, M-RoPE
-from ``model.model.get_rope_index``, no extra keywords or losses. A family overrides what differs.
+What only tests, ``cpvlm verify`` and synthetic data need (tiny configs, float64 islands, module
+groups, zero-gradient parameters, synthetic items and tokens, a tiny processor) is the family's
+kit (``cpvlm.integrations.hf.kit.FamilyKit``), in the same family file, linked as ``kit``.
 
-Adding a family is one file plus its tests:
-1. ``cpvlm/integrations/hf/families/<family>.py``: a ``VLMAdapter`` subclass decorated with
-   ``@register``, naming ``family``, ``model_classes`` (the transformers
-   ``*ForConditionalGeneration`` class names it serves), ``model_types`` (their ``config.model_type``), ``tiny_configs`` (a tiny
-   config built from the real config class, under a ``<family>-tiny`` name), and the overrides.
-   Import the module in ``families/__init__.py``.
-2. ``tests/hf/``: add the tiny name to ``FAMILIES`` in ``tests/hf/hf_families.py`` (the shared
-   exactness, checkpoint and verify tests then run on it) and test what is particular to it.
-3. README: the families table.
+The defaults are the base layout: one ``<vision_start> pads <vision_end>`` group per item, a tower
+``model.model.visual(pixel_rows, grid_thw)`` with the merger inside that returns
+``pooler_output``, t*h*w pixel rows and t*h*w/m**2 tokens per item, M-RoPE from
+``model.model.get_rope_index`` when the model has one, no extra keywords or losses. A family
+overrides what differs; facts that a config or the model says are read from it, not declared.
+
+Adding a family is one file, one import line and one line in the tests:
+
+1. ``cpvlm/integrations/hf/families/<family>.py``::
+
+       class Kit(FamilyKit):
+           tiny_configs = {"<family>-tiny": tiny_<family>_config}  # from the real config class
+
+       @register
+       class MyAdapter(VLMAdapter):
+           family = "<family>"
+           model_classes = ("<Name>ForConditionalGeneration",)
+           model_types = ("<model_type>",)
+           kit = Kit
+           ...  # the hooks whose default does not hold, and vision_cost
+
+2. ``families/__init__.py``: import the module (that registers it).
+3. ``tests/hf/test_<family>.py``: what is particular to the family. The shared exactness,
+   checkpoint, training and verify tests take their families from the registry
+   (``tests/hf/hf_families.py``) and run on the new tiny model at once; they select families by
+   the kit's ``traits``. The README's families table gets a row.
 """
 
 from __future__ import annotations

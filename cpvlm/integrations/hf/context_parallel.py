@@ -328,7 +328,7 @@ class ContextParallelVLM(nn.Module):
     def _loss(self, hidden: torch.Tensor, labels_loc: torch.Tensor, num_valid: int):
         head = self.adapter.lm_head(self.model)
         cap = self.adapter.logit_softcap
-        if cap is not None:  # Gemma 4: the model's own cap * tanh(logits / cap)
+        if cap is not None:  # the model's own cap * tanh(logits / cap)
             return _softcapped_loss(head, hidden, labels_loc, num_valid, cap, self.loss_chunk)
         if not self.loss_chunk:
             return token_mean_loss(head(hidden), labels_loc, num_valid)

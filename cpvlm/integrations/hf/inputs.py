@@ -257,7 +257,7 @@ def prepare_batch(
     ``batch`` holds what the transformers model takes for training: ``input_ids``, ``labels``
     (unshifted), optional ``attention_mask`` (right padding), ``mm_token_type_ids``,
     ``pixel_values``/``image_grid_thw``, ``pixel_values_videos``/``video_grid_thw`` and the
-    family's per-video keys (Qwen2.5-VL: ``second_per_grid_ts``). ``doc_lens`` packs one row into
+    family's per-video keys (the adapter's ``video_keys``). ``doc_lens`` packs one row into
     documents (positions restart, no attention across documents, labels shifted per document).
     ``layout`` is the ShardPlan layout ("head_tail" or "balanced").
     ``local_pixels``: the pixel values hold only the rows of the units this CP rank encodes

@@ -49,6 +49,8 @@ class FamilyKit:
 
     tiny_configs: ClassVar[dict[str, Callable[..., Any]]] = {}
     """``{"<name>-tiny": config builder}``: tiny configs built from the real config classes."""
+    default_model: ClassVar[str | None] = None
+    """Set on one kit: the tiny model ``cpvlm train`` and ``cpvlm verify`` run by default."""
     shared_tests: ClassVar[bool] = True
     """The shared HF tests run on the tiny models (else only the family's own tests do)."""
     traits: ClassVar[frozenset[str]] = frozenset()
@@ -61,12 +63,16 @@ class FamilyKit:
     ``("*",)``: every group and the loss (a float32 part in the forward, such as a router)."""
     zero_gradients: ClassVar[tuple[str, ...]] = ()
     """Parameter-name regexes whose gradient is zero in exact arithmetic and round-off in floats
-    (SigLIP's key bias: it adds q.b to every logit of a query, which softmax cancels). A relative
+    (a key bias: it adds q.b to every logit of a query, which softmax cancels). A relative
     error of round-off means nothing: checks hold them to their module group's gradient scale."""
     unused_parameters: ClassVar[str | None] = None
     """A regex of the parameters the forward never uses (zero gradient in every run)."""
     mixes_images_and_videos: ClassVar[bool] = True
     """The model's own forward takes images and videos in one call (a reference can use it)."""
+    published_towers: ClassVar[dict[str, dict]] = {}
+    """``{checkpoint: vision_config fields the cost model reads}`` of published checkpoints (their
+    config.json), for cost-model tests and benchmarks: ``AutoConfig.for_model(model_types[0],
+    vision_config=...)`` builds one."""
     tiny_processor: ClassVar[TinyProcessor | None] = None
     """The processor files of a tiny checkpoint directory (None: the family has none)."""
 

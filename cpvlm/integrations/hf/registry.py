@@ -67,6 +67,28 @@ def tiny_adapters() -> dict[str, type[VLMAdapter]]:
     return {name: a for a in _registered() for name in a.kit.tiny_configs}
 
 
+def default_tiny_model() -> str:
+    """The tiny model ``cpvlm train`` and ``cpvlm verify`` run by default (one kit names it)."""
+    named = {a.kit.default_model for a in _registered()} - {None}
+    if len(named) != 1:
+        raise ValueError(f"exactly one family kit names the default model, got {sorted(named)}")
+    return named.pop()
+
+
+def tiny_model_help() -> str:
+    """The ``--model`` help of the entry points: the tiny models, from the registry."""
+    return f"a tiny model ({', '.join(tiny_models())}) or a local checkpoint directory"
+
+
+def published_towers() -> dict[str, tuple[str, dict]]:
+    """``{checkpoint: (model_type, vision_config)}`` of the kits' published towers."""
+    return {
+        name: (a.model_types[0], vc)
+        for a in _registered()
+        for name, vc in vars(a.kit).get("published_towers", {}).items()
+    }
+
+
 def adapter_of_family(family: str) -> type[VLMAdapter]:
     """The adapter class of a family name."""
     for a in _registered():

@@ -3,7 +3,7 @@ for exactly the local patches.
 
 Legend: n local patches, m merge size, H heads, D head width.
 
-The Qwen-VL towers take precomputed per-patch inputs as keywords (transformers' ``vision_utils``:
+The towers that split take precomputed per-patch inputs as keywords (transformers' ``vision_utils``:
 ``position_ids``, ``cu_seqlens``, ``window_index``, ``interp_indices``...): ``SplitTower`` computes
 them with the same functions for each whole unit and takes the rows of the local patches, so the
 rotary angles and interpolated position embeddings are those of the one-process tower. It passes

@@ -210,6 +210,11 @@ class _GlmKit(FamilyKit):
 
 class Kit(_GlmKit):
     tiny_configs = {"glm4v-tiny": tiny_glm4v_config, "glm46v-tiny": tiny_glm46v_config}
+    published_towers = {
+        "GLM-4.1V-9B": {"depth": 24, "hidden_size": 1536, "intermediate_size": 13696,
+         "num_heads": 12, "out_hidden_size": 4096, "patch_size": 14, "temporal_patch_size": 2,
+         "spatial_merge_size": 2, "in_channels": 3, "image_size": 336},
+    }  # fmt: skip
 
 
 class MoeGlmKit(MoeKit, _GlmKit):

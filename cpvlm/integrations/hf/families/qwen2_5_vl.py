@@ -22,7 +22,7 @@ from cpvlm.vision.split import UnitOrder
 from ..adapter import VLMAdapter
 from ..kit import FamilyKit
 from ..registry import register
-from ..tiny import QWEN_SPECIAL_TOKEN_IDS, TEXT, VISION, split_overrides, with_overrides
+from ..tiny import TEXT, VISION, VISION_TOKEN_IDS, split_overrides, with_overrides
 from ..vision_cost import patch_merger_macs, values_per_patch
 from .qwen_vl_processing import QwenVLProcessing, tiny_qwen_vl_processor
 
@@ -56,7 +56,7 @@ def tiny_qwen2_5_vl_config(**overrides) -> Qwen2_5_VLConfig:
         },
         text,
     )
-    top = with_overrides({**QWEN_SPECIAL_TOKEN_IDS, "attn_implementation": "sdpa"}, top)
+    top = with_overrides({**VISION_TOKEN_IDS, "attn_implementation": "sdpa"}, top)
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **top)
 
 
@@ -90,6 +90,12 @@ def qwen2_5_vl_vision_cost(vc) -> VisionCost:
 
 class Kit(FamilyKit):
     tiny_configs = {"qwen2.5-vl-tiny": tiny_qwen2_5_vl_config}
+    published_towers = {
+        "Qwen2.5-VL-7B": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420,
+         "num_heads": 16, "out_hidden_size": 3584, "patch_size": 14, "temporal_patch_size": 2,
+         "spatial_merge_size": 2, "in_channels": 3, "window_size": 112,
+         "fullatt_block_indexes": [7, 15, 23, 31]},
+    }  # fmt: skip
     tiny_processor = tiny_qwen_vl_processor(
         "Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor", system_prompt=True
     )

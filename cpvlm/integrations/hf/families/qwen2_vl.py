@@ -15,7 +15,7 @@ from cpvlm.vision.cost import VisionCost, block_linear_macs
 from ..adapter import VLMAdapter
 from ..kit import FamilyKit
 from ..registry import register
-from ..tiny import QWEN_SPECIAL_TOKEN_IDS, TEXT, VISION, split_overrides, with_overrides
+from ..tiny import TEXT, VISION, VISION_TOKEN_IDS, split_overrides, with_overrides
 from ..vision_cost import patch_merger_macs, values_per_patch
 from .qwen_vl_processing import QwenVLProcessing
 
@@ -47,7 +47,7 @@ def tiny_qwen2_vl_config(**overrides) -> Qwen2VLConfig:
         },
         text,
     )
-    top = with_overrides({**QWEN_SPECIAL_TOKEN_IDS, "attn_implementation": "sdpa"}, top)
+    top = with_overrides({**VISION_TOKEN_IDS, "attn_implementation": "sdpa"}, top)
     return Qwen2VLConfig(text_config=text, vision_config=vision, **top)
 
 
@@ -63,6 +63,12 @@ def qwen2_vl_vision_cost(vc) -> VisionCost:
 
 class Kit(FamilyKit):
     tiny_configs = {"qwen2-vl-tiny": tiny_qwen2_vl_config}
+    # hidden_size is the tower's output width; embed_dim is the tower's.
+    published_towers = {
+        "Qwen2-VL-7B": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16,
+         "hidden_size": 3584, "patch_size": 14, "temporal_patch_size": 2,
+         "spatial_merge_size": 2, "in_channels": 3},
+    }  # fmt: skip
 
 
 @register

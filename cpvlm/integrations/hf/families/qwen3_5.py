@@ -47,7 +47,7 @@ from cpvlm.attention.linear.delta_rule import compute_dtype
 from ..adapter import MoeRouter
 from ..kit import MoeKit, with_float64_forward
 from ..registry import register
-from ..tiny import QWEN_SPECIAL_TOKEN_IDS, TEXT, VISION, split_overrides, with_overrides
+from ..tiny import TEXT, VISION, VISION_TOKEN_IDS, split_overrides, with_overrides
 from .qwen3_vl import Kit as Qwen3VLKit
 from .qwen3_vl import Qwen3VLAdapter
 
@@ -183,7 +183,7 @@ def tiny_qwen3_5_config(**overrides) -> Qwen3_5Config:
     """A Qwen3.5 config small enough for float64 CPU tests: a linear-attention layer and a
     full-attention layer."""
     vision, text, top = split_overrides(overrides)
-    top = with_overrides({**QWEN_SPECIAL_TOKEN_IDS, "attn_implementation": "sdpa"}, top)
+    top = with_overrides({**VISION_TOKEN_IDS, "attn_implementation": "sdpa"}, top)
     return Qwen3_5Config(
         text_config=with_overrides(TINY_TEXT, text),
         vision_config=with_overrides(TINY_VISION, vision),
@@ -204,7 +204,7 @@ def tiny_qwen3_5_moe_config(**overrides) -> Qwen3_5MoeConfig:
         output_router_logits=True,
         router_aux_loss_coef=0.001,
     )
-    top = with_overrides({**QWEN_SPECIAL_TOKEN_IDS, "attn_implementation": "sdpa"}, top)
+    top = with_overrides({**VISION_TOKEN_IDS, "attn_implementation": "sdpa"}, top)
     return Qwen3_5MoeConfig(
         text_config=with_overrides(moe_text, text),
         vision_config=with_overrides(TINY_VISION, vision),

@@ -26,7 +26,7 @@ from cpvlm.vision.cost import VisionCost, block_linear_macs
 from ..adapter import VLMAdapter
 from ..kit import FamilyKit
 from ..registry import register
-from ..tiny import QWEN_SPECIAL_TOKEN_IDS, TEXT, VISION, split_overrides, with_overrides
+from ..tiny import TEXT, VISION, VISION_TOKEN_IDS, split_overrides, with_overrides
 from ..vision_cost import patch_merger_macs, values_per_patch
 from .qwen_vl_processing import QwenVLProcessing, tiny_qwen_vl_processor
 
@@ -63,7 +63,7 @@ def tiny_qwen3_vl_config(**overrides) -> Qwen3VLConfig:
     """A Qwen3-VL config small enough for float64 CPU tests (~250k parameters). Deepstack taps
     the first and last vision block unless ``deepstack_visual_indexes`` is given."""
     vision, text, top = split_overrides(overrides)
-    top = with_overrides({**QWEN_SPECIAL_TOKEN_IDS, "attn_implementation": "sdpa"}, top)
+    top = with_overrides({**VISION_TOKEN_IDS, "attn_implementation": "sdpa"}, top)
     return Qwen3VLConfig(
         text_config=with_overrides(TINY_TEXT, text), vision_config=tiny_vision(vision), **top
     )
@@ -86,6 +86,13 @@ def has_deepstack(config) -> bool:
 
 class Kit(FamilyKit):
     tiny_configs = {"qwen3-vl-tiny": tiny_qwen3_vl_config}
+    default_model = "qwen3-vl-tiny"
+    published_towers = {
+        "Qwen3-VL-8B": {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304,
+         "num_heads": 16, "out_hidden_size": 4096, "patch_size": 16, "temporal_patch_size": 2,
+         "spatial_merge_size": 2, "in_channels": 3, "num_position_embeddings": 2304,
+         "deepstack_visual_indexes": [8, 16, 24]},
+    }  # fmt: skip
     traits = frozenset({"deepstack"})
     tiny_processor = tiny_qwen_vl_processor(
         "Qwen3VLProcessor", "Qwen3VLVideoProcessor", system_prompt=False

@@ -13,7 +13,7 @@ from transformers import Qwen3VLMoeConfig
 from ..adapter import MoeRouter
 from ..kit import MoeKit
 from ..registry import register
-from ..tiny import QWEN_SPECIAL_TOKEN_IDS, split_overrides, with_overrides
+from ..tiny import VISION_TOKEN_IDS, split_overrides, with_overrides
 from .qwen3_vl import TINY_TEXT, Qwen3VLAdapter, tiny_vision
 from .qwen3_vl import Kit as Qwen3VLKit
 
@@ -34,7 +34,7 @@ def tiny_qwen3_vl_moe_config(**overrides) -> Qwen3VLMoeConfig:
         },
         text,
     )
-    top = with_overrides({**QWEN_SPECIAL_TOKEN_IDS, "attn_implementation": "sdpa"}, top)
+    top = with_overrides({**VISION_TOKEN_IDS, "attn_implementation": "sdpa"}, top)
     return Qwen3VLMoeConfig(text_config=text, vision_config=tiny_vision(vision), **top)
 
 
