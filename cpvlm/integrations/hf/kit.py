@@ -12,6 +12,7 @@ kit of a model.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -49,8 +50,6 @@ class FamilyKit:
 
     tiny_configs: ClassVar[dict[str, Callable[..., Any]]] = {}
     """``{"<name>-tiny": config builder}``: tiny configs built from the real config classes."""
-    default_model: ClassVar[str | None] = None
-    """Set on one kit: the tiny model ``cpvlm train`` and ``cpvlm verify`` run by default."""
     shared_tests: ClassVar[bool] = True
     """The shared HF tests run on the tiny models (else only the family's own tests do)."""
     traits: ClassVar[frozenset[str]] = frozenset()
@@ -125,8 +124,6 @@ class FamilyKit:
 def with_float64_forward(model: nn.Module, forwards: dict[type, Callable]) -> None:
     """Give every module of ``model`` that is an instance of a key of ``forwards`` that forward
     (bound to the module): how a kit's ``float64_islands`` swaps transformers' float32 parts."""
-    import types
-
     for module in model.modules():
         kind = next((c for c in forwards if isinstance(module, c)), None)
         if kind is not None:

@@ -47,11 +47,6 @@ def supported() -> list[str]:
     return sorted(c for a in _registered() for c in a.model_classes)
 
 
-def adapters() -> list[type[VLMAdapter]]:
-    """Every registered adapter class, in registration order."""
-    return list(_registered())
-
-
 def families() -> list[str]:
     """The family names, in registration order."""
     return [a.family for a in _registered()]
@@ -65,19 +60,6 @@ def tiny_models() -> dict[str, Callable]:
 def tiny_adapters() -> dict[str, type[VLMAdapter]]:
     """``{"<family>-tiny": adapter class}``: which family each tiny model belongs to."""
     return {name: a for a in _registered() for name in a.kit.tiny_configs}
-
-
-def default_tiny_model() -> str:
-    """The tiny model ``cpvlm train`` and ``cpvlm verify`` run by default (one kit names it)."""
-    named = {a.kit.default_model for a in _registered()} - {None}
-    if len(named) != 1:
-        raise ValueError(f"exactly one family kit names the default model, got {sorted(named)}")
-    return named.pop()
-
-
-def tiny_model_help() -> str:
-    """The ``--model`` help of the entry points: the tiny models, from the registry."""
-    return f"a tiny model ({', '.join(tiny_models())}) or a local checkpoint directory"
 
 
 def published_towers() -> dict[str, tuple[str, dict]]:
