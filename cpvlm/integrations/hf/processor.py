@@ -58,6 +58,7 @@ def adapter_token_ids(model_config) -> TokenIds:
         pixel_width=adapter.pixel_width,
         types=adapter.mm_token_type_ids,
         sizes=adapter.item_sizes,
+        split_frames=adapter.split_frames,
     )
 
 
