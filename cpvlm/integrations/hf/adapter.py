@@ -224,8 +224,8 @@ class VLMAdapter:
 
     projector: ClassVar[tuple[str, ...]] = ("merger",)
     """Name prefixes, inside ``vision_tower``, of the parameters that stay trainable when the
-    vision encoder is frozen (a merger inside the tower); a projector outside the tower stays
-    trainable anyway."""
+    vision encoder is frozen (a merger inside the tower); a projector beside the tower stays
+    trainable anyway (no override needed)."""
 
     def text_model(self, model: nn.Module) -> nn.Module:
         """The decoder: ``forward(inputs_embeds=, position_ids=, ...)`` -> last_hidden_state;

@@ -194,7 +194,6 @@ class Gemma4Adapter(VLMAdapter):
         "num_frames_per_video",
     )
     span_layers = "sliding"
-    projector = ()
 
     def __init__(self, config):
         self.config = config

@@ -142,7 +142,6 @@ class InternVLAdapter(VLMAdapter):
     model_classes = ("InternVLForConditionalGeneration",)
     model_types = ("internvl",)
     kit = Kit
-    projector = ()  # the projector is beside the tower
 
     def __init__(self, config):
         self.config = config

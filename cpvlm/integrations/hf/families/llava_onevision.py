@@ -157,7 +157,6 @@ class LlavaOnevisionAdapter(VLMAdapter):
     model_classes = ("LlavaOnevisionForConditionalGeneration",)
     model_types = ("llava_onevision",)
     kit = Kit
-    projector = ()  # the projector and image_newline are beside the tower
     split_frames = False
 
     def __init__(self, config):
