@@ -126,10 +126,10 @@ LOSS_CHUNK = 1024
 
 
 def model_config(vocab: int | None = None):
-    from cpvlm.integrations.hf import tiny_qwen3_vl_config
+    from cpvlm.integrations.hf import TINY_MODELS
 
     text = dict(TEXT) if vocab is None else {**TEXT, "vocab_size": vocab}
-    return tiny_qwen3_vl_config(text_config=text, vision_config=dict(VISION))
+    return TINY_MODELS["qwen3-vl-tiny"](text_config=text, vision_config=dict(VISION))
 
 
 def packed_batch(config, docs=DOCS) -> tuple[dict[str, torch.Tensor], list[int]]:

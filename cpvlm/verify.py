@@ -2,8 +2,8 @@
 
 Run it on your model config before a long job:
 
-    cpvlm verify --model qwen3-vl-tiny --cp 2,4
-    cpvlm verify --model /path/to/Qwen3-VL-checkpoint --cp 2 --dtype float64
+    cpvlm verify --cp 2,4
+    cpvlm verify --model /path/to/checkpoint --cp 2 --dtype float64
 
 For each CP size and (attn, vision, flow, layout) combination it runs one synthetic batch
 (images of several sizes, a video, a text-only row) and one packed row of documents through
@@ -40,7 +40,7 @@ TOLERANCES = {
 }
 FLOAT32_IN_FLOAT64 = 1e-6
 """float64 tolerance of module groups the model computes in float32 even in a float64 model (the
-adapter's ``float32_groups``: GLM-4V's bicubic position table, GLM-4.5V's router), and of
+family kit's ``float32_groups``: a bicubic position table, a router), and of
 ``vision="replicate"``: float32 round-off (6e-8) of a reordered sum; measured <= 2e-7."""
 
 
@@ -63,10 +63,10 @@ def tolerance(
 
 
 def module_groups(model) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """The model's module groups, ``(label, parameter-name regexes)``, from its family's adapter."""
-    from cpvlm.integrations.hf import adapter_for
+    """The model's module groups, ``(label, parameter-name regexes)``, from its family's kit."""
+    from cpvlm.integrations.hf import kit_for
 
-    return adapter_for(model).module_groups()
+    return kit_for(model).module_groups()
 
 
 def group_of(param_name: str, groups) -> str:
@@ -112,11 +112,12 @@ def hybrid_size(cp: int, ulysses_size: int | None) -> int:
 def verify_batches(model, dtype: torch.dtype) -> dict[str, tuple[dict, list | None]]:
     """``{name: (batch, doc_lens)}``: a mixed padded batch (images of several sizes, a video, a
     text-only row) and a packed row of documents. For a family whose own forward cannot take
-    images and videos in one call (GLM-4V), the video is a document of the packed row only."""
-    from cpvlm.integrations.hf import adapter_for
+    images and videos in one call, the video is a document of the packed row only."""
+    from cpvlm.integrations.hf import adapter_for, kit_for
     from cpvlm.testing.hf_batches import SampleSpec, pack_documents, synthetic_batch
 
     adapter = adapter_for(model)
+    mixes = kit_for(model).mixes_images_and_videos
     m = adapter.merge_size
     video = ((2, 2 * m, 2 * m),)
     mixed = synthetic_batch(
@@ -124,7 +125,7 @@ def verify_batches(model, dtype: torch.dtype) -> dict[str, tuple[dict, list | No
         [
             SampleSpec(
                 images=((2 * m, 2 * m), (4 * m, 2 * m)),
-                videos=video if adapter.mixes_images_and_videos and adapter.takes_videos else (),
+                videos=video if mixes and adapter.takes_videos else (),
                 text_len=21,
             ),
             SampleSpec(text_len=30),
@@ -135,7 +136,7 @@ def verify_batches(model, dtype: torch.dtype) -> dict[str, tuple[dict, list | No
     docs = [SampleSpec(images=((2 * m, 4 * m),), text_len=9), SampleSpec(text_len=3)]
     if not adapter.takes_videos:
         docs.append(SampleSpec(images=((2 * m, 2 * m),), text_len=12))
-    elif adapter.mixes_images_and_videos:
+    elif mixes:
         docs.append(SampleSpec(images=((2 * m, 2 * m),), videos=video, text_len=12))
     else:
         docs += [
@@ -172,11 +173,11 @@ def default_cp_model(model, group, attn: str, vision: str, flow: str, **kwargs):
 
 
 def _cp_rank_main(rank, world_size, model_spec, dtype, cases, factory):
-    from cpvlm.integrations.hf import adapter_for, build_model
+    from cpvlm.integrations.hf import build_model, kit_for
 
     base = build_model(model_spec, dtype=dtype, seed=0)
     if dtype == torch.float64:
-        adapter_for(base).float64_islands(base)
+        kit_for(base).float64_islands(base)
     batches = verify_batches(base, dtype)
     results = []
     for case in cases:
@@ -245,16 +246,17 @@ def run_verify(
     level). Tests pass a deliberately broken one to prove the check can fail. A (vision, flow)
     pair that ``CPOptions`` rejects is skipped (all of them: ValueError).
     """
-    from cpvlm.integrations.hf import adapter_for, build_model
+    from cpvlm.integrations.hf import build_model, kit_for
     from cpvlm.testing import run_distributed
 
     torch_dtype = getattr(torch, dtype)
     model = build_model(model_spec, dtype=torch_dtype, seed=0)
+    kit = kit_for(model)
     if torch_dtype == torch.float64:
-        adapter_for(model).float64_islands(model)  # on the CP ranks' models too
+        kit.float64_islands(model)  # on the CP ranks' models too
     groups = module_groups(model)
-    float32_groups = adapter_for(model).float32_groups
-    zero = adapter_for(model).zero_gradients
+    float32_groups = kit.float32_groups
+    zero = kit.zero_gradients
     batches = verify_batches(model, torch_dtype)
     refs = {name: reference(model, b, d) for name, (b, d) in batches.items()}
     present = {group_of(n, groups) for n in refs["mixed"][1]}
@@ -337,8 +339,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="qwen3-vl-tiny",
-        help="a tiny model (<family>-tiny: qwen2-vl, qwen2.5-vl, qwen3-vl, qwen3-vl-moe, glm4v, "
-        "glm46v, glm4v-moe) or a local checkpoint directory",
+        help="a tiny model of a supported family (<family>-tiny; an unknown name lists them) or a "
+        "local checkpoint directory",
     )
     parser.add_argument(
         "--cp", type=_csv(int), default="2,4", help="CP sizes to check, comma-separated"

@@ -30,9 +30,9 @@ def test_verify_refuses_bad_flags(capsys, argv, message):
 
 
 def test_verify_refuses_a_model_directory_without_weights(tmp_path, capsys):
-    from cpvlm.integrations.hf import tiny_qwen3_vl_config
+    from cpvlm.integrations.hf import TINY_MODELS
 
-    tiny_qwen3_vl_config().save_pretrained(tmp_path)
+    TINY_MODELS["qwen3-vl-tiny"]().save_pretrained(tmp_path)
     assert "has a config.json but no weights" in _refused(
         capsys, ["verify", "--model", str(tmp_path)]
     )

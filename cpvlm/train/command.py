@@ -25,11 +25,12 @@ from cpvlm.train.config import (
 )
 
 DESCRIPTION = """\
-Train a VLM (Qwen2/2.5/3-VL, Qwen3-VL-MoE, GLM-4V) with context parallelism (CP): every packed sequence is split
-over --cp ranks, with gradients equal to the one-device run. Without a launcher this starts
-dp * cp local CPU processes (gloo); under torchrun it uses torchrun's ranks (NCCL on GPUs):
+Train a transformers VLM of a supported family with context parallelism (CP): every packed
+sequence is split over --cp ranks, with gradients equal to the one-device run. Without a
+launcher this starts dp * cp local CPU processes (gloo); under torchrun it uses torchrun's ranks
+(NCCL on GPUs):
     torchrun --nproc-per-node 8 -m cpvlm.train --cp 4          (dp = 8 / 4 = 2)
-The default is a tiny Qwen3-VL on synthetic image/video/text data, CP=4, about a minute on CPU.
+The default is a tiny model on synthetic image/video/text data, CP=4, about a minute on CPU.
 """
 
 
@@ -48,8 +49,8 @@ def _model_flags(g, m: ModelConfig) -> None:
     g.add_argument(
         "--model",
         default=m.name,
-        help="a tiny model (<family>-tiny: qwen2-vl, qwen2.5-vl, qwen3-vl, qwen3-vl-moe, glm4v, "
-        "glm46v, glm4v-moe) or a local checkpoint directory",
+        help="a tiny model of a supported family (<family>-tiny; an unknown name lists them) or a "
+        "local checkpoint directory",
     )
     g.add_argument(
         "--dtype",

@@ -56,7 +56,7 @@ def _choice(field_name: str, flag: str, value: object, choices: tuple[str, ...])
 class ModelConfig:
     """Which model, in which dtypes, what is trained, and how memory is traded for compute."""
 
-    name: str = "qwen3-vl-tiny"  # "qwen3-vl-tiny", "qwen2.5-vl-tiny", or a local checkpoint dir
+    name: str = "qwen3-vl-tiny"  # a tiny model (TINY_MODELS) or a local checkpoint dir
     dtype: str = "float32"  # compute dtype
     param_dtype: str | None = None  # parameters and AdamW state; None: float32 for bfloat16
     freeze_vision: bool = False  # freeze the vision encoder; its mergers (projector) still train

@@ -73,7 +73,7 @@ class RunStopped(Exception):
 
 def freeze_vision_encoder(model: nn.Module) -> None:
     """``--freeze-vision``: the tower is frozen except its projector (the family's adapter says
-    which modules those are: Qwen's mergers, GLM's downsample and merger)."""
+    which modules those are: a merger inside the tower)."""
     adapter_for(model).freeze_vision_encoder(model)
 
 

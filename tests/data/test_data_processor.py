@@ -18,8 +18,8 @@ from PIL import Image
 from transformers import AutoConfig
 
 from cpvlm.data import DataError, Record
+from cpvlm.integrations.hf.families.qwen_vl_processing import VIDEO_DEFAULTS, patchify_video
 from cpvlm.integrations.hf.processor import ChatEncoder
-from cpvlm.integrations.hf.resize import VIDEO_DEFAULTS, patchify_video
 from cpvlm.testing.tiny_processor import make_tiny_checkpoint, write_frames, write_images
 
 # (family, layout): both families, both checkpoint layouts.

@@ -39,6 +39,7 @@ from cpvlm.attention import Shapes, choose_impl  # noqa: E402
 from cpvlm.integrations.hf import (  # noqa: E402
     ContextParallelVLM,
     adapter_for,
+    kit_for,
     prepare_batch,
     vision_cost,
 )
@@ -155,20 +156,18 @@ def _reference(name, dtype, kind, islands=True):
 def _assert_close(name, cp_result, ref_loss, ref_grads, tol, float32_pattern=None):
     loss_tol = FLOAT32_TOL if float32_pattern == "." else tol  # GLM-4.5V: routing weights too
     assert rel_err(cp_result["loss"], ref_loss) <= loss_tol
-    adapter = adapter_for(cached_model(name).config)
+    kit = kit_for(cached_model(name).config)
     # Mathematically zero gradients (SigLIP's key bias) are round-off: measured against the
     # largest reference gradient instead of themselves.
     scale = max(float(g.abs().max()) for g in ref_grads.values())
     for n, g in ref_grads.items():
         err = rel_err(cp_result["grads"][n], g)
-        if any(re.match(p, n) for p in adapter.zero_gradients):
+        if any(re.match(p, n) for p in kit.zero_gradients):
             err = float((cp_result["grads"][n] - g).abs().max()) / scale
         limit = FLOAT32_TOL if float32_pattern and re.match(float32_pattern, n) else tol
         assert err <= limit, (n, err, limit)
     # Every vision module group got a gradient (a dropped vision gradient would show up as zeros).
-    groups = [
-        (label, pats) for label, pats in adapter.module_groups() if label.startswith("vision")
-    ]
+    groups = [(label, pats) for label, pats in kit.module_groups() if label.startswith("vision")]
     assert len(groups) >= 3
     for label, patterns in groups:
         assert any(

@@ -44,8 +44,6 @@ from cpvlm.integrations.hf import (  # noqa: E402
     reference_loss_and_grads,
     supported,
     synthetic_batch,
-    tiny_qwen2_5_vl_config,
-    tiny_qwen3_vl_config,
 )
 
 # The Qwen-VL-layout families (grids of pixel rows in the model's own batch, M-RoPE): these
@@ -201,12 +199,13 @@ def test_tiny_model_builds(name):
 
 
 def test_tiny_config_overrides():
+    tiny_qwen3_vl_config = TINY_MODELS["qwen3-vl-tiny"]
     config = tiny_qwen3_vl_config(vision_config={"depth": 4})
     assert config.vision_config.depth == 4
     assert config.vision_config.deepstack_visual_indexes == [0, 3]
     with pytest.raises(ValueError, match="deepstack_visual_indexes"):
         tiny_qwen3_vl_config(vision_config={"depth": 2, "deepstack_visual_indexes": [2]})
-    config = tiny_qwen2_5_vl_config(
+    config = TINY_MODELS["qwen2.5-vl-tiny"](
         vision_config={"depth": 3}, text_config={"num_hidden_layers": 1}
     )
     assert config.vision_config.fullatt_block_indexes == [2]
@@ -501,7 +500,7 @@ def test_vision_tower_encodes_images_and_frames_independently(name):
 
     def encode(rows, g):
         if name in GLM:
-            return adapter.encode(tower, rows, g)
+            return adapter.encode(model, rows, g)
         out = tower(rows, grid_thw=g)
         return (
             (out.pooler_output, out.deepstack_features) if name in DEEPSTACK else out.pooler_output

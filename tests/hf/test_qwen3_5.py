@@ -6,7 +6,7 @@ CP that this integration rules out, the unchanged model's float32 delta rule, an
 
 Reference: the model's own one-process forward and backward (each packed document alone: with
 per-document positions the model's linear layers still scan across documents), with its float32 islands read
-in float64 in both runs (``adapter.float64_islands``: transformers' delta rule, decay and
+in float64 in both runs (the kit's ``float64_islands``: transformers' delta rule, decay and
 ``Qwen3_5RMSNorm``, their own code with the float32 casts read as float64). float64 tolerance
 1e-10: measured <= 2e-13 (the decay parameters, A_log and dt_bias, whose gradients are sums of
 cancelling terms), every other gradient <= 2e-15.

@@ -55,12 +55,11 @@ def test_internvl_tiles_are_independent_units_and_follow_the_aspect_ratio():
     assert starts == len(expected)
     assert (batch["input_ids"] == model.config.image_token_id).sum() == 4 * sum(expected.values())
     grids = batch["image_grid_thw"]
-    tower = adapter.vision_tower(model)
     with torch.no_grad():
-        together = adapter.encode(tower, batch["pixel_values"], grids)
+        together = adapter.encode(model, batch["pixel_values"], grids)
         one_tile = torch.tensor([[1, 4, 4]])
         per_tile = [
-            adapter.encode(tower, rows, one_tile) for rows in batch["pixel_values"].split(16)
+            adapter.encode(model, rows, one_tile) for rows in batch["pixel_values"].split(16)
         ]
         # the model's own forward takes the batch (it checks tokens against its features)
         model(**adapter.to_model_batch(batch), use_cache=False)
@@ -128,7 +127,6 @@ def _processor_features(config, height, width):
 def test_llava_onevision_item_sizes_are_the_models_packed_rows_and_the_processors_tokens():
     model = cached_model("llava-onevision-tiny")
     adapter = adapter_for(model)
-    tower = adapter.vision_tower(model)
     sizes = [(32, 32), (32, 64), (64, 32), (64, 64), (40, 90), (96, 30), (50, 50), (20, 70)]
     grids = [(1 + r * c, h, w) for h, w in sizes for r, c in [adapter.crop_grid(h, w)]]
     grids.append((1, 64, 64))  # base crop only (an image of a multi-image sample)
@@ -140,14 +138,14 @@ def test_llava_onevision_item_sizes_are_the_models_packed_rows_and_the_processor
             assert rows == _processor_features(model.config, h, w)
         crops = torch.randn(t, 3, 32, 32, generator=gen, dtype=torch.float64)
         with torch.no_grad():
-            feats = tower.get_image_features(
+            feats = model.model.get_image_features(
                 pixel_values=crops[None],
                 image_sizes=torch.tensor([[h, w]]),
                 batch_num_images=torch.tensor([1 if t > 1 else 2]),
                 return_dict=True,
             ).pooler_output
             mine = adapter.encode(
-                tower, crops.reshape(-1, adapter.pixel_width), torch.tensor([grid])
+                model, crops.reshape(-1, adapter.pixel_width), torch.tensor([grid])
             )
         assert pixels == t * 16 and feats[0].shape[0] == rows == mine.shape[0]
         assert _rel(mine, feats[0]) < 1e-12
@@ -203,7 +201,7 @@ def test_cost_models_count_a_tiles_and_a_crops_matrix_products():
     model = build_model("llava-onevision-tiny", dtype=torch.float64, attn_implementation="eager")
     adapter = adapter_for(model)
     rows = torch.randn(5 * 16, adapter.pixel_width, dtype=torch.float64)
-    got = _macs(lambda: adapter.encode(model.model, rows, torch.tensor([[5, 64, 64]])))
+    got = _macs(lambda: adapter.encode(model, rows, torch.tensor([[5, 64, 64]])))
     assert got == adapter.vision_cost().unit_cost((5, 64, 64))
 
 
@@ -225,6 +223,6 @@ def test_llava_onevision_feature_layers_equal_the_models_hidden_states(layer):
             pixel_values=crops[None], image_sizes=torch.tensor([[32, 64]]), return_dict=True
         ).pooler_output[0]
         mine = adapter.encode(
-            model.model, crops.reshape(-1, adapter.pixel_width), torch.tensor([[3, 32, 64]])
+            model, crops.reshape(-1, adapter.pixel_width), torch.tensor([[3, 32, 64]])
         )
     assert _rel(mine, theirs) < 1e-12

@@ -154,10 +154,10 @@ def test_resume_skips_a_truncated_or_broken_newest_checkpoint(tmp_path):
 
 
 def test_model_directories_without_weights_or_with_a_broken_config(tmp_path, capsys):
-    from cpvlm.integrations.hf import tiny_qwen3_vl_config
+    from cpvlm.integrations.hf import TINY_MODELS
 
     no_weights = tmp_path / "no_weights"
-    tiny_qwen3_vl_config().save_pretrained(no_weights)
+    TINY_MODELS["qwen3-vl-tiny"]().save_pretrained(no_weights)
     assert "has a config.json but no weights" in _error(capsys, ["--model", str(no_weights)])
     broken = tmp_path / "broken"
     broken.mkdir()

@@ -43,8 +43,7 @@ _towers: dict = {}
 def _tower(name):
     if name not in _towers:
         model = build_model(name, dtype=torch.float64)
-        adapter = adapter_for(model)
-        _towers[name] = (adapter, adapter.vision_tower(model))
+        _towers[name] = (adapter_for(model), model)
     return _towers[name]
 
 
@@ -66,10 +65,11 @@ def _as_list(out):
 
 
 def _reference(name, grids, seed):
-    adapter, tower = _tower(name)
-    tower = copy.deepcopy(tower)
+    adapter, base = _tower(name)
+    model = copy.deepcopy(base)
+    tower = adapter.vision_tower(model)
     grid, pixels, rows, gen = _inputs(adapter, grids, seed)
-    outs = _as_list(adapter.encode(tower, pixels, grid))
+    outs = _as_list(adapter.encode(model, pixels, grid))
     weights = _weights(gen, rows, [o.shape[1] for o in outs])
     sum((o * w).sum() for o, w in zip(outs, weights)).backward()
     return outs, {n: p.grad.clone() for n, p in tower.named_parameters()}
@@ -77,10 +77,11 @@ def _reference(name, grids, seed):
 
 def _split_rank(rank, world, name, grids, seed, attn="ring"):
     adapter, base = _tower(name)
-    tower = copy.deepcopy(base)
+    model = copy.deepcopy(base)
+    tower = adapter.vision_tower(model)
     grid, pixels, rows, gen = _inputs(adapter, grids, seed)
     vdp = VisionDataParallel(
-        SplitTower(adapter, tower),
+        SplitTower(adapter, model),
         dist.group.WORLD,
         mode="split",
         merge_size=adapter.merge_size,
@@ -159,10 +160,10 @@ def _bad_inputs_rank(rank, world):
     from cpvlm.integrations.hf import ContextParallelVLM
 
     adapter, base = _tower("qwen3-vl-tiny")
-    tower = copy.deepcopy(base)
+    model = copy.deepcopy(base)
     grid, pixels, rows, _ = _inputs(adapter, [(1, 8, 12)], 0)
     vdp = VisionDataParallel(
-        SplitTower(adapter, tower), dist.group.WORLD, mode="split", cost=adapter.vision_cost()
+        SplitTower(adapter, model), dist.group.WORLD, mode="split", cost=adapter.vision_cost()
     )
     plan = ShardPlan(rows, world)
     errors = []

@@ -1,8 +1,9 @@
 """Hugging Face transformers VLMs under CP: a family-agnostic core and one adapter per family.
 
-Read in this order: adapter.py (what a family says), registry.py (model class -> adapter),
-families/ (one file per family), inputs.py (the replicated integer inputs of a step),
-context_parallel.py (ContextParallelVLM, one step top to bottom), attention.py.
+Read in this order: adapter.py (what a family says to the CP step), kit.py (what it says to
+tests and verify), registry.py (model class -> adapter), families/ (one file per family),
+inputs.py (the replicated integer inputs of a step), context_parallel.py (ContextParallelVLM,
+one step top to bottom), attention.py.
 
 The synthetic batches and the one-process reference used by tests moved to
 ``cpvlm.testing.hf_batches`` and ``cpvlm.testing.hf_reference``; their old names here still work.
@@ -12,14 +13,9 @@ from cpvlm.integrations.hf.adapter import ExtraLoss, LossContext, RouterLoss, VL
 from cpvlm.integrations.hf.attention import CP_ATTENTION, CPAttentionContext
 from cpvlm.integrations.hf.context_parallel import ContextParallelOutput, ContextParallelVLM
 from cpvlm.integrations.hf.inputs import PreparedBatch, prepare_batch
-from cpvlm.integrations.hf.models import (
-    TINY_MODELS,
-    build_model,
-    model_family,
-    tiny_qwen2_5_vl_config,
-    tiny_qwen3_vl_config,
-)
-from cpvlm.integrations.hf.registry import adapter_for, register, supported
+from cpvlm.integrations.hf.kit import FamilyKit
+from cpvlm.integrations.hf.models import TINY_MODELS, build_model, model_family
+from cpvlm.integrations.hf.registry import adapter_for, kit_for, register, supported
 from cpvlm.integrations.hf.vision_cost import vision_cost
 from cpvlm.loss import IGNORE_INDEX
 
@@ -48,6 +44,7 @@ __all__ = [
     "ContextParallelOutput",
     "ContextParallelVLM",
     "ExtraLoss",
+    "FamilyKit",
     "IGNORE_INDEX",
     "LossContext",
     "PreparedBatch",
@@ -55,13 +52,12 @@ __all__ = [
     "TINY_MODELS",
     "VLMAdapter",
     "adapter_for",
+    "kit_for",
     "build_model",
     "model_family",
     "prepare_batch",
     "register",
     "supported",
-    "tiny_qwen2_5_vl_config",
-    "tiny_qwen3_vl_config",
     "vision_cost",
     *_MOVED,
 ]

@@ -68,14 +68,14 @@ class ContextParallelOutput:
 
 class TowerCall:
     """``encoder(pixel_values, grid_thw)`` as VisionDataParallel calls it: the adapter's ``encode``
-    on the model's tower. A plain callable, not a module, so the tower's parameters keep one owner
-    (the model) in ``state_dict`` and FSDP."""
+    on the model. A plain callable, not a module, so the tower's parameters keep one owner (the
+    model) in ``state_dict`` and FSDP."""
 
-    def __init__(self, adapter: VLMAdapter, tower: nn.Module):
-        self.adapter, self.tower = adapter, tower
+    def __init__(self, adapter: VLMAdapter, model: nn.Module):
+        self.adapter, self.model = adapter, model
 
     def __call__(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
-        return self.adapter.encode(self.tower, pixel_values, grid_thw)
+        return self.adapter.encode(self.model, pixel_values, grid_thw)
 
 
 def _local_row_order(prep: PreparedBatch, cp_rank: int) -> torch.Tensor:
@@ -220,21 +220,21 @@ class ContextParallelVLM(nn.Module):
             hybrid_groups(cp_group, options.ulysses_size)
         self.adapter.text_model(model).set_attn_implementation(CP_ATTENTION)
         self.adapter.install_context_parallel(model)
-        tower = self.adapter.vision_tower(model)
-        self.encode = TowerCall(self.adapter, self.adapter.encoder_root(model))
+        self.encode = TowerCall(self.adapter, model)
         self.vision_cost = self.adapter.vision_cost()  # units balanced by the tower's cost
         # "replicate" with no units at all runs the same dummy frame as the other modes.
         split = {}
         if vision == "split":  # the tower's attention: SDPA per unit, cp_attention when sharded
             split = {"attn": attn, "attn_options": self.attn_options}
         self.vision_dp = VisionDataParallel(
-            SplitTower(self.adapter, tower) if vision == "split" else self.encode,
+            SplitTower(self.adapter, model) if vision == "split" else self.encode,
             cp_group,
             mode="allgather" if vision == "replicate" else vision,
             merge_size=self.adapter.merge_size,
             split_frames=self.adapter.split_frames,
             cost=self.vision_cost,
-            unit_sizes=self.adapter.item_sizes if self.adapter.unit_sizes else None,
+            # split cuts units by patches: its families have the default item sizes
+            unit_sizes=None if vision == "split" else self.adapter.item_sizes,
             **split,
         )
         self.batch_keys = (*BASE_KEYS, *self.adapter.video_keys, *self.adapter.model_batch_keys)
@@ -309,8 +309,9 @@ class ContextParallelVLM(nn.Module):
                 attention_mask=None,
                 use_cache=False,
                 cpvlm_cp=context,
-                **self.adapter.decoder_kwargs(visual_mask_loc, deepstack),
-                **self.adapter.decoder_inputs(self.model, local["input_ids"], visual_mask_loc),
+                **self.adapter.decoder_inputs(
+                    self.model, local["input_ids"], visual_mask_loc, deepstack
+                ),
             )
         with record_function("cpvlm.loss"):
             loss = self._loss(decoder_out.last_hidden_state, local["labels"], prep.num_valid)
@@ -350,7 +351,7 @@ class ContextParallelVLM(nn.Module):
     def _loss(self, hidden: torch.Tensor, labels_loc: torch.Tensor, num_valid: int):
         head = self.adapter.lm_head(self.model)
         cap = self.adapter.logit_softcap
-        if cap is not None:  # Gemma 4: the model's own cap * tanh(logits / cap)
+        if cap is not None:  # the model's own cap * tanh(logits / cap)
             return _softcapped_loss(head, hidden, labels_loc, num_valid, cap, self.loss_chunk)
         if not self.loss_chunk:
             return token_mean_loss(head(hidden), labels_loc, num_valid)

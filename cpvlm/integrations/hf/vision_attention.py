@@ -3,7 +3,7 @@ for exactly the local patches.
 
 Legend: n local patches, m merge size, H heads, D head width.
 
-The Qwen-VL towers take precomputed per-patch inputs as keywords (transformers' ``vision_utils``:
+The towers that split take precomputed per-patch inputs as keywords (transformers' ``vision_utils``:
 ``position_ids``, ``cu_seqlens``, ``window_index``, ``interp_indices``...): ``SplitTower`` computes
 them with the functions the tower's own module calls (``tower_function``), on each whole unit's
 grid, and takes the rows of the local patches (``local_rows``), so every float32 step inside them
@@ -118,9 +118,10 @@ class SplitTower:
     """A family's tower as ``VisionDataParallel``'s split encoder (``unit_order``,
     ``encode_local``); selects ``SPLIT_ATTENTION`` for the tower's attention."""
 
-    def __init__(self, adapter, tower: nn.Module):
-        self.adapter, self.tower = adapter, tower
-        tower.set_attn_implementation(SPLIT_ATTENTION)
+    def __init__(self, adapter, model: nn.Module):
+        self.adapter, self.model = adapter, model
+        self.tower = adapter.vision_tower(model)
+        self.tower.set_attn_implementation(SPLIT_ATTENTION)
         self._orders: dict[tuple, UnitOrder] = {}
 
     def unit_order(self, grid: tuple[int, int, int]) -> UnitOrder:
@@ -138,4 +139,4 @@ class SplitTower:
         # The grid is not read: every per-patch input is precomputed in kwargs.
         grid = torch.tensor([[1, m, pixel_rows.shape[0] // m]], device=pixel_rows.device)
         context = VisionSplitContext(attention, windowed, frozenset(kwargs))
-        return self.adapter.encode(self.tower, pixel_rows, grid, cpvlm_vision=context, **kwargs)
+        return self.adapter.encode(self.model, pixel_rows, grid, cpvlm_vision=context, **kwargs)
