@@ -16,10 +16,12 @@ def _refused(capsys, argv) -> str:
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--flow", "compat", "--vision", "route"], "--flow compat builds the full input"),
+        (["--flow", "compat", "--vision", "route"], "flow='compat' builds the full input"),
         (["--tol", "-1"], "--tol must be a finite number > 0, got -1.0"),
         (["--tol", "nan"], "--tol must be a finite number > 0, got nan"),
-        (["--cp", "0"], "--cp sizes must be >= 1"),
+        (["--cp", "0"], "cp_size=0 (--cp): must be an integer >= 1"),
+        (["--attn", "ring", "--ulysses-size", "2"], "applies to attn='hybrid' only"),
+        (["--attn", "auto"], "attn='auto' (--attn): not checked here"),
         (["--model", "/no/such/dir"], "neither a tiny model"),
     ],
 )

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cpvlm.constants import IGNORE_INDEX
+from cpvlm.constants import DECODE_MODES, IGNORE_INDEX
 from cpvlm.data.errors import DataError
 from cpvlm.data.packing import dp_split
 from cpvlm.data.rows import PackedPlan, RowStream
@@ -32,7 +32,6 @@ from cpvlm.data.sample import LazyPixels, TokenIds, VisionItem
 from cpvlm.vision.assign import assign_vision_units
 from cpvlm.vision.units import VisionUnits, vision_units
 
-DECODE_MODES = ("local", "all")
 BLANK_TOKENS = 16
 
 Decoder = Callable[[VisionItem, Sequence[int] | None], torch.Tensor]

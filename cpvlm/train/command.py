@@ -10,17 +10,12 @@ import argparse
 import os
 import sys
 
+from cpvlm import options
 from cpvlm.cli import HelpFormatter
+from cpvlm.constants import DECODE_MODES, DTYPES, TRAIN_ON
 from cpvlm.train.config import (
-    ATTN_IMPLS,
-    DATA_PARALLEL,
-    DECODE,
     DEVICES,
-    DTYPES,
-    FLOWS,
-    LAYOUTS,
-    TRAIN_ON,
-    VISION_MODES,
+    TRAIN_DATA_PARALLEL,
     DataConfig,
     ModelConfig,
     OptimConfig,
@@ -95,41 +90,11 @@ def _parallel_flags(g, par: ParallelConfig) -> None:
         default=par.dp,
         help="data-parallel replicas (default: 1, or world / cp under torchrun)",
     )
-    g.add_argument(
-        "--attn",
-        default=par.attn,
-        choices=ATTN_IMPLS,
-        help=f"CP attention (default {par.attn}; auto: chosen per batch by a cost model)",
-    )
-    g.add_argument(
-        "--ulysses-size",
-        type=int,
-        default=par.ulysses_size,
-        help="--attn hybrid: ranks per Ulysses group (a divisor of --cp), a ring across groups",
-    )
-    g.add_argument(
-        "--layout",
-        default=par.layout,
-        choices=LAYOUTS,
-        help="balanced (default): short documents whole on one rank, long ones head-tail; "
-        "head_tail: every document in 2*cp chunks",
-    )
-    g.add_argument(
-        "--vision",
-        default=par.vision,
-        choices=VISION_MODES,
-        help="how CP ranks share the vision encoder",
-    )
-    g.add_argument(
-        "--flow",
-        default=par.flow,
-        choices=FLOWS,
-        help="scalable: no rank builds full-length embeddings",
-    )
+    options.add_arguments(g)  # --attn, --vision, --flow, --layout, --ulysses-size
     g.add_argument(
         "--data-parallel",
         default=par.data_parallel,
-        choices=DATA_PARALLEL,
+        choices=TRAIN_DATA_PARALLEL,
         help="gradient sync over dp x cp (all sum)",
     )
 
@@ -201,7 +166,7 @@ def _data_flags(g, d: DataConfig) -> None:
     g.add_argument(
         "--decode",
         default=d.decode,
-        choices=DECODE,
+        choices=DECODE_MODES,
         help="local: each rank decodes only the images/frames it encodes; all: every rank all",
     )
     g.add_argument(

@@ -144,14 +144,7 @@ def _setup_model(config: TrainConfig, device: torch.device, groups, mesh):
             model.gradient_checkpointing_enable({"use_reentrant": False})
     model.to(device)
     cp_model = ContextParallelVLM(
-        model,
-        groups.cp_group,
-        attn=p.attn,
-        vision=p.vision,
-        flow=p.flow,
-        ulysses_size=p.ulysses_size,
-        layout=p.layout,
-        loss_chunk=m.loss_chunk or None,
+        model, groups.cp_group, options=p.options, loss_chunk=m.loss_chunk or None
     )
     # FSDP2 units from the adapter: each decoder layer and the vision tower (the root keeps
     # embeddings, head, norm). The tower is a safe unit because ContextParallelVLM calls it exactly

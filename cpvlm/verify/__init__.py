@@ -13,7 +13,6 @@ engine behind it, which the exactness tests call too.
 from cpvlm.verify.batches import mixed_batch, packed_documents, verify_batches
 from cpvlm.verify.command import (
     CHECKED_IMPLS,
-    DTYPES,
     Case,
     add_arguments,
     default_cp_model,
@@ -45,7 +44,6 @@ from cpvlm.verify.step import cp_loss_and_grads, summed_gradients
 __all__ = [
     "CHECKED_IMPLS",
     "Case",
-    "DTYPES",
     "DistributedTestError",
     "FLOAT32_IN_FLOAT64",
     "TOLERANCES",

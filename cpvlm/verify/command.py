@@ -5,8 +5,8 @@ Run it on your model config before a long job:
     cpvlm verify --model qwen3-vl-tiny --cp 2,4
     cpvlm verify --model /path/to/Qwen3-VL-checkpoint --cp 2 --dtype float64
 
-For each CP size and (attn, vision, flow) combination it runs one synthetic batch (images of
-several sizes, a video, a text-only row) and one packed row of documents through
+For each CP size and (attn, vision, flow, layout) combination it runs one synthetic batch
+(images of several sizes, a video, a text-only row) and one packed row of documents through
 ``ContextParallelVLM`` on real gloo processes, sums the loss shares and gradients over the CP ranks,
 and compares them with the unwrapped model's own forward and backward on one process. It prints
 the largest relative gradient error of each module group and exits 1 if any error (or the loss
@@ -25,7 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from cpvlm.constants import ATTN_IMPLS, FLOWS, VISION_MODES
+from cpvlm import options
+from cpvlm.constants import ATTN_IMPLS, DTYPES
+from cpvlm.options import DEFAULTS
 from cpvlm.verify.batches import verify_batches
 from cpvlm.verify.compare import FLOAT32_IN_FLOAT64, compare, group_of, module_groups, tolerance
 from cpvlm.verify.reference import reference
@@ -33,7 +35,6 @@ from cpvlm.verify.runner import run_distributed
 from cpvlm.verify.step import cp_loss_and_grads
 
 CHECKED_IMPLS = tuple(a for a in ATTN_IMPLS if a != "auto")  # auto picks one of these
-DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class Case:
     flow: str
     batch: str
     ulysses_size: int | None = None
+    layout: str = DEFAULTS.layout
 
     @property
     def attn_label(self) -> str:
@@ -53,7 +55,7 @@ class Case:
     def __str__(self) -> str:
         return (
             f"cp={self.cp} attn={self.attn_label} vision={self.vision} flow={self.flow} "
-            f"batch={self.batch}"
+            f"layout={self.layout} batch={self.batch}"
         )
 
 
@@ -84,7 +86,9 @@ def _cp_rank_main(rank, world_size, model_spec, dtype, cases, factory):
     results = []
     for case in cases:
         model = copy.deepcopy(base)
-        extra = {} if case.ulysses_size is None else {"ulysses_size": case.ulysses_size}
+        extra = {"layout": case.layout}
+        if case.ulysses_size is not None:
+            extra["ulysses_size"] = case.ulysses_size
         cp_model = factory(model, dist.group.WORLD, case.attn, case.vision, case.flow, **extra)
         batch, doc_lens = batches[case.batch]
         _, loss, grads = cp_loss_and_grads(cp_model, batch, doc_lens)
@@ -104,16 +108,18 @@ def run_verify(
     timeout: float = 600.0,
     out=sys.stdout,
     ulysses_size: int | None = None,
+    layouts: Sequence[str] = (DEFAULTS.layout,),
 ) -> bool:
     """Run the checks and print the table; True when every error is within tolerance.
 
-    ``factory(model, group, attn, vision, flow)`` builds the CP module on each rank (with
-    ``ulysses_size=`` too for "hybrid", see ``hybrid_size``); it must be importable (module
-    level). Tests pass a deliberately broken one to prove the check can fail.
+    ``factory(model, group, attn, vision, flow, layout=...)`` builds the CP module on each rank
+    (with ``ulysses_size=`` too for "hybrid", see ``hybrid_size``); it must be importable (module
+    level). Tests pass a deliberately broken one to prove the check can fail. A (vision, flow)
+    pair that ``CPOptions`` rejects is skipped (all of them: ValueError).
     """
     from cpvlm.integrations.hf import adapter_for, build_model
 
-    torch_dtype = DTYPES[dtype]
+    torch_dtype = getattr(torch, dtype)
     model = build_model(model_spec, dtype=torch_dtype, seed=0)
     if torch_dtype == torch.float64:
         adapter_for(model).float64_islands(model)  # on the CP ranks' models too
@@ -125,26 +131,21 @@ def run_verify(
     present = {group_of(n, groups) for n in refs["mixed"][1]}
     labels = ["loss"] + [g for g, _ in groups if g in present]
 
-    skipped = [
-        f"flow={f} vision={v}"
-        for f in flows
-        for v in visions
-        if f == "compat" and v in ("route", "split")
-    ]
+    skipped = {(v, f): options.problem(vision=v, flow=f) for f in flows for v in visions}
+    skipped = {pair: why for pair, why in skipped.items() if why is not None}
     if len(skipped) == len(flows) * len(visions):
-        raise ValueError("run_verify: flow='compat' needs vision='allgather' or 'replicate'")
-    for combination in skipped:
-        print(
-            f"skipped {combination}: the compat flow needs every visual row on every rank", file=out
-        )
+        raise ValueError(f"run_verify: {next(iter(skipped.values()))}")
+    for (v, f), why in skipped.items():
+        print(f"skipped flow={f} vision={v}: {why}", file=out)
     rows, failures = [], []
     for cp in cps:
         cases = [
-            Case(cp, a, v, f, b, hybrid_size(cp, ulysses_size) if a == "hybrid" else None)
+            Case(cp, a, v, f, b, hybrid_size(cp, ulysses_size) if a == "hybrid" else None, lay)
             for f in flows
             for v in visions
-            if not (f == "compat" and v in ("route", "split"))
+            if (v, f) not in skipped
             for a in attns
+            for lay in layouts
             for b in batches
         ]
         per_rank = run_distributed(
@@ -165,9 +166,9 @@ def run_verify(
 
 
 def _print_table(rows, labels, dtype, model_spec, out) -> None:
-    head = ["cp", "attn", "vision", "flow", "batch", "tol", *labels]
+    head = ["cp", "attn", "vision", "flow", "layout", "batch", "tol", *labels]
     table = [
-        [str(c.cp), c.attn_label, c.vision, c.flow, c.batch, f"{t['loss']:.0e}"]
+        [str(c.cp), c.attn_label, c.vision, c.flow, c.layout, c.batch, f"{t['loss']:.0e}"]
         + [
             f"{e.get(g, 0.0):.1e}" + ("*" if t.get(g, t["loss"]) != t["loss"] else "")
             for g in labels
@@ -193,15 +194,11 @@ def _print_table(rows, labels, dtype, model_spec, out) -> None:
         print(line + ("  <- FAIL" if bad else ""), file=out)
 
 
-def _csv(kind, allowed=None):
+def _csv(kind):
     def parse(text: str):
         values = [kind(v) for v in text.split(",") if v]
         if not values:
             raise argparse.ArgumentTypeError("expected a comma-separated list")
-        if allowed is not None:
-            bad = [v for v in values if v not in allowed]
-            if bad:
-                raise argparse.ArgumentTypeError(f"{bad} not in {list(allowed)}")
         return values
 
     return parse
@@ -217,31 +214,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cp", type=_csv(int), default="2,4", help="CP sizes to check, comma-separated"
     )
-    parser.add_argument(
-        "--ulysses-size",
-        type=int,
-        default=None,
-        help="--attn hybrid: ranks per Ulysses group, a divisor of every --cp "
+    # --attn, --vision, --flow, --layout, --ulysses-size: every combination is checked
+    options.add_arguments(
+        parser,
+        lists=True,
+        attn=CHECKED_IMPLS,
+        defaults={"attn": CHECKED_IMPLS},
+        ulysses_help="--attn hybrid: ranks per Ulysses group, a divisor of every --cp "
         "(default: the smallest divisor above 1 of each)",
-    )
-    parser.add_argument(
-        "--attn",
-        type=_csv(str, CHECKED_IMPLS),
-        default=",".join(CHECKED_IMPLS),
-        help=f"CP attentions to check, comma-separated ({', '.join(CHECKED_IMPLS)})",
-    )
-    parser.add_argument(
-        "--vision",
-        type=_csv(str, VISION_MODES),
-        default="route",
-        help=f"vision modes to check, comma-separated ({', '.join(VISION_MODES)})",
-    )
-    parser.add_argument(
-        "--flow",
-        type=_csv(str, FLOWS),
-        default="scalable",
-        help="flows to check, comma-separated (scalable; compat: the full input embeddings built "
-        "then sharded, with --vision allgather or replicate)",
     )
     parser.add_argument(
         "--dtype",
@@ -258,19 +238,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check_args(args) -> str | None:
-    """The first problem with the flags, or None."""
-    if any(c < 1 for c in args.cp):
-        return f"--cp sizes must be >= 1, got {args.cp}"
+    """The first problem with the flags, or None. The CP options are ``CPOptions``' to judge:
+    every --cp size, --ulysses-size at each (with hybrid), and at least one (vision, flow) pair
+    it accepts (``run_verify`` skips the others)."""
     u = args.ulysses_size
-    if u is not None and (u < 1 or any(c % u for c in args.cp)):
-        return f"--ulysses-size {u} must divide every --cp size, got {args.cp}"
+    if "hybrid" in args.attn:
+        checks = [dict(cp_size=c, attn="hybrid", ulysses_size=hybrid_size(c, u)) for c in args.cp]
+    else:
+        checks = [dict(cp_size=c, attn=args.attn[0], ulysses_size=u) for c in args.cp]
+    for why in (options.problem(**fields) for fields in checks):
+        if why is not None:
+            return why
+    pairs = [options.problem(vision=v, flow=f) for f in args.flow for v in args.vision]
+    if all(pairs):
+        return pairs[0]
     if args.tol is not None and not (math.isfinite(args.tol) and args.tol > 0):
         return f"--tol must be a finite number > 0, got {args.tol}"
-    if all(f == "compat" and v in ("route", "split") for f in args.flow for v in args.vision):
-        return (
-            "--flow compat builds the full input embeddings, which needs every visual row on "
-            "every rank: check it with --vision allgather or --vision replicate"
-        )
     try:
         from cpvlm.train.launcher import model_config
 
@@ -303,6 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.dtype,
         args.tol,
         ulysses_size=args.ulysses_size,
+        layouts=args.layout,
     )
     return 0 if ok else 1
 

@@ -39,11 +39,11 @@ from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
 from cpvlm.attention import hybrid_groups
-from cpvlm.attention.api import check_ulysses_size
-from cpvlm.constants import ATTN_IMPLS, FLOWS, IGNORE_INDEX, LAYOUTS, VISION_MODES
+from cpvlm.constants import IGNORE_INDEX, VISION_MODES
 from cpvlm.distributed.collectives import StepAgreement, agree, fingerprint
 from cpvlm.distributed.shard_plan import pad_and_shard
 from cpvlm.loss import chunked_token_mean_loss, token_mean_loss
+from cpvlm.options import CPOptions
 from cpvlm.vision import VisionDataParallel, VisionUnits
 
 from .adapter import LossContext, VLMAdapter
@@ -107,6 +107,26 @@ def _softcapped_loss(head, hidden, labels_loc, num_valid: int, cap: float, chunk
     return torch.stack(parts).sum()
 
 
+def _options(options: CPOptions | None, cp_size: int, **given) -> CPOptions:
+    """``options`` (default ``CPOptions()``) with the keywords given (not None) and the group's
+    ``cp_size``, validated; a ValueError names the field and the fix."""
+    options = CPOptions() if options is None else options
+    if not isinstance(options, CPOptions):
+        raise ValueError(
+            f"ContextParallelVLM: options must be a cpvlm.options.CPOptions, got "
+            f"{type(options).__name__}"
+        )
+    if options.cp_size not in (None, cp_size):
+        raise ValueError(
+            f"ContextParallelVLM: options.cp_size={options.cp_size} but the CP group has "
+            f"{cp_size} ranks; build the options with cp_size={cp_size} (or None)"
+        )
+    try:
+        return options.replace(cp_size=cp_size, **{k: v for k, v in given.items() if v is not None})
+    except ValueError as err:
+        raise ValueError(f"ContextParallelVLM: {err}") from None
+
+
 class ContextParallelVLM(nn.Module):
     """Wrap a transformers VLM (``*ForConditionalGeneration`` of a supported family) for training
     on a CP group.
@@ -114,6 +134,10 @@ class ContextParallelVLM(nn.Module):
     Args:
         model: the model; ``cpvlm.integrations.hf.supported()`` lists the classes.
         cp_group: the CP process group (``None``: the default group).
+        options: the CP options (``cpvlm.options.CPOptions``; default ``CPOptions()``). Its
+            ``cp_size``, if set, must be the group's size.
+        attn, vision, flow, ulysses_size, layout: set these options (over ``options``; None:
+            keep its value), checked by ``CPOptions`` as everywhere else.
         attn: CP attention: ``"ring"``, ``"allgather"``, ``"ulysses"``, ``"hybrid"`` (with
             ``ulysses_size``) or ``"auto"`` (see ``cpvlm.cp_attention``); every family.
         vision: ``"route"`` (each unit encoded once, rows sent to their owners), ``"allgather"``
@@ -123,9 +147,10 @@ class ContextParallelVLM(nn.Module):
             ``"replicate"`` (every rank encodes every unit: the simple baseline).
         flow: ``"scalable"`` or ``"compat"`` (full ``inputs_embeds`` built, then sharded).
         ulysses_size: ``attn="hybrid"`` only: ranks per Ulysses group (a divisor of the CP size).
-        layout: ``ShardPlan`` layout, ``"head_tail"`` or ``"balanced"`` (short packed documents
-            whole on one rank).
-        attn_options: extra keywords for ``cp_attention``, passed through unchanged.
+        layout: ``ShardPlan`` layout, ``"head_tail"`` (the default) or ``"balanced"`` (short
+            packed documents whole on one rank; not for linear-attention families).
+        attn_options: extra keywords for ``cp_attention``, passed through unchanged (not
+            ``ulysses_size``, which is an option).
         loss_chunk: compute the loss ``loss_chunk`` rows at a time from the final hidden states
             (``cpvlm.loss.chunked_token_mean_loss``: the same loss and gradients, no
             ``[S_loc, V]`` logits); ``None``: the whole local logits at once.
@@ -142,31 +167,32 @@ class ContextParallelVLM(nn.Module):
         model: nn.Module,
         cp_group: dist.ProcessGroup | None = None,
         *,
-        attn: str = "ring",
-        vision: str = "route",
-        flow: str = "scalable",
+        options: CPOptions | None = None,
+        attn: str | None = None,
+        vision: str | None = None,
+        flow: str | None = None,
         ulysses_size: int | None = None,
-        layout: str = "head_tail",
+        layout: str | None = None,
         attn_options: dict | None = None,
         loss_chunk: int | None = None,
     ):
         super().__init__()
         self.adapter = adapter_for(model)
         self.family = self.adapter.family
-        for name, value, allowed in (
-            ("attn", attn, ATTN_IMPLS),
-            ("vision", vision, VISION_MODES),
-            ("flow", flow, FLOWS),
-            ("layout", layout, LAYOUTS),
-        ):
-            if value not in allowed:
-                raise ValueError(
-                    f"ContextParallelVLM: {name} must be one of {allowed}, got {value!r}"
-                )
-        if flow == "compat" and vision in ("route", "split"):
+        self.options = options = _options(
+            options,
+            dist.get_world_size(cp_group),
+            attn=attn,
+            vision=vision,
+            flow=flow,
+            ulysses_size=ulysses_size,
+            layout=layout,
+        )
+        attn, vision, flow = options.attn, options.vision, options.flow
+        if attn_options and "ulysses_size" in attn_options:
             raise ValueError(
-                "ContextParallelVLM: flow='compat' builds the full inputs_embeds, which needs every "
-                "visual row on every rank: use vision='allgather' or 'replicate'"
+                "ContextParallelVLM: ulysses_size is an option; pass ulysses_size= (or options=), "
+                "not attn_options={'ulysses_size': ...}"
             )
         if vision == "split" and not self.adapter.split_vision:
             modes = [m for m in VISION_MODES if m != "split"]
@@ -184,17 +210,14 @@ class ContextParallelVLM(nn.Module):
         self.model = model
         self.cp_group = cp_group
         self.attn, self.vision, self.flow = attn, vision, flow
-        self.ulysses_size, self.layout = ulysses_size, layout
+        self.ulysses_size, self.layout = options.ulysses_size, options.layout
         self.attn_options = dict(attn_options or {})
-        if ulysses_size is not None:
-            self.attn_options["ulysses_size"] = ulysses_size
-        self.cp_size = dist.get_world_size(cp_group)
+        if options.ulysses_size is not None:
+            self.attn_options["ulysses_size"] = options.ulysses_size
+        self.cp_size = options.cp_size
         self.cp_rank = dist.get_rank(cp_group)
-        check_ulysses_size(
-            attn, self.attn_options.get("ulysses_size"), self.cp_size, "ContextParallelVLM"
-        )
         if attn == "hybrid":  # created now, on every rank, not mid-forward
-            hybrid_groups(cp_group, self.attn_options["ulysses_size"])
+            hybrid_groups(cp_group, options.ulysses_size)
         self.adapter.text_model(model).set_attn_implementation(CP_ATTENTION)
         self.adapter.install_context_parallel(model)
         tower = self.adapter.vision_tower(model)

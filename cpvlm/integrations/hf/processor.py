@@ -34,7 +34,7 @@ from types import SimpleNamespace
 
 import torch
 
-from cpvlm.constants import IGNORE_INDEX
+from cpvlm.constants import IGNORE_INDEX, TRAIN_ON
 from cpvlm.data.errors import DataError
 from cpvlm.data.media import image_ref, load_frames, video_frames
 from cpvlm.data.sample import SamplePlan, TokenIds, VisionItem, check_tokens, plan_tokenized
@@ -43,7 +43,6 @@ from cpvlm.data.sources import Record
 from .registry import adapter_for
 from .resize import VideoSettings, image_grid
 
-TRAIN_ON = ("assistant", "all")
 DEFAULT_VIDEO_PROCESSOR = {
     "qwen2_vl": "Qwen2VLVideoProcessor",
     "qwen2_5_vl": "Qwen2VLVideoProcessor",
