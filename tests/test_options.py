@@ -118,9 +118,11 @@ def test_every_entry_point_has_the_same_defaults():
     train = train_parser().parse_args([])
     for name in ("attn", "vision", "flow", "layout", "ulysses_size"):
         assert getattr(train, name) == getattr(DEFAULTS, name), name
+    import argparse
+
     import cpvlm.verify as verify
 
-    parser = verify.argparse.ArgumentParser()
+    parser = argparse.ArgumentParser()
     verify.add_arguments(parser)
     checked = parser.parse_args([])
     for name in ("vision", "flow", "layout"):  # verify checks lists; attn: every checked impl

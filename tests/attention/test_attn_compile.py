@@ -16,7 +16,7 @@ from cpvlm import ShardPlan
 from cpvlm.distributed import compat
 from cpvlm.testing import EmulatedKernel, simulate_cp_attention
 from cpvlm.testing.attention_check import cp_errors, random_inputs, reference_attention, unshard
-from cpvlm.testing.compare import rel_err
+from cpvlm.verify import rel_err
 
 DOCS = [10, 1, 25, 12]
 

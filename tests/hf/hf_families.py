@@ -13,15 +13,12 @@ runs) and hold every gradient to 1e-10; the unchanged models are checked at FLOA
 kit's ``float32_groups``.
 """
 
-import re
-
 import torch
 
-from cpvlm.integrations.hf import adapter_for, build_model, kit_for
+from cpvlm.integrations.hf import build_model, kit_for
 from cpvlm.integrations.hf.kit import TRAITS
 from cpvlm.integrations.hf.registry import tiny_adapters, tiny_models
-from cpvlm.testing import rel_err
-from cpvlm.testing.hf_batches import SampleSpec, pack_documents, synthetic_batch
+from cpvlm.verify import gradient_errors
 
 FAMILIES = [n for n, a in tiny_adapters().items() if a.kit.shared_tests]
 FAMILY_OF = {n: a.family for n, a in tiny_adapters().items()}
@@ -43,17 +40,14 @@ GEMMA = with_trait("image_spans")  # sliding windows, image spans, their own ima
 UNUSED = {n: a.kit.unused_parameters for n, a in tiny_adapters().items() if a.kit.unused_parameters}
 # Parameters whose gradient is zero in exact arithmetic and round-off in floats (the kit's
 # ``zero_gradients``: SigLIP's key bias, which softmax cancels): a relative error of round-off means
-# nothing, so they are held to the tolerance times the largest gradient of the model.
+# nothing, so they are held to the tolerance times the largest gradient of their module group.
 
 
-def grad_error(name: str, param: str, actual, expected, grads) -> float:
-    """rel_err of a gradient; for the kit's ``zero_gradients`` relative to the largest
-    reference gradient of the model (``grads``) instead of this one's."""
-    zero = kit_for(cached_model(name).config).zero_gradients
-    if any(re.match(p, param) for p in zero):
-        scale = max(g.abs().max().item() for g in grads.values())
-        return (actual.double() - expected.double()).abs().max().item() / scale
-    return rel_err(actual, expected)
+def grad_errors(name: str, grads, ref_grads) -> dict[str, float]:
+    """``cpvlm verify``'s error of every reference gradient (``cpvlm.verify.gradient_errors``,
+    with the kit's module groups and ``zero_gradients``)."""
+    kit = kit_for(cached_model(name).config)
+    return gradient_errors(grads, ref_grads, kit.module_groups(), kit.zero_gradients)
 
 
 def _float32_pattern(name: str) -> str:
@@ -103,39 +97,3 @@ def mixes(name_or_model) -> bool:
     if config is None:
         config = cached_model(name_or_model).config
     return kit_for(config).mixes_images_and_videos
-
-
-def takes_videos(model) -> bool:
-    return adapter_for(model.config).takes_videos
-
-
-def mixed_batch(model, dtype):
-    """Images of different sizes (and a video where the model takes both in one forward), and a
-    text-only row; right padding."""
-    video = ((2, 4, 4),) if mixes(model) and takes_videos(model) else ()
-    samples = [
-        SampleSpec(images=((4, 4), (8, 4)), videos=video, text_len=21),
-        SampleSpec(text_len=30),
-    ]
-    return synthetic_batch(model.config, samples, dtype=dtype, seed=1)
-
-
-def packed_documents(model, dtype):
-    """Documents packed in one row: image+video (image, then video, for GLM), a 3-token text
-    document, two images. Returns (packed batch, the single-document batches, doc_lens)."""
-    if not takes_videos(model):  # Gemma 3: a second image instead of the video
-        docs = [SampleSpec(images=((4, 8), (4, 4)), text_len=9)]
-    elif mixes(model):
-        docs = [SampleSpec(images=((4, 8),), videos=((2, 4, 4),), text_len=9)]
-    else:
-        docs = [
-            SampleSpec(images=((4, 8),), text_len=5),
-            SampleSpec(videos=((2, 4, 4),), text_len=4),
-        ]
-    docs += [SampleSpec(text_len=3), SampleSpec(images=((4, 4), (4, 4)), text_len=12)]
-    parts = [
-        synthetic_batch(model.config, [d], dtype=dtype, seed=10 + i) for i, d in enumerate(docs)
-    ]
-    for p in parts:
-        p.pop("attention_mask")
-    return pack_documents(parts), parts, [p["input_ids"].shape[1] for p in parts]

@@ -18,10 +18,15 @@ import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
-from cpvlm.integrations.hf import ContextParallelVLM, adapter_for, build_model  # noqa: E402
+from cpvlm.integrations.hf import (  # noqa: E402  # noqa: E402
+    ContextParallelVLM,
+    SampleSpec,
+    adapter_for,
+    build_model,
+    synthetic_batch,
+)
 from cpvlm.testing import rel_err, run_distributed  # noqa: E402
-from cpvlm.testing.hf_batches import SampleSpec, synthetic_batch  # noqa: E402
-from cpvlm.testing.hf_reference import reference_loss_and_grads  # noqa: E402
+from cpvlm.verify import reference_loss_and_grads  # noqa: E402
 from cpvlm.vision import vision_units  # noqa: E402
 
 FAMILIES = ("qwen3-vl-tiny", "qwen2.5-vl-tiny")

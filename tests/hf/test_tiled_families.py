@@ -22,15 +22,25 @@ from torch.utils.flop_counter import FlopCounterMode
 
 pytest.importorskip("transformers")
 
-from hf_families import cached_model, grad_error  # noqa: E402
+from hf_families import cached_model, grad_errors  # noqa: E402
 from transformers.models.llava_onevision.processing_llava_onevision import (  # noqa: E402
     LlavaOnevisionProcessor,
 )
 
-from cpvlm.integrations.hf import ContextParallelVLM, adapter_for, build_model  # noqa: E402
-from cpvlm.testing import rel_err, run_distributed  # noqa: E402
-from cpvlm.testing.hf_batches import SampleSpec, pack_documents, synthetic_batch  # noqa: E402
-from cpvlm.testing.hf_reference import reference_loss_and_grads  # noqa: E402
+from cpvlm.integrations.hf import (  # noqa: E402
+    ContextParallelVLM,
+    SampleSpec,
+    adapter_for,
+    build_model,
+    pack_documents,
+    synthetic_batch,
+)
+from cpvlm.verify import (  # noqa: E402
+    cp_loss_and_grads,
+    reference_loss_and_grads,
+    rel_err,
+    run_distributed,
+)
 
 CONFIGS = [("ring", "route", "scalable"), ("allgather", "allgather", "compat")]
 
@@ -72,17 +82,8 @@ def _cp_step(rank, world_size, name, batch, doc_lens):
     results = []
     for attn, vision, flow in CONFIGS:
         model = copy.deepcopy(base)
-        out = ContextParallelVLM(model, dist.group.WORLD, attn=attn, vision=vision, flow=flow)(
-            **batch, doc_lens=doc_lens
-        )
-        out.loss.backward()
-        loss = out.loss.detach().clone()
-        dist.all_reduce(loss)
-        grads = {}
-        for n, p in model.named_parameters():
-            g = (p.grad if p.grad is not None else torch.zeros_like(p)).clone()
-            dist.all_reduce(g)
-            grads[n] = g
+        cp_model = ContextParallelVLM(model, dist.group.WORLD, attn=attn, vision=vision, flow=flow)
+        out, loss, grads = cp_loss_and_grads(cp_model, batch, doc_lens)
         results.append((loss, grads if rank == 0 else None, out.encoded_units))
     return results
 
@@ -90,8 +91,8 @@ def _cp_step(rank, world_size, name, batch, doc_lens):
 def _check(name, per_rank, ref_loss, ref_grads):
     for loss, grads, _ in per_rank[0]:
         assert rel_err(loss, ref_loss) <= 1e-10
-        for n, g in ref_grads.items():
-            assert grad_error(name, n, grads[n], g, ref_grads) <= 1e-10, n
+        for n, err in grad_errors(name, grads, ref_grads).items():
+            assert err <= 1e-10, n
 
 
 def test_internvl_tiles_of_one_image_split_over_ranks_are_exact():

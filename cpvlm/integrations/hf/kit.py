@@ -32,7 +32,7 @@ TRAITS = {
 @dataclass(frozen=True)
 class TinyProcessor:
     """What a tiny checkpoint directory of the family holds besides the model
-    (``cpvlm.testing.tiny_processor.make_tiny_checkpoint``)."""
+    (``cpvlm.integrations.hf.tiny_checkpoint.make_tiny_checkpoint``)."""
 
     special_tokens: tuple[str, ...]  # the tokenizer's special tokens, in id order
     tokenizer_kwargs: dict[str, Any]  # PreTrainedTokenizerFast keywords (eos, pad, ...)

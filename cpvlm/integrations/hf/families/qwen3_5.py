@@ -126,7 +126,7 @@ def _float64_forwards(module_cls: type) -> Callable:
     """transformers' forward of a Gated DeltaNet or RMSNorm class with its float32 casts read as
     float64 (the delta rule's too); for a Gated DeltaNet, a CP forward (``cpvlm_cp`` given, the
     class swapped by ``install_context_parallel``) is left as it is."""
-    from cpvlm.testing.float64_twins import float64_twin
+    from cpvlm.integrations.hf.float64 import float64_twin
 
     hf = sys.modules[module_cls.__module__]
     if issubclass(module_cls, (Qwen3_5RMSNorm, Qwen3_5MoeRMSNorm)):

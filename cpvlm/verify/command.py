@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import copy
 import math
-import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,51 +28,13 @@ import torch.distributed as dist
 from cpvlm import options
 from cpvlm.constants import ATTN_IMPLS, DTYPES
 from cpvlm.options import DEFAULTS
+from cpvlm.verify.batches import verify_batches
+from cpvlm.verify.compare import FLOAT32_IN_FLOAT64, compare, group_of, module_groups, tolerance
+from cpvlm.verify.reference import reference
+from cpvlm.verify.runner import run_distributed
+from cpvlm.verify.step import cp_loss_and_grads
 
 CHECKED_IMPLS = tuple(a for a in ATTN_IMPLS if a != "auto")  # auto picks one of these
-TOLERANCES = {
-    # Round-off only: the CP run sums the same terms in another order.
-    "float64": 1e-10,
-    "float32": 1e-5,
-    # bf16 keeps 8 bits: a reordered sum can move a value by a few ulps (2**-8 = 4e-3 each).
-    "bfloat16": 5e-2,
-}
-FLOAT32_IN_FLOAT64 = 1e-6
-"""float64 tolerance of module groups the model computes in float32 even in a float64 model (the
-family kit's ``float32_groups``: a bicubic position table, a router), and of
-``vision="replicate"``: float32 round-off (6e-8) of a reordered sum; measured <= 2e-7."""
-
-
-def tolerance(
-    dtype: str, vision: str, tol: float | None = None, group: str = "", float32_groups=()
-) -> float:
-    """The check's tolerance: ``tol`` if given, else the dtype's.
-
-    In float64 a group in ``float32_groups`` gets ``FLOAT32_IN_FLOAT64``, and so does every group
-    under ``vision="replicate"``: every rank encodes every unit and back-propagates only its own
-    rows, so the tower's gradient is a sum of cp partial gradients, and the models round each one
-    to float32 where they upcast (vision rotary, RMSNorm); measured <= 1e-9.
-    """
-    if tol is not None:
-        return tol
-    in_float32 = group in float32_groups or "*" in float32_groups
-    if dtype == "float64" and (vision == "replicate" or in_float32):
-        return FLOAT32_IN_FLOAT64
-    return TOLERANCES[dtype]
-
-
-def module_groups(model) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """The model's module groups, ``(label, parameter-name regexes)``, from its family's kit."""
-    from cpvlm.integrations.hf import kit_for
-
-    return kit_for(model).module_groups()
-
-
-def group_of(param_name: str, groups) -> str:
-    for label, patterns in groups:
-        if any(re.match(p, param_name) for p in patterns):
-            return label
-    return "other"
 
 
 @dataclass(frozen=True)
@@ -106,63 +67,6 @@ def hybrid_size(cp: int, ulysses_size: int | None) -> int:
     return next(u for u in range(2, cp + 1) if cp % u == 0) if cp > 1 else 1
 
 
-# ---- batches --------------------------------------------------------------------------------
-
-
-def verify_batches(model, dtype: torch.dtype) -> dict[str, tuple[dict, list | None]]:
-    """``{name: (batch, doc_lens)}``: a mixed padded batch (images of several sizes, a video, a
-    text-only row) and a packed row of documents. For a family whose own forward cannot take
-    images and videos in one call, the video is a document of the packed row only."""
-    from cpvlm.integrations.hf import adapter_for, kit_for
-    from cpvlm.testing.hf_batches import SampleSpec, pack_documents, synthetic_batch
-
-    adapter = adapter_for(model)
-    mixes = kit_for(model).mixes_images_and_videos
-    m = adapter.merge_size
-    video = ((2, 2 * m, 2 * m),)
-    mixed = synthetic_batch(
-        model.config,
-        [
-            SampleSpec(
-                images=((2 * m, 2 * m), (4 * m, 2 * m)),
-                videos=video if mixes and adapter.takes_videos else (),
-                text_len=21,
-            ),
-            SampleSpec(text_len=30),
-        ],
-        dtype=dtype,
-        seed=1,
-    )
-    docs = [SampleSpec(images=((2 * m, 4 * m),), text_len=9), SampleSpec(text_len=3)]
-    if not adapter.takes_videos:
-        docs.append(SampleSpec(images=((2 * m, 2 * m),), text_len=12))
-    elif mixes:
-        docs.append(SampleSpec(images=((2 * m, 2 * m),), videos=video, text_len=12))
-    else:
-        docs += [
-            SampleSpec(images=((2 * m, 2 * m),), text_len=5),
-            SampleSpec(videos=video, text_len=7),
-        ]
-    parts = [
-        synthetic_batch(model.config, [d], dtype=dtype, seed=10 + i) for i, d in enumerate(docs)
-    ]
-    return {
-        "mixed": (mixed, None),
-        "packed": (pack_documents(parts), [p["input_ids"].shape[1] for p in parts]),
-    }
-
-
-def reference(model, batch: dict, doc_lens: list | None) -> tuple[torch.Tensor, dict]:
-    """The unwrapped model on one process: its own forward on the batch, or on each document of
-    a packed row alone; mean CE over valid labels (+ the router loss of an MoE model)."""
-    from cpvlm.testing.hf_batches import split_documents
-    from cpvlm.testing.hf_reference import reference_loss_and_grads
-
-    if doc_lens is None:
-        return reference_loss_and_grads(model, batch)
-    return reference_loss_and_grads(model, documents=split_documents(model.config, batch, doc_lens))
-
-
 # ---- the CP side (runs on every rank) -------------------------------------------------------
 
 
@@ -187,42 +91,9 @@ def _cp_rank_main(rank, world_size, model_spec, dtype, cases, factory):
             extra["ulysses_size"] = case.ulysses_size
         cp_model = factory(model, dist.group.WORLD, case.attn, case.vision, case.flow, **extra)
         batch, doc_lens = batches[case.batch]
-        out = cp_model(**batch, doc_lens=doc_lens)
-        out.loss.backward()
-        loss = out.loss.detach().clone()
-        dist.all_reduce(loss)
-        grads = {}
-        for n, p in model.named_parameters():
-            if not p.requires_grad:
-                continue
-            g = (p.grad if p.grad is not None else torch.zeros_like(p)).clone()
-            dist.all_reduce(g)
-            grads[n] = g
+        _, loss, grads = cp_loss_and_grads(cp_model, batch, doc_lens)
         results.append((loss, grads) if rank == 0 else None)
     return results
-
-
-# ---- comparison and report ------------------------------------------------------------------
-
-
-def compare(loss, grads, ref_loss, ref_grads, groups, zero=()) -> dict[str, float]:
-    """Largest relative error per module group; ``zero``: the adapter's ``zero_gradients``
-    (round-off only), measured against their group's largest reference gradient."""
-    from cpvlm.testing import rel_err
-
-    errors = {"loss": rel_err(loss, ref_loss)}
-    scale: dict[str, float] = {}
-    for name, ref in ref_grads.items():
-        label = group_of(name, groups)
-        scale[label] = max(scale.get(label, 0.0), ref.abs().max().item())
-    for name, ref in ref_grads.items():
-        label = group_of(name, groups)
-        if any(re.match(p, name) for p in zero):  # round-off only: against the group's scale
-            err = (grads[name].double() - ref.double()).abs().max().item() / (scale[label] or 1.0)
-        else:
-            err = rel_err(grads[name], ref)
-        errors[label] = max(errors.get(label, 0.0), err)
-    return errors
 
 
 def run_verify(
@@ -247,7 +118,6 @@ def run_verify(
     pair that ``CPOptions`` rejects is skipped (all of them: ValueError).
     """
     from cpvlm.integrations.hf import build_model, kit_for
-    from cpvlm.testing import run_distributed
 
     torch_dtype = getattr(torch, dtype)
     model = build_model(model_spec, dtype=torch_dtype, seed=0)

@@ -1,4 +1,4 @@
-"""A tiny checkpoint directory with a real processor, built offline for tests and examples.
+"""A tiny checkpoint directory with a real processor, built offline for the examples and tests.
 
 ``make_tiny_checkpoint(dir, family)`` writes what a downloaded checkpoint of the family holds, at
 toy size: the model (``save_pretrained`` of a tiny config whose special token ids are the
