@@ -1,14 +1,16 @@
 """cpvlm: context-parallel training of vision-language models with exact gradients.
 
 The model-agnostic API lives here: the sequence layout (``ShardPlan``), CP attention and its
-masks, vision data parallelism, the global token-mean loss, and data parallelism on a (dp, cp)
-mesh. The transformers VLM integration (every supported family; it needs ``transformers``) is
-``cpvlm.integrations.hf``; ``cpvlm verify`` and its engine are ``cpvlm.verify``.
+masks, vision data parallelism, the global token-mean loss, data parallelism on a (dp, cp) mesh,
+and the one options object every entry point validates (``CPOptions``). The transformers VLM
+integration (every supported family; it needs ``transformers``) is ``cpvlm.integrations.hf``;
+``cpvlm verify`` and its engine are ``cpvlm.verify``.
 """
 
 from cpvlm.attention import MaskSpec, cp_attention
 from cpvlm.distributed import ShardPlan, pad_and_shard
 from cpvlm.loss import IGNORE_INDEX, count_valid_labels, shift_labels, token_mean_loss
+from cpvlm.options import CPOptions
 from cpvlm.parallelize import (
     MeshGroups,
     build_mesh,
@@ -28,6 +30,7 @@ from cpvlm.vision import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CPOptions",
     "IGNORE_INDEX",
     "MaskSpec",
     "MeshGroups",
