@@ -76,3 +76,19 @@ def test_export_refuses_what_it_cannot_export(tmp_path, capsys):
     argv = ["export", "--run", str(tmp_path), "--step", "3", "--out", str(tmp_path / "hf")]
     assert cpvlm_main(argv) == 2
     assert "has no checkpoint of step 3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["train", "verify"])
+def test_model_flag_lists_the_registry_and_defaults_to_its_default_model(capsys, command):
+    from cpvlm.integrations.hf.registry import default_model, tiny_adapters
+
+    with pytest.raises(SystemExit):
+        cpvlm_main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(name in text for name in tiny_adapters())
+    assert f"(default: {default_model()})" in text
+    # Declared by exactly one family's kit, not inherited by the kits that subclass it.
+    declaring = [
+        a.family for a in set(tiny_adapters().values()) if vars(a.kit).get("default_model")
+    ]
+    assert declaring == [tiny_adapters()[default_model()].family]

@@ -46,12 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _model_flags(g, m: ModelConfig) -> None:
-    g.add_argument(
-        "--model",
-        default=m.name,
-        help="a tiny model of a supported family (<family>-tiny; an unknown name lists them) or a "
-        "local checkpoint directory",
-    )
+    from cpvlm.integrations.hf.registry import model_help
+
+    g.add_argument("--model", default=m.name, help=model_help())
     g.add_argument(
         "--dtype",
         default=m.dtype,

@@ -52,11 +52,18 @@ def _choice(field_name: str, flag: str, value: object, choices: tuple[str, ...])
         _fail(field_name, flag, value, f"must be one of {', '.join(choices)}")
 
 
+def _registry_default_model() -> str:
+    from cpvlm.integrations.hf.registry import default_model
+
+    return default_model()
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which model, in which dtypes, what is trained, and how memory is traded for compute."""
 
-    name: str = "qwen3-vl-tiny"  # a tiny model (TINY_MODELS) or a local checkpoint dir
+    # a tiny model (TINY_MODELS) or a local checkpoint dir; default: the registry's default model
+    name: str = field(default_factory=_registry_default_model)
     dtype: str = "float32"  # compute dtype
     param_dtype: str | None = None  # parameters and AdamW state; None: float32 for bfloat16
     freeze_vision: bool = False  # freeze the vision encoder; its mergers (projector) still train

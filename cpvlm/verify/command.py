@@ -206,12 +206,9 @@ def _csv(kind):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        default="qwen3-vl-tiny",
-        help="a tiny model of a supported family (<family>-tiny; an unknown name lists them) or a "
-        "local checkpoint directory",
-    )
+    from cpvlm.integrations.hf.registry import default_model, model_help
+
+    parser.add_argument("--model", default=default_model(), help=model_help())
     parser.add_argument(
         "--cp", type=_csv(int), default="2,4", help="CP sizes to check, comma-separated"
     )

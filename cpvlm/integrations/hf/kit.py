@@ -50,6 +50,9 @@ class FamilyKit:
 
     tiny_configs: ClassVar[dict[str, Callable[..., Any]]] = {}
     """``{"<name>-tiny": config builder}``: tiny configs built from the real config classes."""
+    default_model: ClassVar[bool] = False
+    """The first of ``tiny_configs`` is cpvlm's default model (``cpvlm train``, ``cpvlm verify``);
+    exactly one family's kit declares it (``registry.default_model``; subclasses do not inherit it)."""
     shared_tests: ClassVar[bool] = True
     """The shared HF tests run on the tiny models (else only the family's own tests do)."""
     traits: ClassVar[frozenset[str]] = frozenset()

@@ -57,6 +57,23 @@ def tiny_models() -> dict[str, Callable]:
     return {name: fn for a in _registered() for name, fn in a.kit.tiny_configs.items()}
 
 
+def default_model() -> str:
+    """The tiny model ``cpvlm train`` and ``cpvlm verify`` use by default: the first tiny model of
+    the one family whose kit says ``default_model``."""
+    # Declared on the kit class itself: a family's kit that subclasses another's does not inherit it.
+    chosen = [
+        next(iter(a.kit.tiny_configs)) for a in _registered() if vars(a.kit).get("default_model")
+    ]
+    if len(chosen) != 1:
+        raise RuntimeError(f"exactly one family kit must set default_model; got {chosen}")
+    return chosen[0]
+
+
+def model_help() -> str:
+    """The ``--model`` help of ``cpvlm train`` and ``cpvlm verify``, listing the tiny models."""
+    return f"a local checkpoint directory or a tiny model: {', '.join(tiny_models())}"
+
+
 def tiny_adapters() -> dict[str, type[VLMAdapter]]:
     """``{"<family>-tiny": adapter class}``: which family each tiny model belongs to."""
     return {name: a for a in _registered() for name in a.kit.tiny_configs}

@@ -84,6 +84,7 @@ def has_deepstack(config) -> bool:
 
 class Kit(FamilyKit):
     tiny_configs = {"qwen3-vl-tiny": tiny_qwen3_vl_config}
+    default_model = True
     published_towers = {
         "Qwen3-VL-8B": {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304,
          "num_heads": 16, "out_hidden_size": 4096, "patch_size": 16, "temporal_patch_size": 2,
