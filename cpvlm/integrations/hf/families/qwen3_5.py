@@ -18,10 +18,10 @@ The vision tower is Qwen3-VL's without deepstack (``pooler_output`` only); video
 timestamps as in Qwen3-VL. Qwen3.5-MoE adds Qwen3-VL-MoE's router load-balancing loss.
 
 Precision: transformers' torch fallback casts the delta rule and the decay to float32 whatever
-the model's dtype, and ``Qwen3_5RMSNorm`` sums its weight gradients in float32. Under CP a
-float64 model runs the delta rule and the decay in float64 (float32 and bfloat16 models in
-float32, as transformers). ``float64_islands`` reads transformers' own code for those three in
-float64, so that ``cpvlm verify`` and the tests compare float64 with float64 at 1e-10; against the
+the model's dtype, ``Qwen3_5RMSNorm`` sums its weight gradients in float32, and the gated output
+norm runs in float32. Under CP a float64 model runs the delta rule and the decay in float64
+(float32 and bfloat16 models in float32, as transformers). ``float64_islands`` reads
+transformers' own code for those four in float64, so that ``cpvlm verify`` and the tests compare float64 with float64 at 1e-10; against the
 unchanged float64 model the CP gradients differ by transformers' float32 round-off (measured
 <= 6e-6 on the tiny model, tests/hf/test_qwen3_5.py).
 """
