@@ -148,12 +148,15 @@ MOE_CASES = {
 }
 
 
-@pytest.mark.parametrize("cp", [2, 4])
+# cp 2 (every kind of batch) also under a second ATen kernel family (-m float64_family).
+@pytest.mark.parametrize("cp", [pytest.param(2, marks=pytest.mark.float64_family), 4])
 def test_moe_loss_and_every_gradient_match_one_process_float64(cp):
     cases = MOE_CASES[cp]
     model = moe_model()
-    for kind in ("mixed", "single"):
-        assert _router_gap(model, _batch(model, kind)[0]) > 1e-6
+    # No top-2 choice near a tie in any case (each packed document alone): measured >= 4.3e-5.
+    batches = [_batch(model, k)[0] for k in ("mixed", "single", "text")]
+    batches += _batch(model, "packed")[2]
+    assert min(_router_gap(model, b) for b in batches) > 1e-6
     per_rank = run_distributed(_cp, cp, "moe", cases, timeout=TIMEOUT)
     refs = {kind: _reference("moe", kind) for kind in {k for k, _ in cases}}
     for i, (kind, config) in enumerate(cases):
