@@ -1,15 +1,35 @@
-"""Shared output helpers for benchmark scripts: a printed table and a JSON file per run."""
+"""What every benchmark script shares: its output folder, a printed table, the JSON file, a plot
+when matplotlib is there, CPU/wall clocks, the core count, and the offline unshard."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from cpvlm import ShardPlan
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """An argument parser described by the first line of ``doc``, with ``--out-dir``."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p.add_argument(
+        "--out-dir",
+        type=Path,
+        default=RESULTS_DIR,
+        help="where the JSON (and any plot) goes; default benchmarks/results/, the README's "
+        "figures: point a trial run elsewhere",
+    )
+    return p
 
 
 def machine_info() -> dict:
@@ -20,6 +40,43 @@ def machine_info() -> dict:
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
     }
+
+
+def cores() -> int:
+    """CPU cores this process may run on (the launcher gives each rank cores // ranks threads)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+class Clock:
+    """Wall and process CPU seconds (all threads of this process) since it was made."""
+
+    def __init__(self):
+        self._wall, self._cpu = time.perf_counter(), time.process_time()
+
+    def wall(self) -> float:
+        return time.perf_counter() - self._wall
+
+    def cpu(self) -> float:
+        return time.process_time() - self._cpu
+
+
+def max_over_mean(values) -> float:
+    values = list(values)
+    return max(values) / (sum(values) / len(values))
+
+
+def unshard(plan: ShardPlan, shards: list[torch.Tensor], seq_dim: int) -> torch.Tensor:
+    """The full padded tensor from every rank's shard (in rank order), zero at padding; offline,
+    in one process (``ShardPlan.unshard`` is the collective)."""
+    shape = list(shards[0].shape)
+    shape[seq_dim] = plan.padded_len
+    full = shards[0].new_zeros(shape)
+    for r, shard in enumerate(shards):
+        full.index_copy_(seq_dim, plan.indices(r), shard)
+    return full
 
 
 def print_table(rows: list[dict], columns: list[str], title: str = "") -> None:
@@ -35,9 +92,34 @@ def print_table(rows: list[dict], columns: list[str], title: str = "") -> None:
         print("  ".join(fmt(r.get(c, "")).rjust(w) for c, w in zip(columns, widths)))
 
 
-def write_json(name: str, payload: dict) -> Path:
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
+def _shown(path: Path) -> Path:
+    return path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
+
+
+def write_json(out_dir: Path, name: str, payload: dict) -> Path:
+    """``out_dir/name.json``: the machine, then ``payload``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
     path.write_text(json.dumps({"machine": machine_info(), **payload}, indent=2) + "\n")
-    print(f"wrote {path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}")
+    print(f"wrote {_shown(path)}")
     return path
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, or None, with a line saying the plot is
+    skipped, where matplotlib is not installed (the JSON holds every figure a plot shows)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"wrote {_shown(path)}")

@@ -1,6 +1,7 @@
 """The cost of agreeing before collectives (``cpvlm.distributed.collectives.agree``), per step.
 
     python benchmarks/agreement.py     # about a minute on 2 cores
+    python benchmarks/agreement.py --cp 2 --calls 20 --steps 1 --out-dir DIR  # a trial run
 
 A ContextParallelVLM forward agrees once, at its first collective (the vision rows' route or
 gather: the batch fingerprint, the plan, row counts, widths, dtype); the decoder layers'
@@ -13,12 +14,11 @@ time. Measured on gloo processes with one thread each:
   packed row of 4096 tokens with 1152 visual tokens, median of 3;
 - share: agreements per forward x agree_us over step_ms; "per layer" is what agreeing in every
   decoder layer would cost instead.
-Writes benchmarks/results/agreement.json.
+Writes agreement.json (in benchmarks/results/ unless --out-dir says otherwise).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import print_table, write_json  # noqa: E402
+from _common import parser, print_table, write_json  # noqa: E402
 from memory import VOCAB_DOCS, model_config, packed_batch  # noqa: E402
 
 from cpvlm.distributed.collectives import agree  # noqa: E402
@@ -88,11 +88,11 @@ def _worker(rank, world_size, calls, steps):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cp", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--calls", type=int, default=300)
-    parser.add_argument("--steps", type=int, default=3)
-    args = parser.parse_args()
+    p = parser(__doc__)
+    p.add_argument("--cp", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--calls", type=int, default=300)
+    p.add_argument("--steps", type=int, default=3)
+    args = p.parse_args()
     rows = []
     for cp in args.cp:
         ranks = run_distributed(_worker, cp, args.calls, args.steps, timeout=1800)
@@ -116,7 +116,7 @@ def main():
         ["cp", "agree_us", "per_forward", "step_ms", "share_%", "per_layer_share_%"],
         title=f"agreement before collectives (gloo, 1 thread per rank; load {load[0]:.1f})",
     )
-    write_json("agreement", {"rows": rows, "load_average": load, "calls": args.calls})
+    write_json(args.out_dir, "agreement", {"rows": rows, "load_average": load, "calls": args.calls})
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
     python benchmarks/attention.py --part impls --seq-lens 4096 --repeats 1
     python benchmarks/attention.py --part torch         # only the comparison with PyTorch's ring
     python benchmarks/attention.py --part window        # sliding-window layers, S = 16384
+    python benchmarks/attention.py --seq-lens 512 --window-seq 2048 --repeats 1 --out-dir DIR
 
 Part "impls" (``attention_impls.json``): ring, all-gather and Ulysses at CP=2 and CP=4, and hybrid
 at CP=4 as 2 x 2, causal fwd+bwd, float32, B=1, D=64, Hq/Hkv = 8/2 (GQA) and 8/8 (MHA), on one
@@ -41,14 +42,14 @@ Errors are max|x - x_a| / max|x_a| over out, dq, dk, dv against (a).
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import print_table, write_json
+from _common import Clock, parser, print_table, unshard, write_json
 
 from cpvlm import ShardPlan
 from cpvlm.attention import (
@@ -85,15 +86,51 @@ def _one_process(q, k, v, dout):
     return [out.detach(), *(t.grad for t in leaves)]
 
 
-def _run_impl(impl, q, k, v, dout, plan, rank, group):
-    if impl == "torch":
-        out, lse = compat.torch_ring_attention_forward(q, k, v, group, causal=True)
-        grads = compat.torch_ring_attention_backward(dout, q, k, v, out, lse, group, causal=True)
-        return [out, *grads]
+def _cp_fwd_bwd(q, k, v, dout, **kwargs):
+    """``cp_attention(q, k, v, **kwargs)`` forward and backward: [out, dq, dk, dv]."""
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    out = cp_attention(*leaves, plan=plan, cp_rank=rank, group=group, impl=impl)
+    out = cp_attention(*leaves, **kwargs)
     out.backward(dout)
     return [out.detach(), *(t.grad for t in leaves)]
+
+
+def _torch_ring(q, k, v, dout, group):
+    out, lse = compat.torch_ring_attention_forward(q, k, v, group, causal=True)
+    grads = compat.torch_ring_attention_backward(dout, q, k, v, out, lse, group, causal=True)
+    return [out, *grads]
+
+
+def _timed(run, threads: int):
+    """``run()`` on ``threads`` threads between two barriers: (its result, the wall seconds to
+    the second barrier (the slowest rank's), this rank's CPU seconds)."""
+    torch.set_num_threads(threads)
+    dist.barrier()
+    clock = Clock()
+    result = run()
+    cpu = clock.cpu()
+    dist.barrier()
+    return result, clock.wall(), cpu
+
+
+def _broadcast_reference(ref, full):
+    """Rank 0's one-process [out, dq, dk, dv] (``ref`` there) on every rank."""
+    if dist.get_rank() != 0:
+        ref = [torch.empty_like(full[j]) for j in (0, 0, 1, 2)]
+    for t in ref:
+        dist.broadcast(t, 0)
+    return ref
+
+
+def _max_error(result, ref, plan, rank) -> float:
+    """max |x - x_ref| / max |x_ref| over out, dq, dk, dv and over the ranks' shards."""
+    diff = torch.tensor(
+        [
+            (x - plan.shard(plan.pad(r, seq_dim=2), rank, seq_dim=2)).abs().max().item()
+            for x, r in zip(result, ref)
+        ]
+    )
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    return max((diff / torch.tensor([r.abs().max() for r in ref])).tolist())
 
 
 def _compute_only(q, k, v, dout, schedule, rank):
@@ -124,10 +161,9 @@ def _comm_only(k, v, rank, world, group):
 
 
 class _KernelClock:
-    """Adds up the time spent inside the fused kernels while active (wraps compat's two calls)."""
+    """The time spent inside the fused kernels while active (wraps compat's two calls)."""
 
-    def __init__(self):
-        self.seconds = 0.0
+    seconds = 0.0
 
     def _wrap(self, fn):
         def timed(*args, **kwargs):
@@ -140,6 +176,7 @@ class _KernelClock:
         return timed
 
     def __enter__(self):
+        self.seconds = 0.0
         self._saved = compat.cpu_flash_forward, compat.cpu_flash_backward
         compat.cpu_flash_forward, compat.cpu_flash_backward = map(self._wrap, self._saved)
         return self
@@ -159,12 +196,18 @@ def _worker(rank, world_size, seq_len, repeats, warmup):
     full = _inputs(seq_len)
     q, k, v, dout = (plan.shard(t, rank, seq_dim=2) for t in full)
     schedule = attention_schedule(plan, True)
+    kernel_clock = _KernelClock()
+
+    def compute():
+        with kernel_clock:
+            _compute_only(q, k, v, dout, schedule, rank)
+
     runs = {
         "a": lambda: _one_process(*full) if rank == 0 else None,
-        "b": lambda: _run_impl("ring", q, k, v, dout, plan, rank, group),
-        "c": lambda: _run_impl("allgather", q, k, v, dout, plan, rank, group),
-        "d": lambda: _run_impl("torch", q, k, v, dout, plan, rank, group),
-        "compute": lambda: _compute_only(q, k, v, dout, schedule, rank),
+        "b": lambda: _cp_fwd_bwd(q, k, v, dout, plan=plan, group=group, impl="ring"),
+        "c": lambda: _cp_fwd_bwd(q, k, v, dout, plan=plan, group=group, impl="allgather"),
+        "d": lambda: _torch_ring(q, k, v, dout, group),
+        "compute": compute,
         "comm": lambda: _comm_only(k, v, rank, world_size, group),
     }
     wall = {key: [] for key in runs}
@@ -174,21 +217,12 @@ def _worker(rank, world_size, seq_len, repeats, warmup):
     # Warm-up rounds (first size only) open gloo's pair connections and start thread pools.
     for i in range(warmup + repeats):
         for key, run in runs.items():
-            torch.set_num_threads(2 if key == "a" else 1)
-            dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
-            if key == "compute":
-                with _KernelClock() as clock:
-                    result = run()
-            else:
-                result = run()
-            c1 = time.process_time()
-            dist.barrier()
+            result, seconds, cpu_seconds = _timed(run, 2 if key == "a" else 1)
             if i >= warmup:
-                wall[key].append(time.perf_counter() - t0)
-                cpu[key].append(c1 - c0)
+                wall[key].append(seconds)
+                cpu[key].append(cpu_seconds)
                 if key == "compute":
-                    kernels.append(clock.seconds)
+                    kernels.append(kernel_clock.seconds)
             outputs[key] = result
     torch.set_num_threads(1)
     return {
@@ -197,13 +231,6 @@ def _worker(rank, world_size, seq_len, repeats, warmup):
         "kernels": kernels,
         "outputs": {key: outputs[key] for key in "abcd"},
     }
-
-
-def _unshard(plan, shards):
-    full = torch.empty(*shards[0].shape[:2], plan.padded_len, shards[0].shape[3])
-    for r, shard in enumerate(shards):
-        full[:, :, plan.indices(r)] = shard
-    return full
 
 
 # ---- part "impls": every implementation at CP 2 and 4 ----------------------------------------
@@ -233,52 +260,29 @@ def _impls_worker(rank, world_size, seq_len, hq, hkv, doc_lens, layouts, repeats
     group = dist.group.WORLD
     g = torch.Generator().manual_seed(0)
     full = [torch.randn(B, h, seq_len, D, generator=g) for h in (hq, hkv, hkv, hq)]
-    runs = {"a": None}
+    runs = {"a": partial(_doc_sdpa, *full, doc_lens) if rank == 0 else lambda: None}
+    plans = {}
     for layout in layouts:
         plan = ShardPlan(seq_len, world_size, doc_lens=doc_lens, layout=layout)
         shards = [plan.shard(plan.pad(t, seq_dim=2), rank, seq_dim=2) for t in full]
         for impl, u in IMPL_RUNS[world_size]:
-            runs[(impl, u, layout)] = (plan, shards)
+            plans[(impl, u, layout)] = plan
+            runs[(impl, u, layout)] = partial(
+                _cp_fwd_bwd, *shards, plan=plan, group=group, impl=impl, ulysses_size=u
+            )
     wall = {key: [] for key in runs}
     cpu = {key: [] for key in runs}
     results = {}
     for i in range(repeats + 1):  # the first round warms up gloo and the thread pools
-        for key, value in runs.items():
-            torch.set_num_threads(2 if key == "a" else 1)
-            dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
-            if key == "a":
-                result = _doc_sdpa(*full, doc_lens) if rank == 0 else None
-            else:
-                (impl, u, _), (plan, (q, k, v, dout)) = key, value
-                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-                out = cp_attention(*leaves, plan=plan, group=group, impl=impl, ulysses_size=u)
-                out.backward(dout)
-                result = [out.detach(), *(t.grad for t in leaves)]
-            c1 = time.process_time()
-            dist.barrier()
+        for key, run in runs.items():
+            results[key], seconds, cpu_seconds = _timed(run, 2 if key == "a" else 1)
             if i > 0:
-                wall[key].append(time.perf_counter() - t0)
-                cpu[key].append(c1 - c0)
-            results[key] = result
+                wall[key].append(seconds)
+                cpu[key].append(cpu_seconds)
     torch.set_num_threads(1)
     # Errors against the baseline, shard by shard: rank 0 sends the baseline to everyone.
-    ref = results["a"] if rank == 0 else [torch.empty_like(full[i]) for i in (0, 0, 1, 2)]
-    for t in ref:
-        dist.broadcast(t, 0)
-    errors = {}
-    for key, value in runs.items():
-        if key == "a":
-            continue
-        plan = value[0]
-        diff = torch.tensor(
-            [
-                (x - plan.shard(plan.pad(r, seq_dim=2), rank, seq_dim=2)).abs().max().item()
-                for x, r in zip(results[key], ref)
-            ]
-        )
-        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
-        errors[key] = max((diff / torch.tensor([r.abs().max() for r in ref])).tolist())
+    ref = _broadcast_reference(results["a"], full)
+    errors = {key: _max_error(results[key], ref, plan, rank) for key, plan in plans.items()}
     return {"wall": wall, "cpu": cpu, "errors": errors}
 
 
@@ -324,7 +328,7 @@ def impls_main(args) -> None:
 
 def _write_impls(rows, args) -> None:
     config = {"B": B, "D": D, "dtype": "float32", "causal": True, "repeats": args.repeats}
-    write_json("attention_impls", {"config": config, "rows": rows})
+    write_json(args.out_dir, "attention_impls", {"config": config, "rows": rows})
 
 
 def _impl_rows(ranks, seq_len, hq, hkv, docs_name, doc_lens, cp):
@@ -392,40 +396,23 @@ def _window_worker(rank, world_size, seq_len, windows, repeats):
         for impl, w in keys:
             if i == 0 and impl == "sdpa":
                 continue
-            torch.set_num_threads(2 if impl == "sdpa" else 1)
-            dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
             if impl == "sdpa":
-                result = _window_sdpa(*full, w) if rank == 0 else None
+                run = partial(_window_sdpa, *full, w) if rank == 0 else lambda: None
             else:
-                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
                 mask = MaskSpec(window=w)
-                out = cp_attention(*leaves, plan=plan, group=group, impl=impl, mask=mask)
-                out.backward(dout)
-                result = [out.detach(), *(t.grad for t in leaves)]
-            c1 = time.process_time()
-            dist.barrier()
+                run = partial(
+                    _cp_fwd_bwd, q, k, v, dout, plan=plan, group=group, impl=impl, mask=mask
+                )
+            results[(impl, w)], seconds, cpu_seconds = _timed(run, 2 if impl == "sdpa" else 1)
             if i > 0:
-                wall[(impl, w)].append(time.perf_counter() - t0)
-                cpu[(impl, w)].append(c1 - c0)
-            results[(impl, w)] = result
+                wall[(impl, w)].append(seconds)
+                cpu[(impl, w)].append(cpu_seconds)
     torch.set_num_threads(1)
     errors = {}
     for w in windows:
-        ref = (
-            results[("sdpa", w)] if rank == 0 else [torch.empty_like(full[j]) for j in (0, 0, 1, 2)]
-        )
-        for t in ref:
-            dist.broadcast(t, 0)
+        ref = _broadcast_reference(results[("sdpa", w)], full)
         for impl, _ in WINDOW_IMPLS:
-            diff = torch.tensor(
-                [
-                    (x - plan.shard(r, rank, seq_dim=2)).abs().max().item()
-                    for x, r in zip(results[(impl, w)], ref)
-                ]
-            )
-            dist.all_reduce(diff, op=dist.ReduceOp.MAX)
-            errors[(impl, w)] = max((diff / torch.tensor([r.abs().max() for r in ref])).tolist())
+            errors[(impl, w)] = _max_error(results[(impl, w)], ref, plan, rank)
     return {"wall": wall, "cpu": cpu, "errors": errors}
 
 
@@ -487,7 +474,7 @@ def window_main(args) -> None:
         "computed pairs over causal's; balance: max/mean computed pairs over the ranks",
     )
     config = {"B": B, "Hq": HQ, "Hkv": HKV, "D": D, "dtype": "float32", "repeats": args.repeats}
-    write_json("attention_window", {"config": config, "rows": rows})
+    write_json(args.out_dir, "attention_window", {"config": config, "rows": rows})
 
 
 def torch_main(args):
@@ -505,7 +492,7 @@ def torch_main(args):
         ref = ranks[0]["outputs"]["a"]
         row = {"S": seq_len, **{f"{key}_s": t for key, t in best.items()}}
         for key in "bcd":
-            full = [_unshard(plan, [r["outputs"][key][j] for r in ranks]) for j in range(4)]
+            full = [unshard(plan, [r["outputs"][key][j] for r in ranks], 2) for j in range(4)]
             row[f"err_{key}"] = f"{max(rel_err(x, y) for x, y in zip(full, ref)):.1e}"
         # Process CPU time (all threads) summed over the ranks that did the work: the work done,
         # whatever else ran on the machine.
@@ -546,6 +533,7 @@ def torch_main(args):
         "after the size (above 2: other programs shared the 2 cores and the wall times)",
     )
     write_json(
+        args.out_dir,
         "attention",
         {
             "config": {
@@ -565,12 +553,12 @@ def torch_main(args):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192, 16384])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--part", choices=["all", "impls", "torch", "window"], default="all")
-    parser.add_argument("--window-seq", type=int, default=16384)
-    args = parser.parse_args()
+    p = parser(__doc__)
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192, 16384])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--part", choices=["all", "impls", "torch", "window"], default="all")
+    p.add_argument("--window-seq", type=int, default=16384)
+    args = p.parse_args()
     if args.part in ("all", "window"):
         window_main(args)
     if args.part in ("all", "impls"):

@@ -7,7 +7,7 @@ default), the balanced layout (long documents head-tail, short ones whole, LPT b
 the head counts of published models and of the test cases: query heads per rank, the busiest
 rank's work over the mean (the price of an uneven split), and the K/V heads each rank receives
 (a K/V head goes to two ranks only when its query heads are split; never expanded to Hq).
-Pure arithmetic; no timing. Run: python benchmarks/balance.py
+Pure arithmetic; no timing. Run: python benchmarks/balance.py [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 
 import torch
-from _common import print_table, write_json
+from _common import max_over_mean, parser, print_table, write_json
 
 from cpvlm import ShardPlan
 from cpvlm.attention import head_split
@@ -74,6 +74,7 @@ def trim(lens: list[int], total: int) -> list[int]:
 
 
 def main() -> None:
+    args = parser(__doc__).parse_args()
     seq_len = 32768
     rows = []
     for name, doc_lens in mixes(seq_len).items():
@@ -88,9 +89,9 @@ def main() -> None:
                     "mix": name,
                     "docs": len(doc_lens),
                     "cp": cp,
-                    "head_tail_max_over_mean": max(ht) / (sum(ht) / cp),
-                    "balanced_max_over_mean": max(bl) / (sum(bl) / cp),
-                    "contiguous_max_over_mean": max(contig) / (sum(contig) / cp),
+                    "head_tail_max_over_mean": max_over_mean(ht),
+                    "balanced_max_over_mean": max_over_mean(bl),
+                    "contiguous_max_over_mean": max_over_mean(contig),
                     "padding_tokens": plan.padded_len - seq_len,
                     "padding_pct": 100 * (plan.padded_len - seq_len) / seq_len,
                     "balanced_padding_pct": 100 * (bal.padded_len - seq_len) / seq_len,
@@ -118,7 +119,7 @@ def main() -> None:
         "Ulysses head splits: query heads per rank (min-max), busiest over mean, K/V heads each "
         "rank receives (min-max), K/V head copies in all (Hkv when no K/V head is split)",
     )
-    write_json("balance", {"seq_len": seq_len, "rows": rows, "head_splits": heads})
+    write_json(args.out_dir, "balance", {"seq_len": seq_len, "rows": rows, "head_splits": heads})
 
 
 def head_split_rows() -> list[dict]:

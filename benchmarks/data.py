@@ -2,11 +2,13 @@
 loader's share of step time in ``cpvlm train``.
 
     python benchmarks/data.py            # about 4 minutes on 2 idle CPU cores
+    python benchmarks/data.py --samples 8 --repeats 1 --cp 1 2 --train-steps 3 --train-workers 0 \
+        --out-dir DIR  # a trial run
 
 Data that looks real: JPEG photos (smooth gradients with noise, so that they decode like
 photographs) of 320x240 to 1920x1080 pixels, one to three per conversation, a 16-frame video
 (a folder of 320x240 JPEG frames) in one sample in five, text-only samples, one or two turns;
-the tiny Qwen3-VL checkpoint of ``cpvlm.testing.tiny_processor`` with images resized to at most
+the tiny Qwen3-VL checkpoint of ``cpvlm.integrations.hf.tiny_checkpoint`` with images resized to at most
 448x448 pixels (3136 patches of 8 pixels) and videos to at most 4 frames' worth of that.
 
 Part 1, the loader alone (``RankLoader``, no model): every CP rank of a group is run in turn in
@@ -36,7 +38,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import print_table, write_json
+from _common import parser, print_table, write_json
 
 SIZES = [(240, 320), (480, 640), (768, 1024), (960, 1280), (1080, 1920)]
 VIDEO_FRAMES, VIDEO_SIZE = 16, (240, 320)
@@ -59,10 +61,10 @@ def _photo(path: Path, h: int, w: int, rng) -> None:
     Image.fromarray(pixels).save(path, quality=90)
 
 
-def make_data(root: Path) -> Path:
+def make_data(root: Path, samples: int) -> Path:
     rng = np.random.default_rng(0)
     records = []
-    for i in range(SAMPLES):
+    for i in range(samples):
         content = []
         if i % 5 == 4:
             for f in range(VIDEO_FRAMES):
@@ -103,7 +105,7 @@ def _time_rank(encoder, source, cp: int, rank: int, mode: str | None):
     return seconds, sum(len(r.decoded) for r in rows), sum(len(r.doc_lens) for r in rows)
 
 
-def loader_rows(ckpt: Path, jsonl: Path) -> list[dict]:
+def loader_rows(ckpt: Path, jsonl: Path, cps: list[int], repeats: int) -> list[dict]:
     from transformers import AutoConfig
 
     from cpvlm.data import open_source
@@ -117,11 +119,9 @@ def loader_rows(ckpt: Path, jsonl: Path) -> list[dict]:
     )
     source = open_source(str(jsonl))
     _time_rank(encoder, source, 1, 0, "all")  # warm caches (template, file system) once
-    cases = [
-        (cp, rank, mode) for cp in (1, 2, 4) for rank in range(cp) for mode in ("local", "all")
-    ]
+    cases = [(cp, rank, mode) for cp in cps for rank in range(cp) for mode in ("local", "all")]
     best: dict = {}
-    for _ in range(REPEATS):  # interleaved, best of REPEATS: the machine is shared
+    for _ in range(repeats):  # interleaved, best of the repeats: the machine is shared
         plan_s = _time_rank(encoder, source, 1, 0, None)[0]
         best["plan"] = min(best.get("plan", plan_s), plan_s)
         for case in cases:
@@ -129,7 +129,7 @@ def loader_rows(ckpt: Path, jsonl: Path) -> list[dict]:
             prev = best.get(case)
             best[case] = (min(prev[0], seconds) if prev else seconds, decoded, samples)
     out = []
-    for cp in (1, 2, 4):
+    for cp in cps:
         slowest = {}
         for mode in ("local", "all"):
             per_rank = [best[cp, r, mode] for r in range(cp)]
@@ -151,13 +151,13 @@ def loader_rows(ckpt: Path, jsonl: Path) -> list[dict]:
     return out
 
 
-def train_rows(ckpt: Path, jsonl: Path) -> list[dict]:
+def train_rows(ckpt: Path, jsonl: Path, steps: int, worker_counts: list[int]) -> list[dict]:
     out = []
-    for workers in (0, 2):
+    for workers in worker_counts:
         with tempfile.TemporaryDirectory() as tmp:
             cmd = [
                 sys.executable, "-m", "cpvlm.train", "--model", str(ckpt), "--data", str(jsonl),
-                "--cp", "2", "--steps", str(TRAIN_STEPS), "--seq-len", str(SEQ_LEN),
+                "--cp", "2", "--steps", str(steps), "--seq-len", str(SEQ_LEN),
                 "--max-pixels", str(MAX_PIXELS), "--video-max-pixels", str(VIDEO_MAX_PIXELS),
                 "--num-workers", str(workers), "--out", str(Path(tmp) / "run"),
             ]  # fmt: skip
@@ -178,15 +178,24 @@ def train_rows(ckpt: Path, jsonl: Path) -> list[dict]:
 
 
 def main():
-    from cpvlm.testing.tiny_processor import make_tiny_checkpoint
+    from cpvlm.integrations.hf.tiny_checkpoint import make_tiny_checkpoint
 
+    p = parser(__doc__)
+    p.add_argument("--samples", type=int, default=SAMPLES, help="conversations in the data")
+    p.add_argument("--repeats", type=int, default=REPEATS, help="loader runs, best of")
+    p.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4], help="loader: CP sizes")
+    p.add_argument("--train-steps", type=int, default=TRAIN_STEPS)
+    p.add_argument("--train-workers", type=int, nargs="+", default=[0, 2])
+    args = p.parse_args()
+    if args.train_steps <= WARMUP:
+        p.error(f"--train-steps must be more than the {WARMUP} warm-up steps")
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="cpvlm-bench-data-") as tmp:
         root = Path(tmp)
         ckpt = make_tiny_checkpoint(root / "ckpt", "qwen3_vl")
-        jsonl = make_data(root / "data")
-        loader = loader_rows(ckpt, jsonl)
-        train = train_rows(ckpt, jsonl)
+        jsonl = make_data(root / "data", args.samples)
+        loader = loader_rows(ckpt, jsonl, args.cp, args.repeats)
+        train = train_rows(ckpt, jsonl, args.train_steps, args.train_workers)
     load_after = os.getloadavg()
     print_table(
         loader,
@@ -208,6 +217,7 @@ def main():
                 title="cpvlm train, CP 2: the share of step time spent waiting for rows")  # fmt: skip
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
     write_json(
+        args.out_dir,
         "data",
         {"loader": loader, "train": train, "load_avg_before": load_before,
          "load_avg_after": load_after},

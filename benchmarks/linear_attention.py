@@ -2,6 +2,7 @@
 
     python benchmarks/linear_attention.py                     # S in 4096 8192 16384, a few minutes
     python benchmarks/linear_attention.py --seq-lens 4096 --repeats 1
+    python benchmarks/linear_attention.py --seq-lens 512 --repeats 1 --out-dir DIR  # trial
 
 The layer is what Qwen3.5's linear-attention layers do between their projections: a causal
 depthwise conv (width 4, SiLU) over q|k|v, then the gated delta rule with q/k l2 norms; B=1,
@@ -21,13 +22,11 @@ halo (forward rows = backward gradients). Errors are max|x - x_a| / max|x_a| ove
 
 from __future__ import annotations
 
-import argparse
 import os
-import time
 
 import torch
 import torch.distributed as dist
-from _common import print_table, write_json
+from _common import Clock, parser, print_table, unshard, write_json
 
 from cpvlm import ShardPlan
 from cpvlm.attention.linear import cp_causal_conv1d, cp_gated_delta_rule
@@ -94,9 +93,9 @@ def _scan_alone(plan, rank, group):
 
 
 def _cpu(fn, *args):
-    start = time.process_time()
+    clock = Clock()
     out = fn(*args)
-    return time.process_time() - start, out
+    return clock.cpu(), out
 
 
 def _worker(rank, world_size, seq_lens, repeats, with_reference):
@@ -123,13 +122,6 @@ def _worker(rank, world_size, seq_lens, repeats, with_reference):
     return rows
 
 
-def _unshard(plan, shards):
-    full = torch.zeros(B, plan.padded_len, *shards[0].shape[2:])
-    for r, x in enumerate(shards):
-        full[:, plan.indices(r)] = x
-    return full
-
-
 def _bytes(plan, rank):
     n = B * 2 * len(plan.doc_lens)
     maps = (plan.cp_size - 1) * n * HV * DK * (DK + DV) * 4
@@ -138,10 +130,10 @@ def _bytes(plan, rank):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192, 16384])
-    parser.add_argument("--repeats", type=int, default=2)
-    args = parser.parse_args()
+    p = parser(__doc__)
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192, 16384])
+    p.add_argument("--repeats", type=int, default=2)
+    args = p.parse_args()
     one = run_distributed(_worker, 1, args.seq_lens, args.repeats, True, timeout=3600)[0]
     rows = []
     for r in one:
@@ -180,7 +172,7 @@ def main() -> None:
                     "scan share": ranks[slow][i]["scan"] / times[slow],
                     "map MiB": maps / 2**20,
                     "halo KiB": halo / 2**10,
-                    "err": f"{rel_err(_unshard(ShardPlan(s, cp), outs), one[i]['out_a']):.1e}",
+                    "err": f"{rel_err(unshard(ShardPlan(s, cp), outs, 1), one[i]['out_a']):.1e}",
                 }
             )
     rows.sort(key=lambda r: (r["S"], r["cp"]))
@@ -201,6 +193,7 @@ def main() -> None:
         rows, columns, title=f"CP linear attention, fwd+bwd, CPU seconds (load {load[0]:.1f})"
     )
     write_json(
+        args.out_dir,
         "linear_attention",
         {
             "dims": {"B": B, "Hk": HK, "Hv": HV, "K": DK, "V": DV, "conv_width": WIDTH},

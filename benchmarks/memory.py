@@ -2,6 +2,7 @@
 
     python benchmarks/memory.py                 # S = 16472; 3 CPU-minutes, 3-5 minutes on 2 cores
     python benchmarks/memory.py --table vocab   # vocabulary 152064, S = 4096, loss chunked or not
+    python benchmarks/memory.py --cp 2 --docs 1 --out-dir DIR  # a trial run: one document
 
 --table vocab: the same model with a real vocabulary (152064, Qwen's) on a text-heavy row of
 4096 tokens (4 documents, 1152 visual tokens), each CP size twice: the loss from the whole local
@@ -48,7 +49,6 @@ the full sequence split over another dimension (the all-gather attention's K/V o
 
 from __future__ import annotations
 
-import argparse
 import json
 import resource
 import sys
@@ -64,7 +64,7 @@ from cpvlm.distributed.compat import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import print_table, write_json  # noqa: E402
+from _common import parser, print_table, write_json  # noqa: E402
 
 from cpvlm import ShardPlan  # noqa: E402
 from cpvlm.testing import DistributedTestError, run_distributed, shutdown_pools  # noqa: E402
@@ -126,10 +126,10 @@ LOSS_CHUNK = 1024
 
 
 def model_config(vocab: int | None = None):
-    from cpvlm.integrations.hf import tiny_qwen3_vl_config
+    from cpvlm.integrations.hf import TINY_MODELS
 
     text = dict(TEXT) if vocab is None else {**TEXT, "vocab_size": vocab}
-    return tiny_qwen3_vl_config(text_config=text, vision_config=dict(VISION))
+    return TINY_MODELS["qwen3-vl-tiny"](text_config=text, vision_config=dict(VISION))
 
 
 def packed_batch(config, docs=DOCS) -> tuple[dict[str, torch.Tensor], list[int]]:
@@ -332,7 +332,7 @@ def _rss_now() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status (this script reads Linux process memory)")
 
 
-def _worker(rank, world_size, flow, attn, vocab=None, loss_chunk=None):
+def _worker(rank, world_size, flow, attn, docs, vocab=None, loss_chunk=None):
     from transformers import AutoModelForImageTextToText
 
     from cpvlm.integrations.hf import ContextParallelVLM
@@ -340,7 +340,7 @@ def _worker(rank, world_size, flow, attn, vocab=None, loss_chunk=None):
     torch.manual_seed(0)
     config = model_config(vocab)
     model = AutoModelForImageTextToText.from_config(config).train()
-    batch, doc_lens = packed_batch(config, DOCS if vocab is None else VOCAB_DOCS)
+    batch, doc_lens = packed_batch(config, docs)
     vision, flow_name = FLOWS[flow]
     cp_model = ContextParallelVLM(
         model, dist.group.WORLD, attn=attn, vision=vision, flow=flow_name, loss_chunk=loss_chunk
@@ -386,12 +386,12 @@ def _mib(n: float) -> float:
     return n / MiB
 
 
-def _run_with_retries(cp, attn, vocab, chunk, tries=3):
+def _run_with_retries(cp, attn, docs, vocab, chunk, tries=3):
     """run_distributed, starting the pool again when its workers were too slow to start (each
     imports transformers; on a busy machine four of them can take longer than the pool waits)."""
     for attempt in range(tries):
         try:
-            return run_distributed(_worker, cp, "scalable", attn, vocab, chunk, timeout=1800)
+            return run_distributed(_worker, cp, "scalable", attn, docs, vocab, chunk, timeout=1800)
         except DistributedTestError as err:
             if "could not start" not in str(err) or attempt + 1 == tries:
                 raise
@@ -420,16 +420,17 @@ def vocab_table(args) -> None:
     Each row is printed as it is measured; rows of other cp sizes already in memory_vocab.json
     (from a run with other --cp) are kept, so that a long table can be measured in parts.
     """
-    batch, doc_lens = packed_batch(model_config(VOCAB), VOCAB_DOCS)
+    docs = VOCAB_DOCS[: args.docs]
+    batch, doc_lens = packed_batch(model_config(VOCAB), docs)
     seq_len = batch["input_ids"].shape[1]
     n_visual = int((batch["mm_token_type_ids"] != 0).sum())
     print(f"vocab {VOCAB}, S={seq_len} tokens, {n_visual} visual tokens", flush=True)
-    path = Path(__file__).resolve().parent / "results" / "memory_vocab.json"
+    path = args.out_dir / "memory_vocab.json"
     old = json.loads(path.read_text())["rows"] if path.exists() else []
     rows = [r for r in old if r["cp"] not in args.cp]
     for cp in args.cp:
         for name, chunk in {"whole": None, "chunked": LOSS_CHUNK}.items():
-            ranks = _run_with_retries(cp, args.attn, VOCAB, chunk)
+            ranks = _run_with_retries(cp, args.attn, docs, VOCAB, chunk)
             shutdown_pools()
             rows.append(_vocab_row(cp, name, ranks))
             print({k: rows[-1][k] for k in ("cp", "loss", "peak_MiB", "saved_MiB")}, flush=True)
@@ -447,6 +448,7 @@ def vocab_table(args) -> None:
         "rows (max over ranks)",
     )  # fmt: skip
     write_json(
+        args.out_dir,
         "memory_vocab",
         {
             "config": {
@@ -464,15 +466,17 @@ def vocab_table(args) -> None:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--attn", default="ring", choices=["ring", "allgather"])
-    parser.add_argument("--table", default="sequence", choices=["sequence", "vocab"])
-    args = parser.parse_args()
+    p = parser(__doc__)
+    p.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--attn", default="ring", choices=["ring", "allgather"])
+    p.add_argument("--table", default="sequence", choices=["sequence", "vocab"])
+    p.add_argument("--docs", type=int, help="pack only the table's first DOCS documents")
+    args = p.parse_args()
     if args.table == "vocab":
         vocab_table(args)
         return
-    batch, doc_lens = packed_batch(model_config())
+    docs = DOCS[: args.docs]
+    batch, doc_lens = packed_batch(model_config(), docs)
     seq_len = batch["input_ids"].shape[1]
     n_visual = int((batch["mm_token_type_ids"] != 0).sum())
     print(f"S={seq_len} tokens, {len(doc_lens)} documents, {n_visual} visual tokens", flush=True)
@@ -480,7 +484,7 @@ def main():
     for cp in args.cp:
         for flow in FLOWS:
             t0 = time.perf_counter()
-            results[cp, flow] = run_distributed(_worker, cp, flow, args.attn, timeout=1200)
+            results[cp, flow] = run_distributed(_worker, cp, flow, args.attn, docs, timeout=1200)
             shutdown_pools()  # fresh processes for every row: a process's peak RSS only grows
             print(f"cp={cp} {flow}: {time.perf_counter() - t0:.0f}s", flush=True)
 
@@ -561,6 +565,7 @@ def main():
             print(f"  cp={cp} {flow}: {', '.join(found) or 'none'}")
 
     write_json(
+        args.out_dir,
         "memory",
         {
             "config": {

@@ -21,22 +21,34 @@
    before, with the cost-balanced assignment: ring algorithms, an all-gather or reduce-scatter of
    W blocks of M rows sends and receives (W-1)*M rows per rank, an all-reduce of N rows
    2*(W-1)/W*N. Rows are bf16 Qwen3-VL-8B-sized: 4096 features plus 3 deepstack levels.
-5. vision="split" (benchmarks/_vision_split.py): modelled cost balance, measured encoder
-   fwd+bwd max/mean and per-rank activation memory of the tower, sharded vs whole units, on a mix
-   with units larger than a rank's share and on one long high-resolution video, cp 2/4/8.
-Run: python benchmarks/vision_dp.py [--rounds 15] [--part all|split]
+5. vision="split" (``--part split`` alone: ``vision_split.json``), for the mixes with units larger
+   than a rank's share (cpvlm/testing/vision_cases.py SPLIT_MIXES: three 1600-patch images among
+   23 small ones; one 12-frame 64 x 96-patch video) at cp 2/4/8:
+   - modelled: max/mean of the Qwen3-VL-8B cost per rank, whole units (cost-balanced, what route
+     mode does), split (``split_assignment``), and the whole-unit bound max(unit cost)/mean;
+   - measured: every rank's share encoded forward+backward one after another in this process on
+     the timing tower of 3., best of the rounds, CPU time. A rank's piece of a sharded unit runs
+     its own patches through the blocks and attends, per block, over the whole unit's keys: its
+     own and the other ranks' (given here as tensors that take a gradient, as the ring's K/V
+     blocks do); what is timed is a rank's compute, not the K/V traffic (bytes: attention rows
+     of benchmarks/attention.py);
+   - activation memory: the bytes autograd saves for the backward during one rank's tower
+     forward (saved-tensor hooks, each storage counted once; of a piece's K/V over the unit only
+     its own rows, as ring attention saves), max over ranks, whole vs split. Activations grow
+     with patches, balance is by cost: a rank of many small images holds more patches than one
+     with a large image of the same cost, so the peak falls less than the time.
+
+    python benchmarks/vision_dp.py [--rounds 15] [--part all|split]   # about 6 minutes
+    python benchmarks/vision_dp.py --rounds 1 --out-dir DIR  # a trial run
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import time
 
-import _vision_split
 import torch
 import torch.nn.functional as F
-from _common import print_table, write_json
+from _common import Clock, max_over_mean, parser, print_table, write_json
 from torch import nn
 from transformers import AutoConfig
 
@@ -45,6 +57,7 @@ from cpvlm.integrations.hf.vision_cost import vision_cost
 from cpvlm.testing.vision_cases import CURRENT_MIX, MIXES, PUBLISHED_TOWERS, SPLIT_MIXES
 from cpvlm.vision import assign_vision_units, contiguous_assignment, route_plan, vision_units
 from cpvlm.vision.cost import VisionCost, block_linear_macs
+from cpvlm.vision.split_assign import split_assignment
 
 MERGE = 2
 CPS = (2, 4, 8)
@@ -84,8 +97,7 @@ def tower_rows(costs: dict[str, VisionCost]) -> list[dict]:
 
 
 def balance(costs: list[int], per_rank: list[list[int]]) -> float:
-    loads = [sum(costs[u] for u in units) for units in per_rank]
-    return max(loads) / (sum(loads) / len(loads))
+    return max_over_mean(sum(costs[u] for u in units) for units in per_rank)
 
 
 def _items_to_units(units, per_rank_items):
@@ -130,8 +142,11 @@ class _Block(nn.Module):
         self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
         self.mlp = nn.Sequential(nn.Linear(width, mlp), nn.GELU(), nn.Linear(mlp, width))
 
-    def forward(self, x_NF: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:
-        """``groups``: (frames, length) runs of equal-length frames, rows in that order."""
+    def forward(self, x_NF, groups, pieces=(), remote=(), ring_kv=None) -> torch.Tensor:
+        """``groups``: (frames, length) runs of equal-length frames, rows in that order; then
+        ``pieces`` (vision="split"): (local patches, unit patches) of sharded units, whose
+        queries attend over the whole unit's keys, their own and ``remote``'s (the other ranks'
+        K/V, one pair a piece). ``ring_kv``: a piece's K/V storage -> bytes of its own rows."""
         n, f = x_NF.shape
         qkv = self.qkv(self.norm1(x_NF))
         outs, start = [], 0
@@ -141,6 +156,17 @@ class _Block(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v)
             outs.append(out.transpose(1, 2).reshape(frames * length, f))
             start += frames * length
+        for (local, _), (rk, rv) in zip(pieces, remote):
+            part = qkv[start : start + local].view(local, 3, self.heads, -1)
+            q, k, v = part.permute(1, 2, 0, 3).unbind(0)  # [heads, local, d]
+            local_bytes = k.numel() * k.element_size()
+            k, v = torch.cat([k, rk], dim=1), torch.cat([v, rv], dim=1)
+            for t in (k, v):
+                ring_kv[t.untyped_storage().data_ptr()] = local_bytes
+            # 4-d inputs, as for whole frames: the fused CPU kernel (3-d ones take the math path)
+            out = F.scaled_dot_product_attention(q[None], k[None], v[None])[0]
+            outs.append(out.transpose(0, 1).reshape(-1, f))
+            start += local
         x_NF = x_NF + self.proj(torch.cat(outs))
         return x_NF + self.mlp(self.norm2(x_NF))
 
@@ -168,10 +194,11 @@ class TimingTower(nn.Module):
         )
         return VisionCost(linear_per_patch=linear, pair=2 * w, full_blocks=self.depth)
 
-    def forward(self, x: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:
+    def forward(self, x, groups, pieces=(), remote=None, ring_kv=None) -> torch.Tensor:
+        """``remote``: per block, the other ranks' K/V of each piece (see ``_Block``)."""
         x = self.embed(x)
-        for block in self.blocks:
-            x = block(x, groups)
+        for i, block in enumerate(self.blocks):
+            x = block(x, groups, pieces, remote[i] if remote else (), ring_kv)
         return self.merger(x)
 
 
@@ -205,10 +232,10 @@ def _encode_once(tower: TimingTower, x: torch.Tensor, groups) -> tuple[float, fl
     """(CPU seconds, wall seconds) of one forward+backward. With one thread, CPU time is the
     work this process did: on a machine shared with others it is far steadier than wall time."""
     tower.zero_grad(set_to_none=True)
-    cpu, wall = time.process_time(), time.perf_counter()
+    clock = Clock()
     if groups:
         tower(x, groups).sum().backward()
-    return time.process_time() - cpu, time.perf_counter() - wall
+    return clock.cpu(), clock.wall()
 
 
 def _timing_tasks(target: VisionCost, tower: TimingTower, gen) -> list[tuple]:
@@ -356,18 +383,164 @@ def comm_rows(target: VisionCost) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds")
-    parser.add_argument(
-        "--part", choices=("all", "split"), default="all", help="split: item 5 only"
+# ---- vision="split": units larger than a rank's share ----------------------------------------
+
+
+def split_balance_rows(target: VisionCost) -> list[dict]:
+    rows = []
+    for mix, grids in SPLIT_MIXES.items():
+        units = vision_units(torch.tensor(grids), MERGE)
+        cost = target.unit_costs(units)
+        for cp in CPS:
+            sa = split_assignment(cost, units.row_counts, cp)
+            rows.append(
+                {
+                    "mix": mix,
+                    "cp": cp,
+                    "units": units.num_units,
+                    "sharded": len(sa.split),
+                    "bound": max(cost) / (sum(cost) / cp),
+                    "whole": balance(cost, assign_vision_units(cost, cp)),
+                    "split": max_over_mean(sa.rank_costs(cost)),
+                }
+            )
+    return rows
+
+
+def _split_shares(target: VisionCost, grids, cp: int) -> dict[str, list]:
+    """Per scheme, per rank: (whole frame lengths, pieces (local patches, unit patches)), in
+    timing-tower patches (real / SCALE)."""
+    units = vision_units(torch.tensor(grids), MERGE)
+    cost = target.unit_costs(units)
+    whole = assign_vision_units(cost, cp)
+    sa = split_assignment(cost, units.row_counts, cp)
+    m2 = MERGE * MERGE
+    out = {"whole": [], "split": []}
+    for r in range(cp):
+        out["whole"].append(([units.pixel_counts[u] // SCALE for u in whole[r]], []))
+        pieces = [
+            ((b - a) * m2 // SCALE, units.pixel_counts[u] // SCALE) for u, a, b in sa.pieces(r)
+        ]
+        out["split"].append(([units.pixel_counts[u] // SCALE for u in sa.whole[r]], pieces))
+    return out
+
+
+def _split_task(tower: TimingTower, share, gen: torch.Generator):
+    """(input, groups, pieces, remote): a rank's whole frames, then its pieces' patches; per
+    block and piece, the other ranks' K/V of the unit as leaves that take a gradient."""
+    lens, pieces = share
+    x, groups = _share_input(lens, tower.pixel_dim, gen)
+    local = [p for p, _ in pieces]
+    x = torch.cat([x, torch.randn(sum(local), tower.pixel_dim, generator=gen)])
+    heads = tower.blocks[0].heads
+    d = tower.width // heads
+    remote = [
+        [
+            tuple(torch.randn(heads, n - p, d, generator=gen).requires_grad_() for _ in range(2))
+            for p, n in pieces
+        ]
+        for _ in tower.blocks
+    ]
+    return x, groups, pieces, remote
+
+
+def _split_encode_once(tower: TimingTower, task) -> tuple[float, int]:
+    """(CPU seconds of one forward+backward, bytes saved for the backward). Of a piece's K/V
+    over the whole unit only its own rows count: what ring attention saves (its own K/V; the
+    other ranks' blocks travel again in the backward)."""
+    x, groups, pieces, remote = task
+    tower.zero_grad(set_to_none=True)
+    if not len(x):
+        return 0.0, 0
+    saved: dict[int, int] = {}
+    ring_kv: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        saved[ptr] = ring_kv.get(ptr, t.untyped_storage().nbytes())
+        return t
+
+    clock = Clock()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = tower(x, groups, pieces, remote, ring_kv)
+    out.sum().backward()
+    return clock.cpu(), sum(saved.values())
+
+
+def split_timing_rows(target: VisionCost, tower: TimingTower, rounds: int) -> list[dict]:
+    gen = torch.Generator().manual_seed(0)
+    tasks = []
+    for mix, grids in SPLIT_MIXES.items():
+        for cp in CPS:
+            shares = _split_shares(target, grids, cp)
+            for r in range(cp):  # rank r of both schemes side by side: drifting load hits both
+                for scheme in ("whole", "split"):
+                    tasks.append((mix, cp, scheme, _split_task(tower, shares[scheme][r], gen)))
+    _split_encode_once(tower, tasks[0][3])  # warm-up
+    best = [float("inf")] * len(tasks)
+    memory = [0] * len(tasks)
+    for _ in range(rounds):
+        for i, (_, _, _, task) in enumerate(tasks):
+            cpu, saved = _split_encode_once(tower, task)
+            best[i], memory[i] = min(best[i], cpu), saved
+    per: dict[tuple, dict] = {}
+    for (mix, cp, scheme, _), cpu, saved in zip(tasks, best, memory):
+        row = per.setdefault((mix, cp), {"mix": mix, "cp": cp})
+        row.setdefault(f"{scheme}_cpu", []).append(cpu)
+        row.setdefault(f"{scheme}_mem", []).append(saved)
+    rows = []
+    for row in per.values():
+        whole_mem, split_mem = max(row["whole_mem"]), max(row["split_mem"])
+        rows.append(
+            {
+                "mix": row["mix"],
+                "cp": row["cp"],
+                "measured_whole": max_over_mean(row["whole_cpu"]),
+                "measured_split": max_over_mean(row["split_cpu"]),
+                "max_s_whole": max(row["whole_cpu"]),
+                "max_s_split": max(row["split_cpu"]),
+                "act_MiB_whole": whole_mem / 2**20,
+                "act_MiB_split": split_mem / 2**20,
+                "act_split/whole": split_mem / whole_mem,
+            }
+        )
+    return rows
+
+
+def split_rows(target: VisionCost, rounds: int) -> dict:
+    """Item 5: the vision="split" tables, printed; returned for the JSON."""
+    bal = split_balance_rows(target)
+    print_table(
+        bal,
+        list(bal[0]),
+        f"vision='split': modelled max/mean per rank ({TARGET} cost): whole units (cost-balanced), "
+        "sharded units, the whole-unit bound",
     )
-    args = parser.parse_args()
+    print()
+    torch.manual_seed(0)
+    tower = timing_tower(target)
+    timing = split_timing_rows(target, tower, rounds)
+    print_table(
+        timing,
+        list(timing[0]),
+        f"vision='split': encoder fwd+bwd max/mean per rank (CPU s, best of {rounds}) and the "
+        f"largest rank's saved activations, timing tower width {tower.width}, units / {SCALE}, "
+        f"load average {os.getloadavg()[0]:.1f}",
+    )
+    print()
+    return {"mixes": SPLIT_MIXES, "balance": bal, "encoder": timing}
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds")
+    p.add_argument("--part", choices=("all", "split"), default="all", help="split: item 5 only")
+    args = p.parse_args()
     torch.set_num_threads(1)
     costs = published_costs()
     split = split_rows(costs[TARGET], args.rounds)
     if args.part == "split":
-        write_json("vision_split", {**split, "load_average": os.getloadavg()})
+        write_json(args.out_dir, "vision_split", {**split, "load_average": os.getloadavg()})
         return
     towers = tower_rows(costs)
     print_table(
@@ -417,6 +590,7 @@ def main() -> None:
         "with send/recv swapped)",
     )
     write_json(
+        args.out_dir,
         "vision_dp",
         {
             "mixes": {name: grids for name, grids in MIXES.items()},
@@ -432,30 +606,6 @@ def main() -> None:
             "split": split,
         },
     )
-
-
-def split_rows(target: VisionCost, rounds: int) -> dict:
-    """Item 5: the vision="split" tables, printed; returned for the JSON."""
-    bal = _vision_split.balance_rows(target, CPS)
-    print_table(
-        bal,
-        list(bal[0]),
-        f"vision='split': modelled max/mean per rank ({TARGET} cost): whole units (cost-balanced), "
-        "sharded units, the whole-unit bound",
-    )
-    print()
-    torch.manual_seed(0)
-    tower = timing_tower(target)
-    timing = _vision_split.timing_rows(target, tower, CPS, rounds, SCALE, _share_input)
-    print_table(
-        timing,
-        list(timing[0]),
-        f"vision='split': encoder fwd+bwd max/mean per rank (CPU s, best of {rounds}) and the "
-        f"largest rank's saved activations, timing tower width {tower.width}, units / {SCALE}, "
-        f"load average {os.getloadavg()[0]:.1f}",
-    )
-    print()
-    return {"mixes": SPLIT_MIXES, "balance": bal, "encoder": timing}
 
 
 if __name__ == "__main__":

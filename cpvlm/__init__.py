@@ -1,11 +1,13 @@
 """cpvlm: context-parallel training of vision-language models with exact gradients.
 
-The model-agnostic API lives here; the Hugging Face Qwen-VL integration (which needs
-``transformers``) is ``cpvlm.integrations.hf``.
+The model-agnostic API lives here: the sequence layout (``ShardPlan``), CP attention and its
+masks, vision data parallelism, the global token-mean loss, and data parallelism on a (dp, cp)
+mesh. The transformers VLM integration (every supported family; it needs ``transformers``) is
+``cpvlm.integrations.hf``; ``cpvlm verify`` and its engine are ``cpvlm.verify``.
 """
 
-from cpvlm.attention import cp_attention
-from cpvlm.distributed import ShardPlan, ensure_requires_grad_for_cp_collective, pad_and_shard
+from cpvlm.attention import MaskSpec, cp_attention
+from cpvlm.distributed import ShardPlan, pad_and_shard
 from cpvlm.loss import IGNORE_INDEX, count_valid_labels, shift_labels, token_mean_loss
 from cpvlm.parallelize import (
     MeshGroups,
@@ -27,6 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "IGNORE_INDEX",
+    "MaskSpec",
     "MeshGroups",
     "ShardPlan",
     "VisionCost",
@@ -35,7 +38,6 @@ __all__ = [
     "build_mesh",
     "count_valid_labels",
     "cp_attention",
-    "ensure_requires_grad_for_cp_collective",
     "gather_vision_embeddings",
     "mesh_groups",
     "pad_and_shard",

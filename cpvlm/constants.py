@@ -27,3 +27,16 @@ or, "split", units too large for a rank's share sharded across ranks, rows route
 FLOWS = ("scalable", "compat")
 """``ContextParallelVLM(flow=...)``: no full-length tensor on any rank, or the full
 ``inputs_embeds`` built and then sharded (the compatibility flow)."""
+
+DTYPES = ("float32", "float64", "bfloat16")
+"""Model and compute dtypes of the commands (``--dtype``), as ``torch`` names them."""
+
+DATA_PARALLEL = ("fsdp", "hsdp", "ddp", "none")
+"""``parallelize(data_parallel=...)``: how gradients are synchronised over the DP (x CP) ranks;
+``cpvlm train --data-parallel`` offers all but "hsdp" (its mesh has no replicate dimension)."""
+
+TRAIN_ON = ("assistant", "all")
+"""Which text of a conversation carries labels (``--train-on``): the assistant turns, or all."""
+
+DECODE_MODES = ("local", "all")
+"""Which images and frames a rank decodes (``--decode``): only the units it encodes, or all."""

@@ -19,7 +19,7 @@ with random weights, its tokenizer, chat template, image and video processor con
 import argparse
 from pathlib import Path
 
-from cpvlm.testing.tiny_processor import example_records, make_tiny_checkpoint, write_jsonl
+from cpvlm.integrations.hf.tiny_checkpoint import example_records, make_tiny_checkpoint, write_jsonl
 
 
 def main():

@@ -16,10 +16,12 @@ def _refused(capsys, argv) -> str:
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--flow", "compat", "--vision", "route"], "--flow compat builds the full input"),
+        (["--flow", "compat", "--vision", "route"], "flow='compat' builds the full input"),
         (["--tol", "-1"], "--tol must be a finite number > 0, got -1.0"),
         (["--tol", "nan"], "--tol must be a finite number > 0, got nan"),
-        (["--cp", "0"], "--cp sizes must be >= 1"),
+        (["--cp", "0"], "cp_size=0 (--cp): must be an integer >= 1"),
+        (["--attn", "ring", "--ulysses-size", "2"], "applies to attn='hybrid' only"),
+        (["--attn", "auto"], "attn='auto' (--attn): not checked here"),
         (["--model", "/no/such/dir"], "neither a tiny model"),
     ],
 )
@@ -28,9 +30,9 @@ def test_verify_refuses_bad_flags(capsys, argv, message):
 
 
 def test_verify_refuses_a_model_directory_without_weights(tmp_path, capsys):
-    from cpvlm.integrations.hf import tiny_qwen3_vl_config
+    from cpvlm.integrations.hf import TINY_MODELS
 
-    tiny_qwen3_vl_config().save_pretrained(tmp_path)
+    TINY_MODELS["qwen3-vl-tiny"]().save_pretrained(tmp_path)
     assert "has a config.json but no weights" in _refused(
         capsys, ["verify", "--model", str(tmp_path)]
     )

@@ -1,5 +1,6 @@
 """The multi-process harness itself: results, failures with tracebacks, hangs that time out."""
 
+import re
 import time
 
 import pytest
@@ -54,3 +55,30 @@ def test_hanging_rank_times_out_and_is_named():
         run_distributed(_hang_on_rank_0, 2, timeout=3)
     assert time.monotonic() - start < 20
     assert [r[0] for r in run_distributed(_rank_and_sum, 2, 0)] == [0, 1]
+
+
+def test_the_product_imports_no_test_harness_and_registers_nothing_at_exit():
+    """What a training rank or ``cpvlm verify`` imports loads nothing of ``cpvlm.testing``, and
+    the runner registers its pool shutdown with the first pool, not at import."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    sources = [p for p in (root / "cpvlm").rglob("*.py") if "testing" not in p.parts]
+    importing = [
+        str(p) for p in sources if re.search(r"(from|import) cpvlm\.testing", p.read_text())
+    ]
+    assert not importing, importing
+    code = (
+        "import atexit, sys\n"
+        "import cpvlm.train.loop, cpvlm.train.synthetic, cpvlm.train.command, cpvlm.verify\n"
+        "from cpvlm.verify.runner import shutdown_pools\n"
+        "n = atexit._ncallbacks()\n"
+        "atexit.unregister(shutdown_pools)\n"
+        "assert atexit._ncallbacks() == n, 'shutdown_pools registered at import'\n"
+        "loaded = [m for m in sys.modules if m.startswith('cpvlm.testing')]\n"
+        "assert not loaded, loaded\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]

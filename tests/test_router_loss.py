@@ -3,7 +3,7 @@ the one-process loss of the whole batch, and so do their gradients, with uneven 
 holding no token, padding, and a batch without a valid token.
 
 The reference is an independent float64 transcription of transformers' load_balancing_loss_func
-(cpvlm.testing.hf_reference). float64: the ranks sum the same terms in another order, so 1e-12.
+(cpvlm.verify.reference). float64: the ranks sum the same terms in another order, so 1e-12.
 """
 
 import pytest
@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from cpvlm.router_loss import load_balancing_loss, load_balancing_loss_share
 from cpvlm.testing import rel_err, run_distributed
-from cpvlm.testing.moe_reference import switch_load_balancing_loss
+from cpvlm.verify.moe_reference import switch_load_balancing_loss
 
 E, K, LAYERS = 6, 2, 3
 

@@ -38,7 +38,7 @@ def _attention(rank: int, world: int, device: torch.device) -> list[dict]:
         reference_attention,
         unshard,
     )
-    from cpvlm.testing.compare import rel_err
+    from cpvlm.verify.compare import rel_err
 
     plan = ShardPlan(sum(DOCS), world, doc_lens=DOCS)
     rows = []

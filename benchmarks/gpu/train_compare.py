@@ -1,10 +1,12 @@
 """``cpvlm train`` at CP=1 on one GPU against the plain Hugging Face model on the same sample.
 
-    python benchmarks/gpu/train_compare.py [--seq-len 16384] [--steps 4]
+    python benchmarks/gpu/train_compare.py [--seq-len 16384] [--steps 4] [--text-layers 28]
 
 A Qwen3-VL-2B-sized model (text 2048 x 28 layers, 16/8 heads of 128, vocab 151936; vision 1024 x
-24 blocks, deepstack 5/11/17) with random weights, bf16, is saved to a temporary directory (a RAM
-disk where one has room). Then, one after the other on the same GPU:
+24 blocks, deepstack 5/11/17) with random weights, bf16, or one as wide with fewer layers
+(--text-layers, --vision-depth: what check.py runs, so that the saved model and the run's final
+checkpoint stay a few GB), is saved to a temporary directory (a RAM disk where one has room) and
+deleted at the end. Then, one after the other on the same GPU:
   cpvlm  ``python -m cpvlm.cli train --cp 1 --model DIR --dtype bfloat16 --param-dtype bfloat16 --seq-len S`` with one
          S-token document per step (benchmarks/gpu/long_sample.py); its metrics.jsonl gives the
          step time and the peak memory (torch.cuda.max_memory_allocated, reset every step);
@@ -51,11 +53,15 @@ TOKENS = dict(
 )  # fmt: skip
 
 
-def save_random_model(path: Path) -> None:
+def save_random_model(path: Path, text_layers: int, vision_depth: int) -> None:
     from transformers import AutoModelForImageTextToText, Qwen3VLConfig
 
+    text = dict(TEXT, num_hidden_layers=text_layers)
+    # Deepstack taps at the same relative depths as the 2B model's 5/11/17 of 24.
+    taps = sorted({min(vision_depth - 1, round(i * vision_depth / 24)) for i in (5, 11, 17)})
+    vision = dict(VISION, depth=vision_depth, deepstack_visual_indexes=taps)
     config = Qwen3VLConfig(
-        text_config=TEXT, vision_config=VISION, tie_word_embeddings=True, **TOKENS
+        text_config=text, vision_config=vision, tie_word_embeddings=True, **TOKENS
     )
     with torch.device("cuda"):
         torch.manual_seed(0)
@@ -131,8 +137,8 @@ def _summary(records: list[dict]) -> dict:
 
 
 def _scratch_root() -> str | None:
-    """A RAM disk with room for the model and the run's final checkpoint (~16 GB), else the
-    default temporary directory."""
+    """A RAM disk with room for the model and the run's final checkpoint (~16 GB at 2B size),
+    else the default temporary directory."""
     shm = Path("/dev/shm")
     if shm.is_dir() and shutil.disk_usage(shm).free > 40 * 2**30:
         return str(shm)
@@ -143,13 +149,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seq-len", type=int, default=16384)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--text-layers", type=int, default=TEXT["num_hidden_layers"])
+    p.add_argument("--vision-depth", type=int, default=VISION["depth"])
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("train_compare.py needs a CUDA device")
     tmp = Path(tempfile.mkdtemp(prefix="cpvlm-gpu-", dir=_scratch_root()))
     try:
         t0 = time.perf_counter()
-        save_random_model(tmp / "model")
+        save_random_model(tmp / "model", args.text_layers, args.vision_depth)
         saved_s = time.perf_counter() - t0
         cpvlm = _summary(run_cpvlm(tmp / "model", tmp / "run", args.seq_len, args.steps))
         hf = _summary(run_hf(tmp / "model", args.seq_len, args.steps))
@@ -160,6 +168,7 @@ def main() -> None:
         "peak_memory": cpvlm["mem_peak_mib"] / hf["mem_peak_mib"],
     }
     print(json.dumps({"seq_len": args.seq_len, "steps": args.steps, "model_save_s": saved_s,
+                      "text_layers": args.text_layers, "vision_depth": args.vision_depth,
                       "cpvlm": cpvlm, "hf": hf, "ratios": ratios}))  # fmt: skip
 
 

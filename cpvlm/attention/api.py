@@ -27,6 +27,7 @@ from cpvlm.distributed.collectives import (
     ensure_requires_grad_for_cp_collective,
 )
 from cpvlm.distributed.shard_plan import ShardPlan
+from cpvlm.options import check_ulysses_size
 
 _BY_SCHEDULE = {"ring": ring_attention, "allgather": allgather_attention}
 
@@ -82,7 +83,8 @@ def cp_attention(
     try:
         mask = as_mask(mask, causal)
         facts, error = _check(q, k, v, plan, cp_rank, group, impl, mask, scale), None
-        check_ulysses_size(impl, ulysses_size, plan.cp_size)
+        # The rule of every entry point's options (cpvlm.options), in impl's name.
+        check_ulysses_size(impl, ulysses_size, plan.cp_size, attn_name="impl", where="cp_attention")
         facts["ulysses_size"] = ulysses_size
     except ValueError as err:
         facts, error = {}, str(err)
@@ -124,28 +126,6 @@ def resolve_impl(
 def impl_label(impl: str, ulysses_size: int | None, cp_size: int) -> str:
     """How reports name an implementation: ``"ring"``, ..., ``"hybrid 2x4"`` (Ulysses x ring)."""
     return impl if impl != "hybrid" else f"hybrid {ulysses_size}x{cp_size // ulysses_size}"
-
-
-def check_ulysses_size(impl: str, ulysses_size, cp_size: int, where: str = "cp_attention"):
-    """``ulysses_size`` is a divisor of ``cp_size`` for impl="hybrid", and None otherwise."""
-    if impl != "hybrid":
-        if ulysses_size is not None:
-            raise ValueError(
-                f"{where}: ulysses_size={ulysses_size!r} applies to impl='hybrid' only "
-                f"(impl={impl!r}); drop it"
-            )
-        return
-    if (
-        isinstance(ulysses_size, bool)
-        or not isinstance(ulysses_size, int)
-        or ulysses_size < 1
-        or cp_size % ulysses_size
-    ):
-        divisors = [u for u in range(1, cp_size + 1) if cp_size % u == 0]
-        raise ValueError(
-            f"{where}: impl='hybrid' needs ulysses_size, the ranks per Ulysses group: a "
-            f"divisor of the CP group size {cp_size} ({divisors}); got {ulysses_size!r}"
-        )
 
 
 def _autocast_inputs(q, k, v):

@@ -47,12 +47,22 @@ class _Call:
     """None: one rectangle, called dense."""
 
 
-@functools.lru_cache(maxsize=4096)
 def _calls(
     segments: tuple[Segment, ...], batch: int, device: torch.device
 ) -> tuple[tuple[_Call, ...], tuple[tuple[Segment, bool], ...]]:
     """(the packed calls of a block, its MASKED segments without parts with their overwrite
-    flags), in the order they run, built once per block.
+    flags), in the order they run, built once per block; under fake tensors (torch.compile's
+    tracing, dry runs) built anew, since their index tensors must not outlive the fake mode."""
+    if compat.fake_mode_active():
+        return _cached_calls.__wrapped__(segments, batch, device)
+    return _cached_calls(segments, batch, device)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_calls(
+    segments: tuple[Segment, ...], batch: int, device: torch.device
+) -> tuple[tuple[_Call, ...], tuple[tuple[Segment, bool], ...]]:
+    """``_calls``, cached.
 
     The rectangles of one kind go into as few calls as share no rows (a windowed strip sees
     two key runs of one rank with the same rows; a packed call merges its rows by index). A
@@ -122,12 +132,12 @@ def _call(
         max_q=max(q_lens),
         max_k=max(k_lens),
     )
-    rows = torch.cat([torch.arange(s.q_start, s.q_stop) for s in segs])
-    cols = torch.cat([torch.arange(s.k_start, s.k_stop) for s in segs])
-    if rows.unique().numel() != rows.numel():
+    if any(a.q_stop > b.q_start for a, b in zip(segs, segs[1:])):  # sorted by q_start
         raise ValueError(
             f"rectangles of one call must not share rows (merged by index), got {segs}"
         )
+    rows = torch.cat([torch.arange(s.q_start, s.q_stop) for s in segs])
+    cols = torch.cat([torch.arange(s.k_start, s.k_stop) for s in segs])
     return _Call(causal, overwrite, rows.to(device), cols.to(device), packing)
 
 

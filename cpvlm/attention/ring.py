@@ -13,7 +13,7 @@ Every rank sends and receives at every step, whatever its share of the mask, so 
 for a message that is never sent; the steps after the last one at which any rank has work are
 skipped by every rank alike (``ring_steps``: the schedule is the same on every rank). With the
 balanced layout's whole documents that can be all but the first: no K/V moves at all. A rank's work at one step is a function of its own
-(``forward_step`` / ``backward_step``), which ``cpvlm.testing.simulate_cp_attention`` runs for
+(``forward_step`` / ``backward_step``), which the tests' ``simulate_cp_attention`` runs for
 every rank in one process, without the messages.
 """
 
@@ -60,7 +60,7 @@ def _wait(works: list[dist.Work]) -> None:
             work.wait()
 
 
-# ---- one rank's work at one ring step (the real ring and cpvlm.testing.simulate_cp_attention) ----
+# ---- one rank's work at one ring step (the real ring and the tests' simulate_cp_attention) ----
 
 
 def source_rank(rank: int, step: int, world: int) -> int:

@@ -46,6 +46,7 @@ from cpvlm.attention.bands import (
     row_intervals,
 )
 from cpvlm.attention.mask_spec import MaskSpec
+from cpvlm.distributed import compat
 from cpvlm.distributed.shard_plan import ShardPlan
 
 # Cost model for grouping, in units of one (query, key) pair of fused-kernel work. A fused CPU
@@ -132,7 +133,8 @@ def attention_schedule(plan: ShardPlan, mask: MaskSpec | bool) -> AttentionSched
     """The schedule of ``plan`` under ``mask`` (a bool: ``MaskSpec(causal=mask)``), cached: every
     layer of a step with the same mask, and every step with the same document lengths and
     spans, reuses it."""
-    return _schedule(plan, mask if isinstance(mask, MaskSpec) else MaskSpec(causal=mask))
+    with compat.real_tensors():  # host integers: computed even in a dry run on fake tensors
+        return _schedule(plan, mask if isinstance(mask, MaskSpec) else MaskSpec(causal=mask))
 
 
 @lru_cache(maxsize=64)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cpvlm.constants import IGNORE_INDEX
+from cpvlm.constants import DECODE_MODES, IGNORE_INDEX
 from cpvlm.data.errors import DataError
 from cpvlm.data.packing import dp_split
 from cpvlm.data.rows import PackedPlan, RowStream
@@ -32,7 +32,6 @@ from cpvlm.data.sample import LazyPixels, TokenIds, VisionItem
 from cpvlm.vision.assign import assign_vision_units
 from cpvlm.vision.units import VisionUnits, vision_units
 
-DECODE_MODES = ("local", "all")
 BLANK_TOKENS = 16
 
 Decoder = Callable[[VisionItem, Sequence[int] | None], torch.Tensor]
@@ -113,8 +112,9 @@ class LocalRow:
 
 
 def _unit_layout(ids) -> dict:
-    """``vision_units`` keywords of a family with its own item sizes: whole items, so sized."""
-    return {} if ids.sizes is None else {"split_frames": False, "sizes": ids.sizes}
+    """``vision_units`` keywords of the family's units: frames or whole items, so sized (the
+    units ``VisionDataParallel`` assigns)."""
+    return {"split_frames": ids.split_frames, "sizes": ids.sizes}
 
 
 def _item_rows(decode: Decoder, item: VisionItem, temporal: list[int] | None) -> torch.Tensor:
@@ -178,9 +178,9 @@ def decode_row(job: RowJob, decode: Decoder, temporal_patch: int = 2) -> LocalRo
     parts: dict[str, list[torch.Tensor]] = {"pixel_values": [], "pixel_values_videos": []}
     for k, temporal in wanted.items():
         doc, item = (images + videos)[k]
-        # a tiled image's tiles are its temporal units; a family with its own item sizes
-        # (LLaVA-OneVision) has whole items as units: all of the item's rows
-        if job.ids.sizes is not None or len(temporal) == item.grid[0]:
+        # a tiled image's tiles are its temporal units; a family whose units are whole items
+        # decodes all of the item's rows
+        if not job.ids.split_frames or len(temporal) == item.grid[0]:
             temporal = None
         try:
             rows = _item_rows(decode, item, temporal)

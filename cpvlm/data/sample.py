@@ -58,8 +58,10 @@ class TokenIds:
     sizes: Callable[[tuple[int, int, int]], tuple[int, int]] | None = field(
         default=None, compare=False, repr=False
     )
-    """``grid -> (pixel rows, tokens)`` of an item where the family's layout is not t*h*w and
-    t*h*w/m**2 (LLaVA-OneVision); its items are then whole vision units."""
+    """``grid -> (pixel rows, tokens)`` of an item (None: t*h*w and t*h*w/m**2)."""
+    split_frames: bool = True
+    """A video's temporal frames (a tiled image's tiles) are vision units of their own; else
+    every item is one unit (the tower needs all of it at once)."""
 
     def item_sizes(self, grid: tuple[int, int, int]) -> tuple[int, int]:
         if self.sizes is not None:

@@ -158,6 +158,26 @@ def cpu_flash_backward(
 # arguments (see ``_unused_rng``).
 
 
+def fake_mode_active() -> bool:
+    """True under a FakeTensorMode: torch.compile's tracing, a dry run on fake tensors."""
+    if torch.compiler.is_compiling():  # a constant to dynamo; detect_fake_mode would break
+        return True
+    return torch._guards.detect_fake_mode() is not None
+
+
+@contextlib.contextmanager
+def real_tensors() -> Iterator[None]:
+    """Tensors made inside are real even under a FakeTensorMode: for host-side planning on CPU
+    integers (schedules), which a dry run must compute, not fake."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    if torch.compiler.is_compiling():  # dynamo runs host code for real around its graphs
+        yield
+        return
+    with unset_fake_temporarily():
+        yield
+
+
 @dataclass(frozen=True, eq=False)
 class Packing:
     """N sequences packed along dim 0: sequence i is rows ``cu_q[i]:cu_q[i+1]`` of q against rows
@@ -190,23 +210,48 @@ _HALF = (torch.bfloat16, torch.float16)
 
 
 def cuda_fused_kernel(q_BHSD: torch.Tensor) -> FusedAttentionKernel | None:
-    """The fused CUDA kernel for tensors like ``q_BHSD``, or None: not CUDA (ROCm builds too:
-    their kernels differ), float64, or a head dim the kernels do not take."""
+    """The fused CUDA kernel for tensors like ``q_BHSD``, or None (the plain-torch path): not CUDA
+    (ROCm builds too: their kernels differ), or what ``fused_kernel_for`` refuses."""
     if q_BHSD.device.type != "cuda" or torch.version.cuda is None:
         return None
-    if q_BHSD.shape[-1] not in _FUSED_HEAD_DIMS:
+    built = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)()
+    return fused_kernel_for(q_BHSD.dtype, q_BHSD.shape[-1], _capability(q_BHSD.device), built)
+
+
+def fused_kernel_for(
+    dtype: torch.dtype, head_dim: int, capability: tuple[int, int], flash_built: bool = True
+) -> FusedAttentionKernel | None:
+    """The kernel selection on a CUDA GPU of compute ``capability``: flash for bf16/fp16 on sm80+,
+    the memory-efficient kernel for fp32, for fp16 before sm80 and where flash is not built;
+    None for float64, head dims the kernels do not take, and bf16 before sm80, where neither
+    kernel has bf16 code (a one-time warning says so)."""
+    if head_dim not in _FUSED_HEAD_DIMS:
         return None
-    if q_BHSD.dtype in _HALF and _flash_available(q_BHSD.device):
+    if dtype in _HALF and flash_built and capability >= (8, 0):
         return CUDA_FLASH
-    if q_BHSD.dtype in (torch.float32, *_HALF):
+    if dtype == torch.bfloat16 and capability < (8, 0):
+        _warn_bf16_before_sm80(capability)
+        return None
+    if dtype in (torch.float32, *_HALF):
         return CUDA_EFFICIENT
     return None
 
 
 @functools.lru_cache(maxsize=16)
-def _flash_available(device: torch.device) -> bool:
-    built = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)()
-    return built and torch.cuda.get_device_capability(device) >= (8, 0)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+@functools.cache
+def _warn_bf16_before_sm80(capability: tuple[int, int]) -> None:
+    warnings.warn(
+        f"bf16 attention on a GPU of compute capability {capability[0]}.{capability[1]} (before "
+        "8.0): torch's fused attention kernels have no bf16 code there, so cpvlm runs its "
+        "plain-torch attention (float32 math, memory quadratic in each call's length); fp16 "
+        "takes the memory-efficient kernel on such GPUs",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def _lengths(q, k, packing: Packing | None) -> tuple:
@@ -220,13 +265,119 @@ def _flash_forward(q, k, v, *, causal, scale, packing=None, bias=None):
         raise ValueError("the flash kernel takes no additive mask; use the efficient kernel")
     if packing is None and causal and q.shape[1] != k.shape[1]:
         raise ValueError(f"causal flash calls must be square, got {q.shape[1]} x {k.shape[1]}")
+    return _fused_forward("flash", q, k, v, *_op_lengths(packing), causal, scale, None)
+
+
+def _flash_backward(dout, q, k, v, out, lse, *, causal, scale, packing=None, bias=None):
+    args = (dout, q, k, v, out, lse, *_op_lengths(packing), causal, scale, None)
+    return _fused_backward("flash", *args)
+
+
+def _efficient_forward(q, k, v, *, causal, scale, packing=None, bias=None):
+    if bias is not None and packing is not None:
+        raise ValueError("the efficient kernel takes no additive mask with packed sequences")
+    return _fused_forward("efficient", q, k, v, *_op_lengths(packing), causal, scale, bias)
+
+
+def _efficient_backward(dout, q, k, v, out, lse, *, causal, scale, packing=None, bias=None):
+    args = (dout, q, k, v, out, lse, *_op_lengths(packing), causal, scale, bias)
+    return _fused_backward("efficient", *args)
+
+
+def _op_lengths(packing: Packing | None) -> tuple:
+    if packing is None:
+        return None, None, 0, 0
+    return packing.cu_q, packing.cu_k, packing.max_q, packing.max_k
+
+
+# The calls as custom ops with fake kernels of their own: torch.compile and FakeTensorMode see
+# an opaque op with known output shapes, never the aten ops' meta kernels (torch 2.13's meta
+# kernel of _efficient_attention_backward lacks its ``out`` argument: "got multiple values for
+# argument 'scale'"), nor the host work around them (rng tensors, lse padding). The outputs'
+# strides are fixed by the fake kernels and enforced on the real ones (``_strided_as``).
+@torch.library.custom_op("cpvlm::fused_attention_forward", mutates_args=())
+def _fused_forward(
+    kernel: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor | None,
+    cu_k: torch.Tensor | None,
+    max_q: int,
+    max_k: int,
+    causal: bool,
+    scale: float,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    packing = None if cu_q is None else Packing(cu_q, cu_k, max_q, max_k)
+    impl = _flash_forward_impl if kernel == "flash" else _efficient_forward_impl
+    out, lse = impl(q, k, v, causal=causal, scale=scale, packing=packing, bias=bias)
+    like = _fake_forward(kernel, _meta(q), _meta(k), _meta(v), cu_q, cu_k, max_q, max_k, causal,
+                         scale, bias)  # fmt: skip
+    return _strided_as(out, like[0]), _strided_as(lse, like[1])
+
+
+@_fused_forward.register_fake
+def _fake_forward(kernel, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, bias):
+    out = torch.empty_like(q) if kernel == "flash" else q.new_empty(q.shape)
+    lse_shape = (
+        (q.shape[1], q.shape[0]) if cu_q is not None else (q.shape[0], q.shape[2], q.shape[1])
+    )
+    return out, q.new_empty(lse_shape, dtype=_lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("cpvlm::fused_attention_backward", mutates_args=())
+def _fused_backward(
+    kernel: str,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_q: torch.Tensor | None,
+    cu_k: torch.Tensor | None,
+    max_q: int,
+    max_k: int,
+    causal: bool,
+    scale: float,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    packing = None if cu_q is None else Packing(cu_q, cu_k, max_q, max_k)
+    impl = _flash_backward_impl if kernel == "flash" else _efficient_backward_impl
+    grads = impl(dout, q, k, v, out, lse, causal=causal, scale=scale, packing=packing, bias=bias)
+    return tuple(_strided_as(g, torch.empty_like(_meta(t))) for g, t in zip(grads, (q, k, v)))
+
+
+@_fused_backward.register_fake
+def _fake_backward(kernel, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, bias):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32, the kernels' lse; float64 for float64 (the CPU test kernels take it)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def _strided_as(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` with the strides of ``like`` (same shape; a copy only where they differ)."""
+    if t.stride() == like.stride():
+        return t
+    return torch.empty_strided(like.shape, like.stride(), dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _flash_forward_impl(q, k, v, *, causal, scale, packing=None, bias=None):
     out, lse, *_ = _aten._flash_attention_forward(
         q, k, v, *_lengths(q, k, packing), 0.0, causal, False, scale=scale
     )
     return out, _lse_from_kernel(lse, q, packing)
 
 
-def _flash_backward(dout, q, k, v, out, lse, *, causal, scale, packing=None, bias=None):
+def _flash_backward_impl(dout, q, k, v, out, lse, *, causal, scale, packing=None, bias=None):
     rng_state, unused = _unused_rng("flash", q.device)
     lse = _lse_to_kernel("flash", lse, q, packing)
     dq, dk, dv = _aten._flash_attention_backward(
@@ -236,7 +387,7 @@ def _flash_backward(dout, q, k, v, out, lse, *, causal, scale, packing=None, bia
     return dq, dk, dv
 
 
-def _efficient_forward(q, k, v, *, causal, scale, packing=None, bias=None):
+def _efficient_forward_impl(q, k, v, *, causal, scale, packing=None, bias=None):
     k, v = (_expand_heads(t, q.shape[-2]) for t in (k, v))
     mask_type = 1 if causal else 0  # 1: causal from the top left
     if packing is None:
@@ -245,8 +396,6 @@ def _efficient_forward(q, k, v, *, causal, scale, packing=None, bias=None):
             scale=scale,
         )  # fmt: skip
         return out, _lse_from_kernel(lse, q, None)
-    if bias is not None:
-        raise ValueError("the efficient kernel takes no additive mask with packed sequences")
     out, lse, *_ = _aten._efficient_attention_forward(
         q[None], k[None], v[None], None, *_lengths(q, k, packing), 0.0, mask_type, True,
         scale=scale,
@@ -254,7 +403,7 @@ def _efficient_forward(q, k, v, *, causal, scale, packing=None, bias=None):
     return out[0], _lse_from_kernel(lse, q, packing)
 
 
-def _efficient_backward(dout, q, k, v, out, lse, *, causal, scale, packing=None, bias=None):
+def _efficient_backward_impl(dout, q, k, v, out, lse, *, causal, scale, packing=None, bias=None):
     hkv = k.shape[-2]
     k, v = (_expand_heads(t, q.shape[-2]) for t in (k, v))
     seed, offset = _unused_rng("efficient", q.device)
@@ -286,11 +435,13 @@ def _expand_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _sum_heads(grad: torch.Tensor, hkv: int) -> torch.Tensor:
-    """The adjoint of ``_expand_heads``: [..., Hq, D] -> [..., Hkv, D], summed in float32."""
+    """The adjoint of ``_expand_heads``: [..., Hq, D] -> [..., Hkv, D], summed in float32 (float64
+    for float64: the CPU test kernels take it)."""
     hq = grad.shape[-2]
     if hq == hkv:
         return grad
-    return grad.unflatten(-2, (hkv, hq // hkv)).sum(-2, dtype=torch.float32).to(grad.dtype)
+    acc = torch.float64 if grad.dtype == torch.float64 else torch.float32
+    return grad.unflatten(-2, (hkv, hq // hkv)).sum(-2, dtype=acc).to(grad.dtype)
 
 
 def _aligned_bias(bias: torch.Tensor | None, q, k) -> torch.Tensor | None:

@@ -40,10 +40,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from cpvlm.constants import DATA_PARALLEL
 from cpvlm.parallelize.mesh import MeshGroups, mesh_groups, mesh_sizes
 from cpvlm.parallelize.precision import Autocast, fsdp_policy, param_dtype_of
-
-DATA_PARALLEL = ("fsdp", "hsdp", "ddp", "none")
 
 _FSDP_SUM_METHODS = ("set_gradient_divide_factor", "set_force_sum_reduction_for_comms")
 

@@ -1,10 +1,14 @@
-"""Test utilities: real gloo processes with timeouts and rank tracebacks; exactness checks; every
-CP rank's attention in one process; a CPU stand-in for the fused CUDA kernels."""
+"""Test and benchmark utilities: every CP rank's attention in one process, a CPU stand-in for the
+fused CUDA kernels, toy towers and vision cases. Nothing in ``cpvlm`` imports this package.
 
-from cpvlm.testing.compare import rel_err
+The multi-process runner and the comparison are ``cpvlm verify``'s engine (``cpvlm.verify``);
+they are re-exported here for the tests' convenience.
+"""
+
 from cpvlm.testing.cp_simulation import simulate_cp_attention
 from cpvlm.testing.emulated_kernels import EmulatedKernel
-from cpvlm.testing.multiprocess import DistributedTestError, run_distributed, shutdown_pools
+from cpvlm.verify.compare import rel_err
+from cpvlm.verify.runner import DistributedTestError, run_distributed, shutdown_pools
 
 __all__ = [
     "DistributedTestError",

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from cpvlm.distributed import compat
 from cpvlm.distributed.shard_plan import ShardPlan
-from cpvlm.testing.compare import rel_err
 from cpvlm.testing.cp_simulation import simulate_cp_attention
+from cpvlm.verify.compare import rel_err
 
 CP_TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 8 * 2**-8, torch.float16: 8 * 2**-11}
 """Largest relative error of out, dq, dk, dv of CP attention on a fused CUDA kernel, by dtype.
@@ -90,9 +90,13 @@ def cp_errors(
     }
 
 
-def unshard(plan: ShardPlan, shards: list[torch.Tensor]) -> torch.Tensor:
-    """The full padded tensor from every rank's shard (rank order), zero at padding."""
-    full = shards[0].new_zeros(*shards[0].shape[:2], plan.padded_len, shards[0].shape[3])
+def unshard(plan: ShardPlan, shards: list[torch.Tensor], seq_dim: int = 2) -> torch.Tensor:
+    """The full padded tensor from every rank's shard (rank order), zero at padding, offline
+    (``ShardPlan.unshard`` is the collective); the sequence on ``seq_dim`` (2: ``[B, H, S, D]``,
+    1: ``[B, S, ...]``)."""
+    shape = list(shards[0].shape)
+    shape[seq_dim] = plan.padded_len
+    full = shards[0].new_zeros(shape)
     for r, shard in enumerate(shards):
-        full[:, :, plan.indices(r).to(shard.device)] = shard
+        full[(slice(None),) * seq_dim + (plan.indices(r).to(shard.device),)] = shard
     return full

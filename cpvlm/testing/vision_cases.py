@@ -1,5 +1,6 @@
 """Vision cases shared by the balance tests and benchmarks/vision_dp.py: batches of items whose
-units differ in size, and the vision towers of published checkpoints.
+units differ in size, and the vision towers of published checkpoints (``PUBLISHED_TOWERS``, from
+the family kits' ``published_towers``).
 
 Grids (t, h, w) in patch units (h, w multiples of the merge size 2), as in ``image_grid_thw``.
 """
@@ -23,39 +24,17 @@ LONG_VIDEO_MIX = [(50, 32, 48), *[_SMALL[i % 4] for i in range(300)]]
 MIXES = {"current": CURRENT_MIX, "automodel": AUTOMODEL_MIX, "long video": LONG_VIDEO_MIX}
 
 # Units larger than a rank's share (vision="split"): three 1600-patch images among 23 small ones
-# (at cp 8 one big image is 1.67x the mean Qwen3-VL-8B cost), and one long high-resolution video
+# (at cp 8 one big image is 1.67x the mean cost of the default family's published tower), and one long high-resolution video
 # (12 frames of 64 x 96 patches: at cp 8 whole frames give some ranks two, 1.33x the mean).
 SPLIT_MIX = [*[(1, 40, 40)] * 3, *[_SMALL[i % 4] for i in range(23)]]
 HIGH_RES_VIDEO = [(12, 64, 96)]
 SPLIT_MIXES = {"3 x 1600 + small": SPLIT_MIX, "high-res video": HIGH_RES_VIDEO}
 
-# The vision_config of published checkpoints (their config.json; fields the cost model reads),
-# by top-level model_type: build with transformers.AutoConfig.for_model(model_type,
-# vision_config=...). Qwen2-VL's hidden_size is its output width; embed_dim is the tower's.
-PUBLISHED_TOWERS = {
-    "Qwen2-VL-7B": (
-        "qwen2_vl",
-        {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "hidden_size": 3584,
-         "patch_size": 14, "temporal_patch_size": 2, "spatial_merge_size": 2, "in_channels": 3},
-    ),
-    "Qwen2.5-VL-7B": (
-        "qwen2_5_vl",
-        {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
-         "out_hidden_size": 3584, "patch_size": 14, "temporal_patch_size": 2,
-         "spatial_merge_size": 2, "in_channels": 3, "window_size": 112,
-         "fullatt_block_indexes": [7, 15, 23, 31]},
-    ),
-    "Qwen3-VL-8B": (
-        "qwen3_vl",
-        {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
-         "out_hidden_size": 4096, "patch_size": 16, "temporal_patch_size": 2,
-         "spatial_merge_size": 2, "in_channels": 3, "num_position_embeddings": 2304,
-         "deepstack_visual_indexes": [8, 16, 24]},
-    ),
-    "GLM-4.1V-9B": (
-        "glm4v",
-        {"depth": 24, "hidden_size": 1536, "intermediate_size": 13696, "num_heads": 12,
-         "out_hidden_size": 4096, "patch_size": 14, "temporal_patch_size": 2,
-         "spatial_merge_size": 2, "in_channels": 3, "image_size": 336},
-    ),
-}  # fmt: skip
+
+def __getattr__(name: str):
+    # PUBLISHED_TOWERS: from the family kits (importing them needs transformers, so lazily).
+    if name == "PUBLISHED_TOWERS":
+        from cpvlm.integrations.hf.registry import published_towers
+
+        return published_towers()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,17 +10,12 @@ import argparse
 import os
 import sys
 
+from cpvlm import options
 from cpvlm.cli import HelpFormatter
+from cpvlm.constants import DECODE_MODES, DTYPES, TRAIN_ON
 from cpvlm.train.config import (
-    ATTN_IMPLS,
-    DATA_PARALLEL,
-    DECODE,
     DEVICES,
-    DTYPES,
-    FLOWS,
-    LAYOUTS,
-    TRAIN_ON,
-    VISION_MODES,
+    TRAIN_DATA_PARALLEL,
     DataConfig,
     ModelConfig,
     OptimConfig,
@@ -30,11 +25,12 @@ from cpvlm.train.config import (
 )
 
 DESCRIPTION = """\
-Train a VLM (Qwen2/2.5/3-VL, Qwen3-VL-MoE, GLM-4V) with context parallelism (CP): every packed sequence is split
-over --cp ranks, with gradients equal to the one-device run. Without a launcher this starts
-dp * cp local CPU processes (gloo); under torchrun it uses torchrun's ranks (NCCL on GPUs):
+Train a transformers VLM of a supported family with context parallelism (CP): every packed
+sequence is split over --cp ranks, with gradients equal to the one-device run. Without a
+launcher this starts dp * cp local CPU processes (gloo); under torchrun it uses torchrun's ranks
+(NCCL on GPUs):
     torchrun --nproc-per-node 8 -m cpvlm.train --cp 4          (dp = 8 / 4 = 2)
-The default is a tiny Qwen3-VL on synthetic image/video/text data, CP=4, about a minute on CPU.
+The default is a tiny model on synthetic image/video/text data, CP=4, about a minute on CPU.
 """
 
 
@@ -53,8 +49,8 @@ def _model_flags(g, m: ModelConfig) -> None:
     g.add_argument(
         "--model",
         default=m.name,
-        help="a tiny model (<family>-tiny: qwen2-vl, qwen2.5-vl, qwen3-vl, qwen3-vl-moe, glm4v, "
-        "glm46v, glm4v-moe) or a local checkpoint directory",
+        help="a tiny model of a supported family (<family>-tiny; an unknown name lists them) or a "
+        "local checkpoint directory",
     )
     g.add_argument(
         "--dtype",
@@ -95,41 +91,11 @@ def _parallel_flags(g, par: ParallelConfig) -> None:
         default=par.dp,
         help="data-parallel replicas (default: 1, or world / cp under torchrun)",
     )
-    g.add_argument(
-        "--attn",
-        default=par.attn,
-        choices=ATTN_IMPLS,
-        help=f"CP attention (default {par.attn}; auto: chosen per batch by a cost model)",
-    )
-    g.add_argument(
-        "--ulysses-size",
-        type=int,
-        default=par.ulysses_size,
-        help="--attn hybrid: ranks per Ulysses group (a divisor of --cp), a ring across groups",
-    )
-    g.add_argument(
-        "--layout",
-        default=par.layout,
-        choices=LAYOUTS,
-        help="balanced (default): short documents whole on one rank, long ones head-tail; "
-        "head_tail: every document in 2*cp chunks",
-    )
-    g.add_argument(
-        "--vision",
-        default=par.vision,
-        choices=VISION_MODES,
-        help="how CP ranks share the vision encoder",
-    )
-    g.add_argument(
-        "--flow",
-        default=par.flow,
-        choices=FLOWS,
-        help="scalable: no rank builds full-length embeddings",
-    )
+    options.add_arguments(g)  # --attn, --vision, --flow, --layout, --ulysses-size
     g.add_argument(
         "--data-parallel",
         default=par.data_parallel,
-        choices=DATA_PARALLEL,
+        choices=TRAIN_DATA_PARALLEL,
         help="gradient sync over dp x cp (all sum)",
     )
 
@@ -201,7 +167,7 @@ def _data_flags(g, d: DataConfig) -> None:
     g.add_argument(
         "--decode",
         default=d.decode,
-        choices=DECODE,
+        choices=DECODE_MODES,
         help="local: each rank decodes only the images/frames it encodes; all: every rank all",
     )
     g.add_argument(

@@ -1,8 +1,10 @@
 """Configuration of ``cpvlm train``: small frozen dataclasses, validated when built.
 
-Every error names the config field, the command-line flag that sets it, and the fix. Checks that
-need the launch environment (the world size under torchrun) or the model (token ids, merge size)
-live in ``resolve_world`` and ``cpvlm.train.data.check_data_fits``; all of them run before any
+Every error names the config field, the command-line flag that sets it, and the fix; the CP
+options (``--cp``, ``--attn``, ``--vision``, ``--flow``, ``--layout``, ``--ulysses-size``) are
+checked by ``cpvlm.options.CPOptions``, with the messages the library and ``cpvlm verify``
+give. Checks that need the launch environment (the world size under torchrun) or the model (token
+ids, merge size) live in ``resolve_world`` and ``cpvlm.train.data.check_data_fits``; all of them run before any
 training process starts work.
 """
 
@@ -14,10 +16,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cpvlm.constants import ATTN_IMPLS, FLOWS, LAYOUTS, VISION_MODES
+from cpvlm.constants import DATA_PARALLEL, DECODE_MODES, DTYPES, TRAIN_ON
+from cpvlm.options import DEFAULTS, CPOptions
 
-DTYPES = ("float32", "float64", "bfloat16")
-DATA_PARALLEL = ("fsdp", "ddp", "none")
+TRAIN_DATA_PARALLEL = tuple(m for m in DATA_PARALLEL if m != "hsdp")  # a mesh without replicas
 DEVICES = ("auto", "cpu", "cuda")
 MIN_SEQ_LEN = 16
 
@@ -54,7 +56,7 @@ def _choice(field_name: str, flag: str, value: object, choices: tuple[str, ...])
 class ModelConfig:
     """Which model, in which dtypes, what is trained, and how memory is traded for compute."""
 
-    name: str = "qwen3-vl-tiny"  # "qwen3-vl-tiny", "qwen2.5-vl-tiny", or a local checkpoint dir
+    name: str = "qwen3-vl-tiny"  # a tiny model (TINY_MODELS) or a local checkpoint dir
     dtype: str = "float32"  # compute dtype
     param_dtype: str | None = None  # parameters and AdamW state; None: float32 for bfloat16
     freeze_vision: bool = False  # freeze the vision encoder; its mergers (projector) still train
@@ -109,59 +111,41 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the ranks split the work: cp ranks per sequence, dp replicas of the batch."""
+    """How the ranks split the work: cp ranks per sequence, dp replicas of the batch, and the CP
+    options (``cpvlm.options.CPOptions``: its defaults and its checks, as in the library)."""
 
     cp: int = 4
     dp: int | None = None  # None: 1 when cpvlm launches the ranks, world // cp under torchrun
-    attn: str = "ring"
-    ulysses_size: int | None = None  # --attn hybrid only: ranks per Ulysses group
-    layout: str = "balanced"  # packed rows of short samples: whole documents, little padding
-    vision: str = "route"
-    flow: str = "scalable"
+    attn: str = DEFAULTS.attn
+    ulysses_size: int | None = DEFAULTS.ulysses_size
+    layout: str = DEFAULTS.layout
+    vision: str = DEFAULTS.vision
+    flow: str = DEFAULTS.flow
     data_parallel: str = "fsdp"
 
     def __post_init__(self):
-        _positive_int("parallel.cp", "--cp", self.cp)
+        _ = self.options  # CPOptions checks the CP options (the same rules as the library)
         if self.dp is not None:
             _positive_int("parallel.dp", "--dp", self.dp)
-        _choice("parallel.attn", "--attn", self.attn, ATTN_IMPLS)
-        if self.attn == "hybrid":
-            u = self.ulysses_size
-            if isinstance(u, bool) or not isinstance(u, int) or u < 1 or self.cp % u:
-                _fail(
-                    "parallel.ulysses_size",
-                    "--ulysses-size",
-                    u,
-                    f"--attn hybrid splits the {self.cp} CP ranks into Ulysses groups of "
-                    "--ulysses-size consecutive ranks: pass a divisor of --cp",
-                )
-        elif self.ulysses_size is not None:
-            _fail(
-                "parallel.ulysses_size",
-                "--ulysses-size",
-                self.ulysses_size,
-                "it applies to --attn hybrid only; drop it or use --attn hybrid",
-            )
-        _choice("parallel.layout", "--layout", self.layout, LAYOUTS)
-        _choice("parallel.vision", "--vision", self.vision, VISION_MODES)
-        _choice("parallel.flow", "--flow", self.flow, FLOWS)
-        _choice("parallel.data_parallel", "--data-parallel", self.data_parallel, DATA_PARALLEL)
-        if self.flow == "compat" and self.vision in ("route", "split"):
-            _fail(
-                "parallel.vision",
-                "--vision",
-                self.vision,
-                "--flow compat builds the full input embeddings, which needs every visual row on "
-                "every rank; use --vision allgather or --vision replicate with it",
-            )
+        _choice(
+            "parallel.data_parallel", "--data-parallel", self.data_parallel, TRAIN_DATA_PARALLEL
+        )
+
+    @property
+    def options(self) -> CPOptions:
+        """The CP options of ``ContextParallelVLM`` (``cp_size`` is ``cp``)."""
+        return CPOptions(
+            attn=self.attn,
+            vision=self.vision,
+            flow=self.flow,
+            layout=self.layout,
+            ulysses_size=self.ulysses_size,
+            cp_size=self.cp,
+        )
 
     @property
     def world_size(self) -> int:
         return self.cp * (self.dp or 1)
-
-
-TRAIN_ON = ("assistant", "all")
-DECODE = ("local", "all")
 
 
 def _optional_pixels(field_name: str, flag: str, value: object) -> None:
@@ -227,7 +211,7 @@ class DataConfig:
         _positive_int("data.pack_window", "--pack-window", self.pack_window)
         _positive_int("data.num_workers", "--num-workers", self.num_workers, zero_ok=True)
         _positive_int("data.prefetch", "--prefetch", self.prefetch)
-        _choice("data.decode", "--decode", self.decode, DECODE)
+        _choice("data.decode", "--decode", self.decode, DECODE_MODES)
 
     def rows_per_rank(self) -> int:
         """Packed rows per DP rank per step (``grad_accum`` must be resolved)."""

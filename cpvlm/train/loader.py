@@ -44,7 +44,7 @@ def has_processor(model_name: str) -> bool:
 
 def token_ids(model_config) -> TokenIds:
     """The data path's ids of ``model_config``, with its family's token-type rule (the adapter's:
-    GLM-4V's video frames are image tokens inside video markers)."""
+    video frames may be image tokens inside video markers)."""
     from cpvlm.integrations.hf.processor import adapter_token_ids
 
     return adapter_token_ids(model_config)

@@ -73,7 +73,7 @@ class RunStopped(Exception):
 
 def freeze_vision_encoder(model: nn.Module) -> None:
     """``--freeze-vision``: the tower is frozen except its projector (the family's adapter says
-    which modules those are: Qwen's mergers, GLM's downsample and merger)."""
+    which modules those are: a merger inside the tower)."""
     adapter_for(model).freeze_vision_encoder(model)
 
 
@@ -144,14 +144,7 @@ def _setup_model(config: TrainConfig, device: torch.device, groups, mesh):
             model.gradient_checkpointing_enable({"use_reentrant": False})
     model.to(device)
     cp_model = ContextParallelVLM(
-        model,
-        groups.cp_group,
-        attn=p.attn,
-        vision=p.vision,
-        flow=p.flow,
-        ulysses_size=p.ulysses_size,
-        layout=p.layout,
-        loss_chunk=m.loss_chunk or None,
+        model, groups.cp_group, options=p.options, loss_chunk=m.loss_chunk or None
     )
     # FSDP2 units from the adapter: each decoder layer and the vision tower (the root keeps
     # embeddings, head, norm). The tower is a safe unit because ContextParallelVLM calls it exactly
@@ -215,7 +208,7 @@ def _forward_backward(run: _Run, rows) -> tuple[torch.Tensor, int, int, int, set
     """Every row of the step through the CP model: ``(loss sum, valid labels, units encoded,
     visual tokens held, the CP attention the rows ran)`` on this rank (``--attn auto`` picks per
     row). The ``record_function`` ranges name the phases in a torch.profiler trace
-    (benchmarks/train_profile.py); without a profiler they cost nothing measurable."""
+    (benchmarks/train.py --part profile); without a profiler they cost nothing measurable."""
     with record_function("cpvlm.labels"):
         shifted = [shift_labels(r.labels.view(1, -1), doc_lens=r.doc_lens) for r in rows]
         num_valid = count_valid_labels(shifted, run.groups.dp_group)

@@ -4,9 +4,9 @@ Sample ``i`` is a pure function of ``(seed, i)``, so any rank can produce any sa
 communication and a resumed run reads exactly the samples an uninterrupted run would.
 
 Each sample is one document in the layout the model family's processor writes (built with
-``cpvlm.testing.hf_batches.synthetic_batch`` from the family's adapter): text-only (2 in 5), one or
+``cpvlm.integrations.hf.synthetic_batch`` from the family's adapter): text-only (2 in 5), one or
 two images (9 in 20) (grids from 2x2 to 8x8 patches: sides spread 4x, areas 16x), or a video (3 in
-20; 2 to 4 temporal patch-frames; Qwen3-VL and GLM-4V write a group with a timestamp per frame).
+20; 2 to 4 temporal patch-frames; some layouts write a group with a timestamp per frame).
 Pixels are random and lazy (``cpvlm.data.LazyPixels``): a rank makes, in its DataLoader workers,
 only the rows of the units it encodes; planning a sample costs its ids alone.
 
@@ -26,8 +26,8 @@ from itertools import count
 import torch
 
 from cpvlm.data.sample import LazyPixels
-from cpvlm.integrations.hf import adapter_for
-from cpvlm.testing.hf_batches import SampleSpec, sample_items, sample_tokens
+from cpvlm.integrations.hf import adapter_for, kit_for
+from cpvlm.integrations.hf.synthetic import SampleSpec, sample_items, sample_tokens
 
 TEXT_BASE = 16  # above the tiny configs' pad/bos/eos ids
 TEXT_VOCAB = 64
@@ -75,6 +75,7 @@ class SyntheticVLMData:
     def __init__(self, model_config, *, seed: int = 0):
         self.config = model_config
         self.adapter = adapter_for(model_config)
+        self.kit = kit_for(model_config)
         self.seed = seed
         vocab = model_config.text_config.vocab_size
         specials = self.adapter.special_token_ids
@@ -99,7 +100,7 @@ class SyntheticVLMData:
             n = int(torch.randint(1, MAX_IMAGES + 1, (1,), generator=g))
             picks = torch.randint(len(IMAGE_GRIDS), (n,), generator=g).tolist()
             images = tuple(IMAGE_GRIDS[p] for p in picks)
-        elif kind == "video" and not self.adapter.takes_videos:  # Gemma 3: an image instead
+        elif kind == "video" and not self.adapter.takes_videos:  # an image instead
             images = (IMAGE_GRIDS[0],)
         elif kind == "video":
             t = int(torch.randint(VIDEO_FRAMES[0], VIDEO_FRAMES[1] + 1, (1,), generator=g))
@@ -142,16 +143,14 @@ class SyntheticVLMData:
         """The longest sample this source can produce, in tokens."""
 
         def tokens(kind, grid) -> int:
-            items = self.adapter.synthetic_items(kind, grid)
-            return sum(len(self.adapter.item_tokens(k, g, lambda n: [0] * n)) for k, g in items)
+            items = self.kit.synthetic_items(kind, grid)
+            return sum(len(self.kit.item_tokens(k, g, lambda n: [0] * n)) for k, g in items)
 
-        def image(
-            n: int,
-        ) -> int:  # one of n images of a sample (LLaVA-OneVision: n > 1 is base-only)
+        def image(n: int) -> int:  # one of n images of a sample (its items may depend on n)
             return max(
                 sum(
-                    len(self.adapter.item_tokens(k, g, lambda n: [0] * n))
-                    for k, g in self.adapter.synthetic_items("image", (1, h, w), images_in_sample=n)
+                    len(self.kit.item_tokens(k, g, lambda n: [0] * n))
+                    for k, g in self.kit.synthetic_items("image", (1, h, w), images_in_sample=n)
                 )
                 for h, w in IMAGE_GRIDS
             )

@@ -32,6 +32,7 @@ from torch import nn
 from cpvlm.constants import VISION_DP_MODES
 from cpvlm.distributed.collectives import StepAgreement, agree
 from cpvlm.distributed.shard_plan import ShardPlan
+from cpvlm.options import CPOptions
 from cpvlm.vision.assign import assign_vision_units
 from cpvlm.vision.cost import VisionCost
 from cpvlm.vision.gather import gather_vision_embeddings
@@ -149,6 +150,11 @@ class VisionDataParallel(nn.Module):
                     f"encode_local (missing: {missing}) and no out_dims or unit_sizes; other modes: route, "
                     "allgather"
                 )
+            u, cp_size = self.attn_options.get("ulysses_size"), dist.get_world_size(group)
+            try:  # the tower's cp_attention: the rules of the text model's (cpvlm.options)
+                CPOptions(attn=attn, ulysses_size=u, cp_size=cp_size)
+            except ValueError as err:
+                raise ValueError(f"VisionDataParallel: {err}") from None
 
     def units(self, grid_thw: torch.Tensor) -> VisionUnits:
         return vision_units(

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from cpvlm import ShardPlan
 from cpvlm.attention import cp_attention
 from cpvlm.testing import rel_err
+from cpvlm.testing.attention_check import unshard
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -90,16 +91,6 @@ def run_cases(rank, world_size, cases, cp=None):
         (out * plan.shard(g, cp_rank, seq_dim=2)).sum().backward()
         results.append([t.detach() for t in (out, q_loc.grad, k_loc.grad, v_loc.grad)])
     return results
-
-
-def unshard(plan, shards):
-    """Full padded tensor from every rank's shard (rank order)."""
-    full = torch.zeros(
-        *shards[0].shape[:2], plan.padded_len, shards[0].shape[3], dtype=shards[0].dtype
-    )
-    for r, shard in enumerate(shards):
-        full[:, :, plan.indices(r)] = shard
-    return full
 
 
 def dense_mask(plan, causal):

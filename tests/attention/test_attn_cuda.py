@@ -41,16 +41,34 @@ def test_each_dtype_gets_its_kernel():
         assert compat.cuda_fused_kernel(q.bfloat16()) is compat.CUDA_FLASH
 
 
-def test_the_kernels_lse_layouts_are_those_read_from_the_meta_kernels():
+def test_the_kernels_lse_layouts_are_those_of_the_meta_kernels():
+    # compat reads the layouts from the meta kernels (_kernel_lse_shape); the CPU emulation
+    # (cpvlm.testing.EmulatedKernel) states them too. Here the CUDA kernels' own, in full.
+    aten = torch.ops.aten
     q = torch.randn(100, 4, 64, device="cuda", dtype=torch.float16)
     cu = torch.tensor([0, 40, 100], dtype=torch.int32, device="cuda")
-    lse = torch.ops.aten._efficient_attention_forward(
-        q[None], q[None], q[None], None, cu, cu, 60, 60, 0.0, 0, True
-    )[1]
-    assert tuple(lse.shape[1:]) == (4, compat._kernel_lse_shape("efficient", True, 60)[-1])
+    qm, cum = q.to("meta"), cu.to("meta")
+    calls = {
+        "efficient packed": lambda q, cu: aten._efficient_attention_forward(
+            q[None], q[None], q[None], None, cu, cu, 60, 60, 0.0, 0, True
+        ),
+        "efficient dense": lambda q, cu: aten._efficient_attention_forward(
+            *(q.view(2, 50, 4, 64),) * 3, None, None, None, None, None, 0.0, 1, True
+        ),
+    }
     if _flash_on_this_gpu():
-        lse = torch.ops.aten._flash_attention_forward(q, q, q, cu, cu, 60, 60, 0.0, False, False)[1]
-        assert len(lse.shape) == len(compat._kernel_lse_shape("flash", True, 60))
+        calls["flash packed"] = lambda q, cu: aten._flash_attention_forward(
+            q, q, q, cu, cu, 60, 60, 0.0, False, False
+        )
+        calls["flash dense"] = lambda q, cu: aten._flash_attention_forward(
+            *(q.view(2, 50, 4, 64),) * 3, None, None, 50, 50, 0.0, True, False
+        )
+    want = {"efficient packed": (2, 4, 64), "efficient dense": (2, 4, 64),
+            "flash packed": (4, 100), "flash dense": (2, 4, 50)}  # fmt: skip
+    for name, call in calls.items():
+        lse = call(q, cu)[1]
+        assert tuple(lse.shape) == tuple(call(qm, cum)[1].shape) == want[name], name
+        assert lse.dtype == torch.float32 and lse.is_contiguous(), name
 
 
 # Rectangles of one block: documents of 100, 300, 1 and 299 rows; FULL ones see other key counts.

@@ -1,10 +1,13 @@
 """The fused CUDA path without a GPU: lse layouts, GQA handling, and above all the packing of a
-block's rectangles into one varlen call, checked against a CPU stand-in for the kernels
-(cpvlm.testing.EmulatedKernel) inside the real ring machinery (simulate_cp_attention).
+block's rectangles into one varlen call, run through compat.py's real calls of the aten CUDA ops,
+on CPU kernels registered for those ops with the CUDA kernels' conventions and checks
+(cpvlm.testing.EmulatedKernel), inside the real ring machinery (simulate_cp_attention).
 
 Tolerance 1e-10 in float64 as in test_attn_exact: the emulated kernels do the same sums in a
 different order; a wrong cu_seqlens offset, length or mapping back moves results by O(1).
 """
+
+import warnings
 
 import pytest
 import torch
@@ -84,6 +87,42 @@ def test_the_efficient_kernels_mask_is_broadcast_with_an_aligned_row_stride():
 def test_no_fused_kernel_off_cuda():
     for dtype in (torch.float64, torch.float32, torch.bfloat16):
         assert compat.cuda_fused_kernel(torch.empty(1, 2, 3, 64, dtype=dtype)) is None
+
+
+@pytest.mark.parametrize(
+    "capability, flash_built, want",
+    [
+        ((9, 0), True, {"bfloat16": "flash", "float16": "flash", "float32": "efficient"}),
+        ((8, 0), False, {"bfloat16": "efficient", "float16": "efficient", "float32": "efficient"}),
+        ((7, 5), True, {"bfloat16": None, "float16": "efficient", "float32": "efficient"}),
+        ((7, 0), True, {"bfloat16": None, "float16": "efficient", "float32": "efficient"}),
+    ],
+)
+def test_the_kernel_of_each_dtype_and_gpu_generation(monkeypatch, capability, flash_built, want):
+    # cuda_fused_kernel on fake CUDA tensors (no GPU here) with a mocked device capability.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(compat, "_capability", lambda device: capability)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: flash_built)
+    compat._warn_bf16_before_sm80.cache_clear()
+    with FakeTensorMode():
+        q = torch.empty(1, 4, 8, 128, device="cuda")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = {}
+            for name in want:
+                for _ in range(2):  # the warning comes once, not on every call
+                    kernel = compat.cuda_fused_kernel(q.to(getattr(torch, name)))
+                got[name] = kernel and kernel.name
+            assert compat.cuda_fused_kernel(q.double()) is None
+            odd = torch.empty(1, 4, 8, 100, device="cuda", dtype=torch.bfloat16)
+            assert compat.cuda_fused_kernel(odd) is None  # head dim not a multiple of 8
+    assert got == want
+    bf16_warnings = [w for w in caught if "bf16 attention" in str(w.message)]
+    assert len(bf16_warnings) == (want["bfloat16"] is None)
+    if bf16_warnings:
+        assert f"capability {capability[0]}.{capability[1]}" in str(bf16_warnings[0].message)
 
 
 def test_one_call_per_block_and_kind_with_cu_seqlens_of_its_rectangles():
@@ -200,27 +239,110 @@ def test_a_masked_segment_without_parts_takes_the_mask_on_the_efficient_kernel()
     ]
 
 
-def test_the_emulated_kernel_refuses_what_the_cuda_kernels_would_get_wrong():
+def test_the_emulated_kernels_refuse_what_the_cuda_kernels_refuse_or_would_get_wrong():
     kernel = EmulatedKernel("flash").kernel
-    q, k = torch.randn(6, 2, 8), torch.randn(6, 1, 8)
+    q, k = torch.randn(6, 2, 8, dtype=torch.float64), torch.randn(6, 1, 8, dtype=torch.float64)
 
-    def call(cu_q, cu_k, max_q=3, max_k=3, causal=False):
+    def call(cu_q, cu_k, max_q=3, max_k=3, causal=False, q=q, k=k):
         packing = compat.Packing(cu_q, cu_k, max_q, max_k)
         return kernel.forward(q, k, k, causal=causal, scale=1.0, packing=packing)
 
     i32 = dict(dtype=torch.int32)
     ok = torch.tensor([0, 3, 6], **i32)
     call(ok, ok)
-    with pytest.raises(ValueError, match="int32"):
+    with pytest.raises(RuntimeError, match="int32"):
         call(ok.long(), ok)
-    with pytest.raises(ValueError, match="from 0 up to 6"):
+    with pytest.raises(RuntimeError, match="from 0 up to 6"):
         call(torch.tensor([0, 3, 5], **i32), ok)
-    with pytest.raises(ValueError, match="miss a sequence"):
+    with pytest.raises(RuntimeError, match="miss a sequence"):
         call(ok, ok, max_q=2)
+    with pytest.raises(RuntimeError, match="dtype torch.float32 not supported"):
+        call(ok, ok, q=q.float(), k=k.float())  # flash takes fp16/bf16 only
+    with pytest.raises(RuntimeError, match="contiguous last dimension"):
+        call(ok, ok, q=q.transpose(0, 2).contiguous().transpose(0, 2))
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        call(ok, ok, q=q[..., :6], k=k[..., :6])
+    # compat's own guards, before any kernel: what the flash kernel would align bottom-right.
     with pytest.raises(ValueError, match="square"):
-        call(ok, torch.tensor([0, 2, 6], **i32), max_k=4, causal=True)
-    with pytest.raises(ValueError, match="no mask"):
+        kernel.forward(q[None], k[None, :4], k[None, :4], causal=True, scale=1.0)
+    with pytest.raises(ValueError, match="no additive mask"):
         kernel.forward(q[None], k[None], k[None], causal=False, scale=1.0, bias=torch.zeros(6, 6))
+
+    # The efficient kernel: equal head counts (compat expands GQA for it), its lse layout.
+    aten = torch.ops.aten
+    q4, k4 = q[None], k[None]
+    with pytest.raises(RuntimeError, match="equal head counts"):
+        aten._efficient_attention_forward(q4, k4, k4, None, None, None, None, None, 0.0, 0, True)
+    out, lse = aten._efficient_attention_forward(
+        q4, q4, q4, None, None, None, None, None, 0.0, 0, True
+    )[:2]
+    assert lse.shape == (1, 2, 32) and torch.isnan(lse[..., 6:]).all()  # padding: never read
+    seed, offset = compat._unused_rng("efficient", q.device)
+
+    def backward(lse, out=out):
+        return aten._efficient_attention_backward(
+            out, q4, q4, q4, None, out, None, None, 6, 6, lse, 0.0, seed, offset, 0, False
+        )
+
+    backward(lse)
+    with pytest.raises(RuntimeError, match="logsumexp must be a contiguous"):
+        backward(lse[..., :6])  # the [B, H, S] layout, not the kernel's padded one
+    with pytest.raises(RuntimeError, match="logsumexp must be a contiguous"):
+        backward(lse.transpose(1, 2).contiguous().transpose(1, 2))
+    with pytest.raises(RuntimeError, match="row stride of a contiguous"):
+        backward(lse, out=out.transpose(1, 2).contiguous().transpose(1, 2))
+    with pytest.raises(RuntimeError, match="not correctly aligned"):
+        bias = torch.zeros(1, 2, 6, 6, dtype=torch.float64)
+        aten._efficient_attention_forward(q4, q4, q4, bias, None, None, None, None, 0.0, 0, True)
+
+
+def test_the_emulated_flash_kernel_aligns_causal_masks_bottom_right():
+    # Packed sequences of 3 queries against 5 keys: query i sees keys 0 .. i + 2 (bottom-right);
+    # compat never makes such calls (fused.py refuses non-square causal rectangles), so this
+    # pins the emulation to the real kernel's convention, against SDPA with an explicit mask.
+    EmulatedKernel("flash")
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(6, 4, 8, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(10, 2, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in ([0, 3, 6], [0, 5, 10]))
+    out, lse = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, 3, 5, 0.0, True, False, scale=0.5
+    )[:2]
+    assert lse.shape == (4, 6)  # [H, T]
+    visible = torch.ones(3, 5, dtype=torch.bool).tril(2)
+    for s in range(2):
+        qs, ks, vs = (t[3 * s : 3 * s + 3] if t is q else t[5 * s : 5 * s + 5] for t in (q, k, v))
+        ref = F.scaled_dot_product_attention(
+            qs.transpose(0, 1), ks.transpose(0, 1).repeat_interleave(2, 0),
+            vs.transpose(0, 1).repeat_interleave(2, 0), attn_mask=visible, scale=0.5,
+        )  # fmt: skip
+        assert rel_err(out[3 * s : 3 * s + 3].transpose(0, 1), ref) <= 1e-12
+
+
+def test_the_emulated_kernels_lse_layouts_are_those_of_torchs_meta_kernels():
+    # Two independent statements of the layouts: torch's meta kernels and the CPU emulation.
+    EmulatedKernel("flash")
+    aten = torch.ops.aten
+    q = torch.randn(100, 4, 64, dtype=torch.float64)
+    cu = torch.tensor([0, 40, 100], dtype=torch.int32)
+    for device in ("cpu", "meta"):
+        qd, cud = q.to(device).to(torch.float16 if device == "meta" else q.dtype), cu.to(device)
+        flash_packed = aten._flash_attention_forward(
+            qd, qd, qd, cud, cud, 60, 60, 0.0, False, False
+        )
+        flash_dense = aten._flash_attention_forward(
+            qd[None], qd[None], qd[None], None, None, 100, 100, 0.0, False, False
+        )
+        eff_packed = aten._efficient_attention_forward(
+            qd[None], qd[None], qd[None], None, cud, cud, 60, 60, 0.0, 0, True
+        )
+        eff_dense = aten._efficient_attention_forward(
+            qd.view(2, 50, 4, 64), qd.view(2, 50, 4, 64), qd.view(2, 50, 4, 64), None, None, None,
+            None, None, 0.0, 0, True,
+        )  # fmt: skip
+        shapes = [tuple(r[1].shape) for r in (flash_packed, flash_dense, eff_packed, eff_dense)]
+        assert shapes == [(4, 100), (1, 4, 100), (2, 4, 64), (2, 4, 64)], device
+        assert flash_packed[0].shape == q.shape and eff_packed[0].shape == (1, *q.shape)
 
 
 def test_the_gpu_checks_error_helper_agrees_on_cpu():

@@ -95,8 +95,10 @@ def _bad_ulysses_size(rank, world_size):
 def test_ulysses_size_is_checked_with_a_message_naming_the_fix():
     for messages in run_distributed(_bad_ulysses_size, 4):
         for m in messages[:3]:
-            assert "impl='hybrid' needs ulysses_size" in m and "[1, 2, 4]" in m, m
-        assert "ulysses_size=2 applies to impl='hybrid' only" in messages[3]
+            assert m.startswith("cp_attention: ulysses_size="), m
+            assert "impl='hybrid' splits the CP ranks into Ulysses groups" in m, m
+            assert "a divisor of the CP size 4: one of [1, 2, 4]" in m, m
+        assert "ulysses_size=2 (--ulysses-size): applies to impl='hybrid' only" in messages[3]
 
 
 def test_auto_picks_the_smallest_estimate_among_the_candidates():

@@ -18,6 +18,7 @@ from mask_cases import rule_mask, spans_of
 from cpvlm import ShardPlan
 from cpvlm.attention import MaskSpec, cp_attention
 from cpvlm.testing import EmulatedKernel, rel_err, run_distributed, simulate_cp_attention
+from cpvlm.testing.attention_check import unshard
 
 MASKS = {
     # name: (causal, window (None, "small" = 3 or "wide" = beyond a chunk), spans)
@@ -116,15 +117,6 @@ def _run(rank, world_size, cases):
     return results, refs
 
 
-def _unshard(plan, shards):
-    full = torch.zeros(
-        *shards[0].shape[:2], plan.padded_len, shards[0].shape[3], dtype=shards[0].dtype
-    )
-    for r, shard in enumerate(shards):
-        full[:, :, plan.indices(r)] = shard
-    return full
-
-
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
 def test_every_mask_kind_and_impl_matches_one_process_sdpa(cp):
     cases = _cases(cp)
@@ -133,7 +125,7 @@ def test_every_mask_kind_and_impl_matches_one_process_sdpa(cp):
     for n, c in enumerate(cases):
         plan = ShardPlan(sum(c["docs"]), cp, doc_lens=c["docs"], layout=c["layout"])
         for j, name in enumerate(("out", "dq", "dk", "dv")):
-            got = _unshard(plan, [results[n][j] for results, _ in ranks])
+            got = unshard(plan, [results[n][j] for results, _ in ranks])
             err = rel_err(got, refs[n][j])
             assert err <= 1e-10, f"{name} rel err {err:.2e}, cp={cp}, {c}"
             assert torch.all(got[:, :, plan.is_padding] == 0), f"{name} nonzero at padding, {c}"
@@ -155,7 +147,7 @@ def test_fused_kernel_path_runs_every_mask_kind(cp):
         expected = _reference(c, cp)
         assert kernel.calls, "the emulated kernel was not called"
         for j, name in enumerate(("out", "dq", "dk", "dv")):
-            err = rel_err(_unshard(plan, got[j]), expected[j])
+            err = rel_err(unshard(plan, got[j]), expected[j])
             assert err <= 1e-10, f"{name} rel err {err:.2e}, cp={cp}, {mask_name}"
 
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
-from hf_families import GEMMA, cached_model, mixed_batch, packed_documents  # noqa: E402
+from hf_families import GEMMA, cached_model  # noqa: E402
 
 from cpvlm.integrations.hf import (  # noqa: E402
     ContextParallelVLM,
@@ -26,8 +26,13 @@ from cpvlm.integrations.hf import (  # noqa: E402
     build_model,
     prepare_batch,
 )
-from cpvlm.testing import rel_err, run_distributed  # noqa: E402
-from cpvlm.testing.hf_reference import reference_loss_and_grads  # noqa: E402
+from cpvlm.verify import (  # noqa: E402
+    mixed_batch,
+    packed_documents,
+    reference_loss_and_grads,
+    rel_err,
+    run_distributed,
+)
 
 NAMES = sorted(GEMMA)
 
@@ -177,7 +182,7 @@ def test_data_path_gives_gemma3_processor_batches(tmp_path):
 
     from cpvlm.data.sources import Record
     from cpvlm.integrations.hf.processor import ChatEncoder
-    from cpvlm.testing.tiny_processor import make_tiny_checkpoint, write_images
+    from cpvlm.integrations.hf.tiny_checkpoint import make_tiny_checkpoint, write_images
 
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", "gemma3")
     names = write_images(tmp_path, [(30, 50), (70, 20)])

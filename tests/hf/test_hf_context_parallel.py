@@ -28,23 +28,30 @@ from hf_families import (  # noqa: E402
     FLOAT32_TOL,
     GEMMA,
     cached_model,
-    grad_error,
-    mixed_batch,
+    grad_errors,
     mixes,
-    packed_documents,
 )
 
 from cpvlm import ShardPlan  # noqa: E402
 from cpvlm.attention import Shapes, choose_impl  # noqa: E402
 from cpvlm.integrations.hf import (  # noqa: E402
     ContextParallelVLM,
+    SampleSpec,
     adapter_for,
+    kit_for,
     prepare_batch,
+    synthetic_batch,
     vision_cost,
 )
-from cpvlm.testing import DistributedTestError, rel_err, run_distributed  # noqa: E402
-from cpvlm.testing.hf_batches import SampleSpec, synthetic_batch  # noqa: E402
-from cpvlm.testing.hf_reference import reference_loss_and_grads  # noqa: E402
+from cpvlm.verify import (  # noqa: E402
+    DistributedTestError,
+    cp_loss_and_grads,
+    mixed_batch,
+    packed_documents,
+    reference,
+    rel_err,
+    run_distributed,
+)
 
 # (attn, vision, flow[, more ContextParallelVLM keywords]): the scalable flow with both vision
 # collectives, and the compat flow.
@@ -123,15 +130,7 @@ def _cp_configs(rank, base, batch, doc_lens, configs):
             flow=flow,
             **(more[0] if more else {}),
         )
-        out = cp_model(**batch, doc_lens=doc_lens)
-        out.loss.backward()
-        loss = out.loss.detach().clone()
-        dist.all_reduce(loss)
-        grads = {}
-        for n, p in model.named_parameters():
-            g = (p.grad if p.grad is not None else torch.zeros_like(p)).clone()
-            dist.all_reduce(g)
-            grads[n] = g
+        out, loss, grads = cp_loss_and_grads(cp_model, batch, doc_lens)
         results.append(
             {
                 "loss": loss,
@@ -146,29 +145,20 @@ def _cp_configs(rank, base, batch, doc_lens, configs):
 
 def _reference(name, dtype, kind, islands=True):
     model = _model(name, dtype, islands)
-    batch, doc_lens = _batch(model, dtype, kind)
-    if kind == "packed":
-        return reference_loss_and_grads(model, documents=packed_documents(model, dtype)[1])
-    return reference_loss_and_grads(model, batch)
+    return reference(model, *_batch(model, dtype, kind))
 
 
 def _assert_close(name, cp_result, ref_loss, ref_grads, tol, float32_pattern=None):
     loss_tol = FLOAT32_TOL if float32_pattern == "." else tol  # GLM-4.5V: routing weights too
     assert rel_err(cp_result["loss"], ref_loss) <= loss_tol
-    adapter = adapter_for(cached_model(name).config)
-    # Mathematically zero gradients (SigLIP's key bias) are round-off: measured against the
-    # largest reference gradient instead of themselves.
-    scale = max(float(g.abs().max()) for g in ref_grads.values())
-    for n, g in ref_grads.items():
-        err = rel_err(cp_result["grads"][n], g)
-        if any(re.match(p, n) for p in adapter.zero_gradients):
-            err = float((cp_result["grads"][n] - g).abs().max()) / scale
+    kit = kit_for(cached_model(name).config)
+    # Mathematically zero gradients (SigLIP's key bias) are round-off: measured against their
+    # module group's largest reference gradient instead of themselves (grad_errors).
+    for n, err in grad_errors(name, cp_result["grads"], ref_grads).items():
         limit = FLOAT32_TOL if float32_pattern and re.match(float32_pattern, n) else tol
         assert err <= limit, (n, err, limit)
     # Every vision module group got a gradient (a dropped vision gradient would show up as zeros).
-    groups = [
-        (label, pats) for label, pats in adapter.module_groups() if label.startswith("vision")
-    ]
+    groups = [(label, pats) for label, pats in kit.module_groups() if label.startswith("vision")]
     assert len(groups) >= 3
     for label, patterns in groups:
         assert any(
@@ -236,8 +226,8 @@ def test_ranks_without_images_and_text_only_batches(name):
     ref_loss, ref_grads, per_rank = _run(name, 3, "text", configs)
     for result in per_rank[0]:
         assert rel_err(result["loss"], ref_loss) <= 1e-10
-        for n, g in ref_grads.items():
-            assert grad_error(name, n, result["grads"][n], g, ref_grads) <= 1e-10, n
+        for n, err in grad_errors(name, result["grads"], ref_grads).items():
+            assert err <= 1e-10, n
 
 
 @pytest.mark.parametrize("cp", [2, 4])

@@ -22,10 +22,9 @@ import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
-from hf_families import mixed_batch, packed_documents  # noqa: E402
 from transformers import AutoModelForImageTextToText  # noqa: E402
 
-from cpvlm.integrations.hf import ContextParallelVLM  # noqa: E402
+from cpvlm.integrations.hf import ContextParallelVLM, SampleSpec, synthetic_batch  # noqa: E402
 from cpvlm.integrations.hf.adapter import ExtraLoss  # noqa: E402
 from cpvlm.integrations.hf.families.qwen3_vl_moe import (  # noqa: E402
     Qwen3VLMoeAdapter,
@@ -33,10 +32,17 @@ from cpvlm.integrations.hf.families.qwen3_vl_moe import (  # noqa: E402
 )
 from cpvlm.loss import count_valid_labels, shift_labels  # noqa: E402
 from cpvlm.router_loss import load_balancing_loss  # noqa: E402
-from cpvlm.testing import rel_err, run_distributed  # noqa: E402
-from cpvlm.testing.hf_batches import SampleSpec, synthetic_batch  # noqa: E402
-from cpvlm.testing.hf_reference import causal_lm_loss_sum, reference_loss_and_grads  # noqa: E402
-from cpvlm.testing.moe_reference import switch_load_balancing_loss  # noqa: E402
+from cpvlm.verify import (  # noqa: E402
+    causal_lm_loss_sum,
+    cp_loss_and_grads,
+    mixed_batch,
+    packed_documents,
+    reference,
+    rel_err,
+    run_distributed,
+    summed_gradients,
+    switch_load_balancing_loss,
+)
 
 COEF = 0.5  # large enough that the router loss moves every gradient well above 1e-10
 CONFIGS = [("ring", "route", "scalable"), ("allgather", "allgather", "compat")]
@@ -63,15 +69,6 @@ def _batches(model, kind):
     return mixed_batch(model, torch.float64), None, None
 
 
-def _grads(model):
-    out = {}
-    for n, p in model.named_parameters():
-        g = (p.grad if p.grad is not None else torch.zeros_like(p)).clone()
-        dist.all_reduce(g)
-        out[n] = g
-    return out
-
-
 class PerShardRouterLoss(Qwen3VLMoeAdapter):
     """The bug this file rules out: each rank's aux loss from its own shard's statistics, averaged
     over the CP ranks (what calling the model's loss function on a shard gives)."""
@@ -90,24 +87,17 @@ def _cp(rank, world_size, kind, configs, per_shard=False):
         cp_model = ContextParallelVLM(model, dist.group.WORLD, attn=attn, vision=vision, flow=flow)
         if per_shard:
             cp_model.adapter = PerShardRouterLoss(model.config)
-        out = cp_model(**batch, doc_lens=doc_lens)
-        out.loss.backward()
-        loss, aux = out.loss.detach().clone(), out.extra_losses["router_aux"].detach().clone()
-        dist.all_reduce(loss)
+        out, loss, grads = cp_loss_and_grads(cp_model, batch, doc_lens)
+        aux = out.extra_losses["router_aux"].detach().clone()
         dist.all_reduce(aux)
-        grads = _grads(model)
         results.append({"loss": loss, "aux": aux, "grads": grads} if rank == 0 else None)
     return results
 
 
 def _reference(kind):
     model = moe_model()
-    batch, _, parts = _batches(model, kind)
-    loss, grads = (
-        reference_loss_and_grads(model, batch, documents=None)
-        if parts is None
-        else (reference_loss_and_grads(model, documents=parts))
-    )
+    batch, doc_lens, parts = _batches(model, kind)
+    loss, grads = reference(model, batch, doc_lens)
     # The aux loss alone, and the routing's distance from a tie, from the model's own forward.
     with torch.no_grad():
         logits, keep = [], []
@@ -198,7 +188,7 @@ def _dp_cp_step(rank, world_size):
     for batch in batches[dp_rank]:
         out = cp_model(**batch, num_valid=num_valid, num_batches=4)
         out.loss.backward()
-    grads = _grads(model)  # summed over dp x cp, as the gradient sync does
+    grads = summed_gradients(model)  # summed over dp x cp, as the gradient sync does
     return grads if rank == 0 else None
 
 

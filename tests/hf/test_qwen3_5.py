@@ -6,7 +6,7 @@ CP that this integration rules out, the unchanged model's float32 delta rule, an
 
 Reference: the model's own one-process forward and backward (each packed document alone: with
 per-document positions the model's linear layers still scan across documents), with its float32 islands read
-in float64 in both runs (``adapter.float64_islands``: transformers' delta rule, decay,
+in float64 in both runs (the kit's ``float64_islands``: transformers' delta rule, decay,
 ``Qwen3_5RMSNorm`` and the gated output norm, their own code with the float32 casts read as
 float64; a float32 op left there makes the result depend on the CPU's kernels, see
 ``test_float64_islands_leave_no_float32_in_linear_attention``). float64 tolerance
@@ -22,12 +22,7 @@ import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
-from hf_families import (  # noqa: E402
-    cached_model,
-    float64_islands,
-    mixed_batch,
-    packed_documents,
-)
+from hf_families import cached_model, float64_islands  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from transformers import AutoModelForImageTextToText  # noqa: E402
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet  # noqa: E402
@@ -35,14 +30,25 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (  # noqa: E402
     Qwen3_5MoeGatedDeltaNet,
 )
 
-from cpvlm.integrations.hf import ContextParallelVLM, adapter_for  # noqa: E402
+from cpvlm.integrations.hf import (  # noqa: E402
+    ContextParallelVLM,
+    SampleSpec,
+    adapter_for,
+    synthetic_batch,
+)
 from cpvlm.integrations.hf.families.qwen3_5 import (  # noqa: E402
     ContextParallelQwen3_5GatedDeltaNet,
     tiny_qwen3_5_moe_config,
 )
-from cpvlm.testing import rel_err, run_distributed  # noqa: E402
-from cpvlm.testing.hf_batches import SampleSpec, synthetic_batch  # noqa: E402
-from cpvlm.testing.hf_reference import reference_loss_and_grads  # noqa: E402
+from cpvlm.verify import (  # noqa: E402
+    cp_loss_and_grads,
+    gradient_errors,
+    mixed_batch,
+    packed_documents,
+    reference,
+    rel_err,
+    run_distributed,
+)
 
 COEF = 0.5  # the router loss weight: large enough to move every gradient well above 1e-10
 SCALABLE, COMPAT = ("ring", "route", "scalable"), ("allgather", "allgather", "compat")
@@ -71,14 +77,13 @@ def _model(name, islands=True):
 
 
 def _batch(model, kind):
-    """``(batch, doc_lens, documents)``: images, a video and a text-only row; packed documents;
-    one small image up front (at cp 4 three ranks encode nothing and two hold no visual token);
-    text only."""
+    """``(batch, doc_lens)``: images, a video and a text-only row; packed documents; one small
+    image up front (at cp 4 three ranks encode nothing and two hold no visual token); text only."""
     if kind == "packed":
-        packed, parts, doc_lens = packed_documents(model, torch.float64)
-        return packed, doc_lens, parts
+        packed, _, doc_lens = packed_documents(model, torch.float64)
+        return packed, doc_lens
     if kind == "mixed":
-        return mixed_batch(model, torch.float64), None, None
+        return mixed_batch(model, torch.float64), None
     specs = {
         "single": [SampleSpec(images=((4, 4),), text_len=60)],
         "text": [SampleSpec(text_len=23), SampleSpec(text_len=17)],
@@ -86,7 +91,7 @@ def _batch(model, kind):
     batch = synthetic_batch(model.config, specs, dtype=torch.float64, seed=2)
     if kind == "text":
         batch.pop("mm_token_type_ids")
-    return batch, None, None
+    return batch, None
 
 
 def _cp(rank, world_size, name, cases, islands=True, naive=False):
@@ -94,22 +99,14 @@ def _cp(rank, world_size, name, cases, islands=True, naive=False):
     base = _model(name, islands)
     results = []
     for kind, (attn, vision, flow) in cases:
-        batch, doc_lens, _ = _batch(base, kind)
+        batch, doc_lens = _batch(base, kind)
         model = copy.deepcopy(base)
         cp_model = ContextParallelVLM(model, dist.group.WORLD, attn=attn, vision=vision, flow=flow)
         if naive:  # each rank's linear layers on its own shard, from zero states
             for module in model.modules():
                 if isinstance(module, ContextParallelQwen3_5GatedDeltaNet):
                     module.__class__ = Qwen3_5GatedDeltaNet
-        out = cp_model(**batch, doc_lens=doc_lens)
-        out.loss.backward()
-        loss = out.loss.detach().clone()
-        dist.all_reduce(loss)
-        grads = {}
-        for n, p in model.named_parameters():
-            g = (p.grad if p.grad is not None else torch.zeros_like(p)).clone()
-            dist.all_reduce(g)
-            grads[n] = g
+        out, loss, grads = cp_loss_and_grads(cp_model, batch, doc_lens)
         results.append(
             {"loss": loss, "grads": grads if rank == 0 else None, "units": out.encoded_units}
         )
@@ -118,14 +115,11 @@ def _cp(rank, world_size, name, cases, islands=True, naive=False):
 
 def _reference(name, kind, islands=True):
     model = _model(name, islands)
-    batch, _, parts = _batch(model, kind)
-    if parts is not None:
-        return reference_loss_and_grads(model, documents=parts)
-    return reference_loss_and_grads(model, batch)
+    return reference(model, *_batch(model, kind))
 
 
 def _errors(result, ref_loss, ref_grads):
-    grads = {n: rel_err(result["grads"][n], g) for n, g in ref_grads.items()}
+    grads = gradient_errors(result["grads"], ref_grads, ())  # no zero_gradients: every one relative
     return rel_err(result["loss"], ref_loss), grads
 
 
@@ -155,7 +149,7 @@ def test_moe_loss_and_every_gradient_match_one_process_float64(cp):
     model = moe_model()
     # No top-2 choice near a tie in any case (each packed document alone): measured >= 4.3e-5.
     batches = [_batch(model, k)[0] for k in ("mixed", "single", "text")]
-    batches += _batch(model, "packed")[2]
+    batches += packed_documents(model, torch.float64)[1]
     assert min(_router_gap(model, b) for b in batches) > 1e-6
     per_rank = run_distributed(_cp, cp, "moe", cases, timeout=TIMEOUT)
     refs = {kind: _reference("moe", kind) for kind in {k for k, _ in cases}}

@@ -22,15 +22,25 @@ from torch.utils.flop_counter import FlopCounterMode
 
 pytest.importorskip("transformers")
 
-from hf_families import cached_model, grad_error  # noqa: E402
+from hf_families import cached_model, grad_errors  # noqa: E402
 from transformers.models.llava_onevision.processing_llava_onevision import (  # noqa: E402
     LlavaOnevisionProcessor,
 )
 
-from cpvlm.integrations.hf import ContextParallelVLM, adapter_for, build_model  # noqa: E402
-from cpvlm.testing import rel_err, run_distributed  # noqa: E402
-from cpvlm.testing.hf_batches import SampleSpec, pack_documents, synthetic_batch  # noqa: E402
-from cpvlm.testing.hf_reference import reference_loss_and_grads  # noqa: E402
+from cpvlm.integrations.hf import (  # noqa: E402
+    ContextParallelVLM,
+    SampleSpec,
+    adapter_for,
+    build_model,
+    pack_documents,
+    synthetic_batch,
+)
+from cpvlm.verify import (  # noqa: E402
+    cp_loss_and_grads,
+    reference_loss_and_grads,
+    rel_err,
+    run_distributed,
+)
 
 CONFIGS = [("ring", "route", "scalable"), ("allgather", "allgather", "compat")]
 
@@ -55,12 +65,11 @@ def test_internvl_tiles_are_independent_units_and_follow_the_aspect_ratio():
     assert starts == len(expected)
     assert (batch["input_ids"] == model.config.image_token_id).sum() == 4 * sum(expected.values())
     grids = batch["image_grid_thw"]
-    tower = adapter.vision_tower(model)
     with torch.no_grad():
-        together = adapter.encode(tower, batch["pixel_values"], grids)
+        together = adapter.encode(model, batch["pixel_values"], grids)
         one_tile = torch.tensor([[1, 4, 4]])
         per_tile = [
-            adapter.encode(tower, rows, one_tile) for rows in batch["pixel_values"].split(16)
+            adapter.encode(model, rows, one_tile) for rows in batch["pixel_values"].split(16)
         ]
         # the model's own forward takes the batch (it checks tokens against its features)
         model(**adapter.to_model_batch(batch), use_cache=False)
@@ -73,17 +82,8 @@ def _cp_step(rank, world_size, name, batch, doc_lens):
     results = []
     for attn, vision, flow in CONFIGS:
         model = copy.deepcopy(base)
-        out = ContextParallelVLM(model, dist.group.WORLD, attn=attn, vision=vision, flow=flow)(
-            **batch, doc_lens=doc_lens
-        )
-        out.loss.backward()
-        loss = out.loss.detach().clone()
-        dist.all_reduce(loss)
-        grads = {}
-        for n, p in model.named_parameters():
-            g = (p.grad if p.grad is not None else torch.zeros_like(p)).clone()
-            dist.all_reduce(g)
-            grads[n] = g
+        cp_model = ContextParallelVLM(model, dist.group.WORLD, attn=attn, vision=vision, flow=flow)
+        out, loss, grads = cp_loss_and_grads(cp_model, batch, doc_lens)
         results.append((loss, grads if rank == 0 else None, out.encoded_units))
     return results
 
@@ -91,8 +91,8 @@ def _cp_step(rank, world_size, name, batch, doc_lens):
 def _check(name, per_rank, ref_loss, ref_grads):
     for loss, grads, _ in per_rank[0]:
         assert rel_err(loss, ref_loss) <= 1e-10
-        for n, g in ref_grads.items():
-            assert grad_error(name, n, grads[n], g, ref_grads) <= 1e-10, n
+        for n, err in grad_errors(name, grads, ref_grads).items():
+            assert err <= 1e-10, n
 
 
 def test_internvl_tiles_of_one_image_split_over_ranks_are_exact():
@@ -128,7 +128,6 @@ def _processor_features(config, height, width):
 def test_llava_onevision_item_sizes_are_the_models_packed_rows_and_the_processors_tokens():
     model = cached_model("llava-onevision-tiny")
     adapter = adapter_for(model)
-    tower = adapter.vision_tower(model)
     sizes = [(32, 32), (32, 64), (64, 32), (64, 64), (40, 90), (96, 30), (50, 50), (20, 70)]
     grids = [(1 + r * c, h, w) for h, w in sizes for r, c in [adapter.crop_grid(h, w)]]
     grids.append((1, 64, 64))  # base crop only (an image of a multi-image sample)
@@ -140,14 +139,14 @@ def test_llava_onevision_item_sizes_are_the_models_packed_rows_and_the_processor
             assert rows == _processor_features(model.config, h, w)
         crops = torch.randn(t, 3, 32, 32, generator=gen, dtype=torch.float64)
         with torch.no_grad():
-            feats = tower.get_image_features(
+            feats = model.model.get_image_features(
                 pixel_values=crops[None],
                 image_sizes=torch.tensor([[h, w]]),
                 batch_num_images=torch.tensor([1 if t > 1 else 2]),
                 return_dict=True,
             ).pooler_output
             mine = adapter.encode(
-                tower, crops.reshape(-1, adapter.pixel_width), torch.tensor([grid])
+                model, crops.reshape(-1, adapter.pixel_width), torch.tensor([grid])
             )
         assert pixels == t * 16 and feats[0].shape[0] == rows == mine.shape[0]
         assert _rel(mine, feats[0]) < 1e-12
@@ -203,7 +202,7 @@ def test_cost_models_count_a_tiles_and_a_crops_matrix_products():
     model = build_model("llava-onevision-tiny", dtype=torch.float64, attn_implementation="eager")
     adapter = adapter_for(model)
     rows = torch.randn(5 * 16, adapter.pixel_width, dtype=torch.float64)
-    got = _macs(lambda: adapter.encode(model.model, rows, torch.tensor([[5, 64, 64]])))
+    got = _macs(lambda: adapter.encode(model, rows, torch.tensor([[5, 64, 64]])))
     assert got == adapter.vision_cost().unit_cost((5, 64, 64))
 
 
@@ -225,6 +224,6 @@ def test_llava_onevision_feature_layers_equal_the_models_hidden_states(layer):
             pixel_values=crops[None], image_sizes=torch.tensor([[32, 64]]), return_dict=True
         ).pooler_output[0]
         mine = adapter.encode(
-            model.model, crops.reshape(-1, adapter.pixel_width), torch.tensor([[3, 32, 64]])
+            model, crops.reshape(-1, adapter.pixel_width), torch.tensor([[3, 32, 64]])
         )
     assert _rel(mine, theirs) < 1e-12

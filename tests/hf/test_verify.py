@@ -121,8 +121,8 @@ class _BuggyVisionGatherVLM(ContextParallelVLM):
         return [t[back][local] for t in gathered], len(mine)
 
 
-def buggy_factory(model, group, attn, vision, flow):
-    return _BuggyVisionGatherVLM(model, group, attn=attn, vision="allgather", flow=flow)
+def buggy_factory(model, group, attn, vision, flow, **options):
+    return _BuggyVisionGatherVLM(model, group, attn=attn, vision="allgather", flow=flow, **options)
 
 
 def test_verify_fails_and_names_the_vision_groups_on_a_local_slice_gather_backward():

@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from cpvlm import ShardPlan
 from cpvlm.attention.linear import cp_causal_conv1d, cp_gated_delta_rule
-from cpvlm.testing.float64_twins import float64_twin
+from cpvlm.integrations.hf.float64 import float64_twin
+from cpvlm.testing.attention_check import unshard
 
 
 def case(doc_lens, *, b=1, hk=2, hv=4, dk=8, dv=6, width=4, chunk_size=64, seed=0, bias=True):
@@ -104,16 +105,6 @@ def run_cases(rank, world_size, cases, dtype="float64"):
     return results
 
 
-def unshard(plan, shards):
-    """Full padded tensor from every rank's shard (rank order)."""
-    full = torch.zeros(
-        shards[0].shape[0], plan.padded_len, *shards[0].shape[2:], dtype=shards[0].dtype
-    )
-    for r, s in enumerate(shards):
-        full[:, plan.indices(r)] = s
-    return full
-
-
 def reference(c, cp, conv_fn, delta_fn, dtype=torch.float64):
     """One process, each document alone (unpadded): out, dx, dg, dbeta full padded; dw, dbias."""
     plan, full, params = inputs(c, cp, dtype)
@@ -146,7 +137,7 @@ def naive_cp(c, cp):
         mixed = hf.causal_conv1d_fn(x.transpose(1, 2), params["weight"], params["bias"], "silu")
         q, k, v = split_qkv(mixed.transpose(1, 2), c)
         shards.append(delta(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0])
-    return plan, unshard(plan, shards)
+    return plan, unshard(plan, shards, seq_dim=1)
 
 
 def no_grad_and_grad_outputs(rank, world_size, c):

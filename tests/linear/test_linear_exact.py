@@ -15,11 +15,11 @@ from linear_cases import (
     no_grad_and_grad_outputs,
     reference,
     run_cases,
-    unshard,
 )
 
+from cpvlm.integrations.hf.float64 import float64_twin
 from cpvlm.testing import rel_err, run_distributed
-from cpvlm.testing.float64_twins import float64_twin
+from cpvlm.testing.attention_check import unshard
 
 NAMES = ("out", "dx", "dg", "dbeta", "dweight", "dbias")
 
@@ -49,7 +49,7 @@ def _check(results, cases, cp, delta, conv, tol, dtype=torch.float64):
             if expected[j] is None:
                 continue
             if j < 4:
-                got = unshard(plan, [results[r][i][j] for r in range(cp)])
+                got = unshard(plan, [results[r][i][j] for r in range(cp)], seq_dim=1)
                 # Padding positions: outputs exactly 0, and no gradient reaches them.
                 assert torch.all(got[:, plan.is_padding] == 0), f"{name} nonzero at padding, {c}"
             else:  # a replicated parameter: the CP gradient is the sum of the ranks' shares

@@ -19,8 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from cpvlm.integrations.hf import ContextParallelVLM, build_model
 from cpvlm.parallelize import build_mesh, mesh_groups, parallelize, sync_gradients
-from cpvlm.testing import rel_err, run_distributed
-from cpvlm.verify import verify_batches
+from cpvlm.verify import cp_loss_and_grads, rel_err, run_distributed, verify_batches
 
 
 def _flat_grads(model):
@@ -33,13 +32,9 @@ def _flat_grads(model):
 
 def _float64_reference(base, batch, doc_lens):
     model = copy.deepcopy(base).double()
-    out = ContextParallelVLM(model, dist.group.WORLD)(**batch, doc_lens=doc_lens)
-    out.loss.backward()
-    loss = out.loss.detach().clone()
-    dist.all_reduce(loss)
-    grads = _flat_grads(model)
-    dist.all_reduce(grads)
-    return loss, grads
+    cp_model = ContextParallelVLM(model, dist.group.WORLD)
+    _, loss, grads = cp_loss_and_grads(cp_model, batch, doc_lens)
+    return loss, torch.cat([g.reshape(-1) for g in grads.values()])
 
 
 def _mixed_step(rank, world_size, mode):

@@ -33,12 +33,12 @@ def _error(capsys, argv) -> str:
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--cp", "0"], "parallel.cp = 0 (--cp): must be an integer >= 1"),
+        (["--cp", "0"], "cp_size=0 (--cp): must be an integer >= 1"),
         (["--dp", "-2"], "parallel.dp = -2 (--dp)"),
         (["--steps", "0"], "run.steps = 0 (--steps)"),
         (["--seq-len", "8"], "use --seq-len 16 or more"),
         (["--seq-len", "64"], "too short for the images: the data's longest sample"),
-        (["--flow", "compat"], "--flow compat builds the full input embeddings"),
+        (["--flow", "compat"], "vision='route' (--vision): flow='compat' builds the full input"),
         (["--lr", "0"], "optim.lr = 0.0 (--lr)"),
         (["--lr", "inf"], "optim.lr = inf (--lr): must be a finite number > 0"),
         (["--lr", "nan"], "optim.lr = nan (--lr)"),
@@ -56,9 +56,9 @@ def _error(capsys, argv) -> str:
         (["--data", "json:no_such_function"], "json has no function 'no_such_function'"),
         (["--data", "data.jsonl"], "data.jsonl' (--data): no such file or folder"),
         (["--resume"], "--resume continues the run in --out DIR"),
-        (["--attn", "hybrid"], "parallel.ulysses_size = None (--ulysses-size): --attn hybrid"),
-        (["--attn", "hybrid", "--ulysses-size", "3"], "pass a divisor of --cp"),
-        (["--ulysses-size", "2"], "it applies to --attn hybrid only"),
+        (["--attn", "hybrid"], "ulysses_size=None (--ulysses-size): attn='hybrid' splits"),
+        (["--attn", "hybrid", "--ulysses-size", "3"], "pass a divisor of the CP size 4"),
+        (["--ulysses-size", "2"], "applies to attn='hybrid' only (attn='ring')"),
     ],
 )
 def test_bad_flags_get_a_clear_message(capsys, argv, message):
@@ -72,7 +72,7 @@ def test_malformed_values_are_argparse_errors(capsys):
     assert "argument --cp: invalid int value: 'two'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         train_main(["--vision", "scatter"])
-    assert "invalid choice: 'scatter'" in capsys.readouterr().err
+    assert "vision='scatter' (--vision): must be one of route," in capsys.readouterr().err
 
 
 def test_cpvlm_command_dispatches_to_train(capsys):
@@ -154,10 +154,10 @@ def test_resume_skips_a_truncated_or_broken_newest_checkpoint(tmp_path):
 
 
 def test_model_directories_without_weights_or_with_a_broken_config(tmp_path, capsys):
-    from cpvlm.integrations.hf import tiny_qwen3_vl_config
+    from cpvlm.integrations.hf import TINY_MODELS
 
     no_weights = tmp_path / "no_weights"
-    tiny_qwen3_vl_config().save_pretrained(no_weights)
+    TINY_MODELS["qwen3-vl-tiny"]().save_pretrained(no_weights)
     assert "has a config.json but no weights" in _error(capsys, ["--model", str(no_weights)])
     broken = tmp_path / "broken"
     broken.mkdir()

@@ -6,13 +6,12 @@ import torch
 from cpvlm.constants import IGNORE_INDEX
 from cpvlm.data import DataError, LazyPixels, RowStream, TokenIds, plan_tokenized
 from cpvlm.data.sources import ObjectSource
-from cpvlm.integrations.hf import SampleSpec, synthetic_batch, tiny_qwen2_5_vl_config
-from cpvlm.integrations.hf import tiny_qwen3_vl_config as qwen3
+from cpvlm.integrations.hf import TINY_MODELS, SampleSpec, synthetic_batch
 from cpvlm.loss import shift_labels
 from cpvlm.train.data import check_data_fits
 from cpvlm.train.synthetic import TEXT_BASE, TEXT_VOCAB, SyntheticVLMData
 
-CONFIG = qwen3()
+CONFIG = TINY_MODELS["qwen3-vl-tiny"]()
 IDS = TokenIds.from_config(CONFIG)
 
 
@@ -35,9 +34,9 @@ def test_synthetic_samples_are_a_pure_function_of_seed_and_index():
     assert not torch.equal(SyntheticVLMData(CONFIG, seed=4)[0]["input_ids"], a[0]["input_ids"])
 
 
-@pytest.mark.parametrize("make_config", [qwen3, tiny_qwen2_5_vl_config])
-def test_synthetic_mix_images_4x_apart_videos_and_text_only(make_config):
-    config = make_config()
+@pytest.mark.parametrize("name", ["qwen3-vl-tiny", "qwen2.5-vl-tiny"])
+def test_synthetic_mix_images_4x_apart_videos_and_text_only(name):
+    config = TINY_MODELS[name]()
     data = SyntheticVLMData(config, seed=0)
     sides, kinds, longest = [], set(), 0
     for i in range(200):

@@ -15,8 +15,7 @@ import torch
 import torch.distributed as dist
 
 from cpvlm.integrations.hf import ContextParallelVLM, build_model
-from cpvlm.testing import rel_err, run_distributed
-from cpvlm.verify import verify_batches
+from cpvlm.verify import cp_loss_and_grads, rel_err, run_distributed, verify_batches
 
 VARIANTS = {  # name: (loss_chunk, activation checkpointing)
     "plain": (None, False),
@@ -43,17 +42,9 @@ def _step(rank, world_size, names):
             block = model.model.visual.blocks[0]
             vision_hook = block.norm1.register_forward_pre_hook(lambda *a, c=calls: c.append(2))
             cp_model = ContextParallelVLM(model, dist.group.WORLD, loss_chunk=chunk)
-            result = cp_model(**batch, doc_lens=doc_lens)
-            result.loss.backward()
+            _, loss, grads = cp_loss_and_grads(cp_model, batch, doc_lens)
             hook.remove()
             vision_hook.remove()
-            loss = result.loss.detach().clone()
-            dist.all_reduce(loss)
-            grads = {}
-            for n, p in model.named_parameters():
-                g = (p.grad if p.grad is not None else torch.zeros_like(p)).clone()
-                dist.all_reduce(g)
-                grads[n] = g
             out[batch_name, name] = (loss, grads, calls.count(1), calls.count(2))
     return out
 

@@ -1,5 +1,6 @@
-"""The transformers towers' cost models: read from their configs, equal to what the towers
-really compute (torch's FLOP counter on tiny towers built from the real config classes)."""
+"""The transformers towers' cost models: read from their configs by the family adapters, equal to
+what the towers really compute (torch's FLOP counter on tiny towers built from the real config
+classes; the tiling families' in tests/hf/test_tiled_families.py)."""
 
 import importlib
 
@@ -9,8 +10,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 transformers = pytest.importorskip("transformers")
 
-from cpvlm.integrations.hf.vision_cost import VISION_COSTS, vision_cost  # noqa: E402
+from cpvlm.integrations.hf import TINY_MODELS, adapter_for, build_model  # noqa: E402
+from cpvlm.integrations.hf.adapter import VLMAdapter  # noqa: E402
+from cpvlm.integrations.hf.vision_cost import vision_cost  # noqa: E402
 from cpvlm.testing.vision_cases import PUBLISHED_TOWERS  # noqa: E402
+from cpvlm.vision.cost import VisionCost  # noqa: E402
 
 _TINY = {
     "depth": 3,
@@ -63,8 +67,29 @@ GRIDS = [[1, 6, 10], [2, 4, 4], [1, 2, 2], [1, 10, 12]]
 GLM_GRIDS = [[1, 6, 10], [1, 4, 4], [1, 4, 4], [1, 2, 2], [1, 10, 12]]
 
 
-def test_every_family_with_a_cost_model_is_checked():
-    assert set(FAMILIES) == set(VISION_COSTS)
+# Not counted here: the tiling towers (tiles, crops: tests/hf/test_tiled_families.py counts them)
+# and Gemma's towers, whose models leave out the pooling projector (the same for every unit).
+COUNTED_ELSEWHERE_OR_NOT_EXACT = {"internvl", "llava_onevision", "gemma3", "gemma4"}
+
+
+def test_every_family_has_its_own_cost_model_and_the_pixel_row_towers_are_counted():
+    configs = {name: make() for name, make in TINY_MODELS.items()}
+    model_types = {config.model_type for config in configs.values()}
+    assert model_types - COUNTED_ELSEWHERE_OR_NOT_EXACT <= set(FAMILIES)
+    for name, config in configs.items():
+        adapter = adapter_for(config)
+        assert type(adapter).vision_cost is not VLMAdapter.vision_cost, name
+        assert adapter.vision_cost() != VisionCost.patches(), name
+
+
+@pytest.mark.parametrize(
+    "name", ["gemma3-tiny", "gemma4-tiny", "internvl-tiny", "llava-onevision-tiny"]
+)
+def test_vision_cost_of_a_model_is_its_adapters(name):
+    """``vision_cost(model)`` (and of its config) is the family adapter's, for every family."""
+    model = build_model(name)
+    assert vision_cost(model) == vision_cost(model.config) == adapter_for(model).vision_cost()
+    assert vision_cost(model).unit_cost((1, 4, 4)) > 0
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
@@ -112,7 +137,7 @@ def test_published_qwen3_vl_attention_share():
 
 
 def test_unknown_models_and_bad_configs_are_rejected():
-    with pytest.raises(ValueError, match="no vision cost model for model_type 'llama'"):
+    with pytest.raises(ValueError, match="unsupported config model_type 'llama'"):
         vision_cost(transformers.LlamaConfig())
     model_type, vc = PUBLISHED_TOWERS["Qwen2.5-VL-7B"]
     config = transformers.AutoConfig.for_model(

@@ -10,6 +10,7 @@ values), summed in a different order across ranks.
 """
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from cpvlm.integrations.hf import adapter_for, build_model  # noqa: E402
 from cpvlm.integrations.hf.vision_attention import SplitTower  # noqa: E402
 from cpvlm.testing import rel_err, run_distributed  # noqa: E402
 from cpvlm.vision import VisionDataParallel, vision_units  # noqa: E402
+from cpvlm.vision.split import Piece, SplitAttention  # noqa: E402
 
 FAMILIES = ("qwen2.5-vl-tiny", "qwen3-vl-tiny")
 # (name, grids, ranks): the grids in patches; what each case shows is in the test below.
@@ -41,8 +43,7 @@ _towers: dict = {}
 def _tower(name):
     if name not in _towers:
         model = build_model(name, dtype=torch.float64)
-        adapter = adapter_for(model)
-        _towers[name] = (adapter, adapter.vision_tower(model))
+        _towers[name] = (adapter_for(model), model)
     return _towers[name]
 
 
@@ -64,10 +65,11 @@ def _as_list(out):
 
 
 def _reference(name, grids, seed):
-    adapter, tower = _tower(name)
-    tower = copy.deepcopy(tower)
+    adapter, base = _tower(name)
+    model = copy.deepcopy(base)
+    tower = adapter.vision_tower(model)
     grid, pixels, rows, gen = _inputs(adapter, grids, seed)
-    outs = _as_list(adapter.encode(tower, pixels, grid))
+    outs = _as_list(adapter.encode(model, pixels, grid))
     weights = _weights(gen, rows, [o.shape[1] for o in outs])
     sum((o * w).sum() for o, w in zip(outs, weights)).backward()
     return outs, {n: p.grad.clone() for n, p in tower.named_parameters()}
@@ -75,10 +77,11 @@ def _reference(name, grids, seed):
 
 def _split_rank(rank, world, name, grids, seed, attn="ring"):
     adapter, base = _tower(name)
-    tower = copy.deepcopy(base)
+    model = copy.deepcopy(base)
+    tower = adapter.vision_tower(model)
     grid, pixels, rows, gen = _inputs(adapter, grids, seed)
     vdp = VisionDataParallel(
-        SplitTower(adapter, tower),
+        SplitTower(adapter, model),
         dist.group.WORLD,
         mode="split",
         merge_size=adapter.merge_size,
@@ -157,10 +160,10 @@ def _bad_inputs_rank(rank, world):
     from cpvlm.integrations.hf import ContextParallelVLM
 
     adapter, base = _tower("qwen3-vl-tiny")
-    tower = copy.deepcopy(base)
+    model = copy.deepcopy(base)
     grid, pixels, rows, _ = _inputs(adapter, [(1, 8, 12)], 0)
     vdp = VisionDataParallel(
-        SplitTower(adapter, tower), dist.group.WORLD, mode="split", cost=adapter.vision_cost()
+        SplitTower(adapter, model), dist.group.WORLD, mode="split", cost=adapter.vision_cost()
     )
     plan = ShardPlan(rows, world)
     errors = []
@@ -191,3 +194,22 @@ def test_bad_input_raises_the_same_error_on_every_rank():
     assert "mode='split' takes every pixel row (local_pixels=False)" in local
     assert "vision='split' is not supported for glm4v" in glm
     assert "supported vision modes: ['route', 'allgather', 'replicate']" in glm
+
+
+def test_a_tower_that_does_not_take_a_precomputed_table_raises(monkeypatch):
+    """A transformers whose tower computes its own position table from the grid it is given (not
+    the whole unit's: a placeholder) must fail, not give silently different rows."""
+    adapter, base = _tower("qwen3-vl-tiny")
+    tower = copy.deepcopy(base)
+    module = sys.modules[type(tower).__module__]
+    own = module.get_vision_interpolation_indices_and_weights
+    monkeypatch.setattr(
+        module,
+        "get_vision_interpolation_indices_and_weights",
+        lambda *args, kwargs=None, **kw: own(*args, **kw),  # ignores the precomputed keywords
+    )
+    grid, pixels, _, _ = _inputs(adapter, [(1, 8, 12)], 0)
+    pieces = (Piece(0, (1, 8, 12), torch.arange(96)),)
+    attention = SplitAttention((96,), None, None, None, 0, None)
+    with pytest.raises(ValueError, match=r"did not take the precomputed \['interp_indices', 'in"):
+        SplitTower(adapter, tower).encode_local(pixels, pieces, attention)

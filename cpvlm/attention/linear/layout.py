@@ -29,6 +29,14 @@ class Chunk:
 def local_chunks(plan: ShardPlan, cp_rank: int) -> tuple[Chunk, ...]:
     """The chunks of ``cp_rank``'s shard in local order: per document, head then tail."""
     plan._check_rank(cp_rank)
+    if plan.layout == "contiguous" or any(r >= 0 for r in plan.whole_on):
+        # Every rank has the same plan, so every rank raises here, at the same layer.
+        raise ValueError(
+            f"linear attention under CP needs every document split head-tail, but this plan "
+            f"(layout={plan.layout!r}) places documents whole on one rank; use "
+            "layout='head_tail' (--layout head_tail) with models that have linear-attention "
+            "layers (Gated DeltaNet)"
+        )
     w = plan.cp_size
     chunks, local, start = [], 0, 0
     for d, padded in enumerate(plan.padded_doc_lens):

@@ -1,49 +1,66 @@
-"""The family adapter: what one transformers VLM family does differently, and nothing else.
+"""The family adapter: the runtime protocol between cpvlm's CP step and one transformers VLM family.
 
-Legend: B batch, S full length, L local length, D hidden size, R visual rows, E experts.
+Legend: B batch, S full length, L local length, D hidden size, R visual rows.
 
-The core (``prepare_batch``, ``ContextParallelVLM``) knows the CP step: replicated integer inputs,
-the plan, local embeddings, vision data parallelism, the decoder on the shard, the token-mean
-loss. An adapter answers the family's questions:
+The core knows the CP step: replicated integer inputs and the plan (``prepare_batch``), local
+embeddings, vision data parallelism (``VisionDataParallel``, the split tower), the decoder on the
+shard, the token-mean loss (``ContextParallelVLM``), FSDP units and freezing (the trainer), and
+the data path (``cpvlm.integrations.hf.processor``, the loader). Everything it asks a family is a
+hook declared on ``VLMAdapter`` below, with its contract; nothing else is read from an adapter:
 
-- tokens: how the processor writes an image or a video into the sequence (``item_tokens``),
-  which token type each placeholder has (``mm_token_type_ids``: 0 text, 1 image, 2 video), what
-  items it makes of an image (``synthetic_items``: tiles), and the conversion between the
-  model's own batch and the core's (``from_model_batch`` / ``to_model_batch``: ``[tiles, C, H,
-  W]`` pixels for a tiling family, Gemma's images);
-- modules: where the text model, embeddings, lm head and vision tower are, which modules are
-  FSDP units, what stays trainable when the encoder is frozen, the module groups that
-  ``cpvlm verify`` reports;
-- vision: how the tower is called and what it returns (``encode``: rows, or rows and deepstack
-  levels), whether video frames are independent units, the per-unit cost model (``vision_cost``),
-  and where an item's pixel and output rows are not t*h*w and t*h*w/m**2, what they are
-  (``item_sizes`` with ``unit_sizes = True``: LLaVA-OneVision's crops and packed rows);
-- positions: ``rope_index`` per document (M-RoPE families: the model's own ``get_rope_index``;
-  1D-RoPE families return None and the core uses the plan's per-document positions);
-- masks: the token types whose runs attend bidirectionally (``span_token_types``) and on which
-  layers (``span_layers``); sliding windows come from the layers themselves (Gemma);
-- decoder: extra keywords of the text model's forward (``decoder_kwargs``: deepstack rows, router
-  logits; ``decoder_inputs``: Gemma 4's per-layer inputs); extra losses (``extra_losses``: the MoE
-  router's load-balancing loss); a final logit soft-cap (``logit_softcap``).
+- tokens and batch layout: ``image_token_id``, ``video_token_id``, ``special_token_ids``,
+  ``pixel_width``, ``merge_size``, ``mm_token_type_ids`` (0 text, 1 image, 2 video),
+  ``item_sizes`` (pixel and output rows of an item), ``video_keys``, ``model_batch_keys``,
+  ``takes_videos``, ``from_model_batch`` / ``to_model_batch`` (the model's own batch <-> the
+  core's pixel rows with grids);
+- the processor (data path): ``processor_image_grid``, ``processor_image_inputs``,
+  ``video_processing``;
+- modules: ``text_model``, ``decoder_layers``, ``embed_tokens``, ``lm_head``, ``vision_tower``
+  (the tower's own parameters), ``projector``, ``fsdp_units``, ``freeze_vision_encoder``,
+  ``install_context_parallel`` (sequence mixers other than attention);
+- vision: ``encode`` (the model's vision side on pixel rows: rows, and deepstack levels),
+  ``split_frames``, ``vision_cost``; ``vision="split"``: ``split_vision``, ``unit_order``,
+  ``windowed_attention``, ``split_tower_kwargs``;
+- positions and masks: ``rope_index`` (M-RoPE from the model's own ``get_rope_index``; None for
+  1D RoPE, then per-document positions), ``span_token_types``, ``span_layers``;
+- decoder and losses: ``decoder_inputs`` (deepstack rows, per-layer embeddings, router logits),
+  ``router_loss``, ``extra_losses``, ``logit_softcap``.
 
-The defaults are the Qwen2-VL layout: one ``<vision_start> pads <vision_end>`` group per item, a
-tower ``visual(pixel_rows, grid_thw)`` with the merger inside that returns ``pooler_output``, M-RoPE
-from ``model.model.get_rope_index``, no extra keywords or losses. A family overrides what differs.
+What only tests, ``cpvlm verify`` and synthetic data need (tiny configs, float64 islands, module
+groups, zero-gradient parameters, synthetic items and tokens, a tiny processor) is the family's
+kit (``cpvlm.integrations.hf.kit.FamilyKit``), in the same family file, linked as ``kit``.
 
-Adding a family is one file plus its tests:
-1. ``cpvlm/integrations/hf/families/<family>.py``: a ``VLMAdapter`` subclass decorated with
-   ``@register``, naming ``family``, ``model_classes`` (the transformers
-   ``*ForConditionalGeneration`` class names it serves), ``model_types`` (their ``config.model_type``), ``tiny_configs`` (a tiny
-   config built from the real config class, under a ``<family>-tiny`` name), and the overrides.
-   Import the module in ``families/__init__.py``.
-2. ``tests/hf/``: add the tiny name to ``FAMILIES`` in ``tests/hf/hf_families.py`` (the shared
-   exactness, checkpoint and verify tests then run on it) and test what is particular to it.
-3. README: the families table.
+The defaults are the base layout: one ``<vision_start> pads <vision_end>`` group per item, a tower
+``model.model.visual(pixel_rows, grid_thw)`` with the merger inside that returns
+``pooler_output``, t*h*w pixel rows and t*h*w/m**2 tokens per item, M-RoPE from
+``model.model.get_rope_index`` when the model has one, no extra keywords or losses. A family
+overrides what differs; facts that a config or the model says are read from it, not declared.
+
+Adding a family is one file, one import line and one line in the tests:
+
+1. ``cpvlm/integrations/hf/families/<family>.py``::
+
+       class Kit(FamilyKit):
+           tiny_configs = {"<family>-tiny": tiny_<family>_config}  # from the real config class
+
+       @register
+       class MyAdapter(VLMAdapter):
+           family = "<family>"
+           model_classes = ("<Name>ForConditionalGeneration",)
+           model_types = ("<model_type>",)
+           kit = Kit
+           ...  # the hooks whose default does not hold, and vision_cost
+
+2. ``families/__init__.py``: import the module (that registers it).
+3. ``tests/hf/test_<family>.py``: what is particular to the family. The shared exactness,
+   checkpoint, training and verify tests take their families from the registry
+   (``tests/hf/hf_families.py``) and run on the new tiny model at once; they select families by
+   the kit's ``traits``. The README's families table gets a row.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -55,7 +72,7 @@ from cpvlm.router_loss import load_balancing_loss_share
 from cpvlm.vision.cost import VisionCost
 from cpvlm.vision.split import Piece, UnitOrder, pixel_order
 
-from .vision_cost import qwen2_vl_vision_cost
+from .kit import FamilyKit
 
 VisionRows = torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]
 """What ``encode`` returns: ``[R, D]`` rows, or ``([R, D], [[R, D_l], ...])`` with deepstack
@@ -80,26 +97,13 @@ class RouterLoss:
 
 class MoeRouter:
     """Mixin of the MoE families (listed before the family's adapter in the bases): the router
-    loss from the text config, and the router and expert parameters as their own groups."""
-
-    float64_load_kwargs = {"experts_implementation": "eager"}
-    experts_pattern = r"experts\."  # the expert parameters of a layer's mlp
+    load-balancing loss from the text config."""
 
     def router_loss(self) -> RouterLoss | None:
         text = self.config.text_config
         if not text.output_router_logits:
             return None
         return RouterLoss(top_k=text.num_experts_per_tok, weight=text.router_aux_loss_coef)
-
-    def module_groups(self):
-        layer = r"model\.language_model\.layers\.\d+\.mlp\."
-        groups = list(super().module_groups())
-        i = [label for label, _ in groups].index("decoder layers")
-        groups[i:i] = [
-            ("router", (layer + r"gate\.",)),
-            ("experts", (layer + self.experts_pattern,)),
-        ]
-        return tuple(groups)
 
 
 @dataclass(frozen=True)
@@ -111,70 +115,59 @@ class ExtraLoss:
 
 
 class VLMAdapter:
-    """The Qwen2-VL layout; subclasses override what their family does differently."""
+    """The runtime protocol of one family; the defaults are the base layout (see the module
+    docstring), and a family overrides what differs."""
+
+    # ---- identity -------------------------------------------------------------------------------
 
     family: ClassVar[str] = ""
+    """The family's name (``"<family>"``, the name of its file in ``families/``)."""
     model_classes: ClassVar[tuple[str, ...]] = ()
+    """The transformers ``*ForConditionalGeneration`` class names the adapter serves."""
     model_types: ClassVar[tuple[str, ...]] = ()
-    tiny_configs: ClassVar[dict[str, Callable[..., Any]]] = {}
-    video_keys: ClassVar[tuple[str, ...]] = ()
-    """Batch keys with one entry per video besides pixels and grid (second_per_grid_ts)."""
-    split_frames: ClassVar[bool] = True
-    """The tower treats a video's temporal frames independently: each frame is a vision unit."""
-    projector: ClassVar[tuple[str, ...]] = ("merger",)
-    """Tower submodules (name prefixes) that stay trainable when the vision encoder is frozen."""
-    mixes_images_and_videos: ClassVar[bool] = True
-    """The model's own forward takes images and videos in one call (GLM-4V's does not)."""
-    takes_videos: ClassVar[bool] = True
-    """The family has videos at all (Gemma 3 does not)."""
-    float32_groups: ClassVar[tuple[str, ...]] = ()
-    """Module groups (``module_groups`` labels) whose gradients the model computes in float32 even
-    in a float64 model; float64 checks hold them to float32 round-off. ``("*",)``: every group and
-    the loss (a float32 part in the forward, such as GLM-4.5V's router)."""
-    float64_load_kwargs: ClassVar[dict[str, str]] = {}
-    """Loading keywords a float64 model needs (MoE: eager experts; grouped_mm rejects float64)."""
-    zero_gradients: ClassVar[tuple[str, ...]] = ()
-    """Parameter-name regexes whose gradient is zero in exact arithmetic and round-off in floats
-    (SigLIP's key bias: it adds q.b to every logit of a query, which softmax cancels). A relative
-    error of round-off means nothing: checks hold them to their module group's gradient scale."""
-    cost_model: ClassVar[Callable[[Any], VisionCost]] = staticmethod(qwen2_vl_vision_cost)
-    """The tower's cost model from its ``vision_config`` (``cpvlm.integrations.hf.vision_cost``)."""
-    model_batch_keys: ClassVar[tuple[str, ...]] = ()
-    """Keys of the model's own batch that ``from_model_batch`` turns into the core's."""
-    span_token_types: ClassVar[tuple[int, ...]] = ()
-    """Token types (``mm_token_type_ids``) whose runs attend to each other bidirectionally (one
-    mask span per run and document); () for causal-only models."""
-    span_layers: ClassVar[str] = "all"
-    """Where the spans apply: ``"all"`` layers or the ``"sliding"`` (windowed) ones only."""
-
-    split_vision: ClassVar[bool] = False
-    """The tower can run sequence-parallel on a unit's patches (``vision="split"``): it takes
-    every per-patch input precomputed (``split_tower_kwargs``) and attends through its attention
-    function with ``cu_seqlens``."""
+    """Their ``config.model_type`` values (a config is looked up by it, before a model exists)."""
+    kit: ClassVar[type[FamilyKit]] = FamilyKit
+    """The family's test- and verify-side knowledge (``cpvlm.integrations.hf.kit``); the CP step
+    never reads it."""
 
     def __init__(self, config):
         self.config = config
         self.merge_size = int(config.vision_config.spatial_merge_size)
+        """m: an item's h x w patches make h*w/m**2 output rows (its tokens)."""
 
-    # ---- tokens: the processor's layout ---------------------------------------------------------
+    # ---- tokens and batch layout (prepare_batch, the data path) ---------------------------------
+
+    video_keys: ClassVar[tuple[str, ...]] = ()
+    """Batch keys with one entry per video besides pixels and grid; ``rope_index`` takes them
+    (``second_per_grid_ts``)."""
+    model_batch_keys: ClassVar[tuple[str, ...]] = ()
+    """Keys of the model's own batch that ``from_model_batch`` turns into the core's; the
+    forward accepts them."""
+    takes_videos: ClassVar[bool] = True
+    """The family has videos at all; without, the data path plans and decodes images only."""
 
     @property
     def image_token_id(self) -> int:
+        """The placeholder id of an image's rows (``mm_token_type_ids`` 1)."""
         return self.config.image_token_id
 
     @property
     def video_token_id(self) -> int:
+        """The placeholder id of a video's rows (``mm_token_type_ids`` 2); -1 when the family
+        writes none."""
         return self.config.video_token_id
 
     @property
     def special_token_ids(self) -> tuple[int, ...]:
-        """Every id the layout writes around or for vision items (never drawn as text)."""
+        """Every id the layout writes around or for vision items (never drawn as text; a rank
+        that joins a failed step fills its stand-in batch with another id)."""
         c = self.config
         return (c.image_token_id, c.video_token_id, c.vision_start_token_id, c.vision_end_token_id)
 
     @property
     def pixel_width(self) -> int:
-        """Values in one pixel row (one patch): channels * temporal patch * patch * patch."""
+        """Values in one pixel row of cpvlm's batch (one patch): channels * temporal patch *
+        patch * patch."""
         v = self.config.vision_config
         return v.in_channels * v.temporal_patch_size * v.patch_size**2
 
@@ -182,78 +175,80 @@ class VLMAdapter:
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         """``[B, S]`` long: 1 at image placeholders, 2 at video placeholders, 0 elsewhere (the
-        processor's ``mm_token_type_ids``; padding is 0)."""
+        processor's ``mm_token_type_ids``; padding is 0). prepare_batch checks a given one
+        against it, and the data path counts placeholders by it."""
         types = (input_ids == self.image_token_id).long()
         types += 2 * (input_ids == self.video_token_id).long()
         return types if attention_mask is None else types * attention_mask.bool()
 
+    def item_sizes(self, grid: tuple[int, int, int]) -> tuple[int, int]:
+        """``(pixel rows, output rows)`` of an item (or vision unit) of ``grid`` in cpvlm's batch:
+        t*h*w patch rows and t*h*w/m**2 merged tokens by default. prepare_batch, the data path
+        and VisionDataParallel size items and units by it."""
+        t, h, w = grid
+        return t * h * w, t * h * w // self.merge_size**2
+
     def from_model_batch(self, batch: dict) -> dict:
         """The model's own batch (its processor's keys and pixel layout) in the core's layout:
         pixel rows ``[patches, C]`` with ``image_grid_thw``, ``mm_token_type_ids``. Default: the
-        same (the Qwen-VL layout); also given the core's layout, it returns it unchanged."""
+        same; also given the core's layout, it returns it unchanged."""
         return batch
 
     def to_model_batch(self, batch: dict) -> dict:
         """The inverse of ``from_model_batch``: the keywords of the model's own forward for a
-        batch in the core's layout (InternVL: tiles ``[N, C, H, W]``; LLaVA-OneVision: crops
-        and ``image_sizes``; Gemma: images or padded patch sequences)."""
+        batch in the core's layout (a reference step runs the model on it). Default: the same."""
         return batch
 
-    def item_tokens(
-        self, kind: str, grid: tuple[int, int, int], text: Callable[[int], list[int]]
-    ) -> list[int]:
-        """The token ids the processor writes for one image or video of ``grid`` (t, h, w) in
-        patches; ``text(n)`` gives n text tokens where the layout has text (timestamps)."""
-        t, h, w = grid
-        c = self.config
-        pad = c.image_token_id if kind == "image" else c.video_token_id
-        frame = h * w // self.merge_size**2
-        return [c.vision_start_token_id] + [pad] * (t * frame) + [c.vision_end_token_id]
+    # ---- the processor (the data path) ----------------------------------------------------------
 
-    def synthetic_items(
-        self, kind: str, grid: tuple[int, int, int], *, images_in_sample: int = 1
-    ) -> list[tuple[str, tuple[int, int, int]]]:
-        """The items (kind, grid) the family's processor makes of an image of ``grid`` (1, h, w)
-        or a video of (t, h, w) patches in a sample of ``images_in_sample`` images, for synthetic
-        batches. Default: that item. A tiling family returns its tiles' or crops' grid (LLaVA-
-        OneVision: base crop only in a multi-image sample); one without video tokens, the frames
-        as images; a tower of one fixed image size, its grid (Gemma 3)."""
-        return [(kind, grid)]
+    def processor_image_grid(self, image_processor, height: int, width: int):
+        """``(1, h, w)``: the grid the checkpoint's image processor gives an image of ``height x
+        width`` pixels, computed from the header before any pixel is decoded. Default: none known
+        (the data path then reports the family)."""
+        raise ValueError(
+            f"the data path has no resize rule for {self.family}'s image processor "
+            f"{type(image_processor).__name__} (the adapter's processor_image_grid)"
+        )
 
-    unit_sizes: ClassVar[bool] = False
-    """``item_sizes`` is not the Qwen-VL rule (t*h*w, t*h*w/m**2): VisionDataParallel and the data
-    path then size units by it."""
+    def processor_image_inputs(self, grids: Sequence[tuple[int, int, int]]) -> dict:
+        """What the processor's ``replace_image_token`` reads for images of these grids."""
+        return {"image_grid_thw": torch.tensor(list(grids), dtype=torch.long).reshape(-1, 3)}
 
-    def item_sizes(self, grid: tuple[int, int, int]) -> tuple[int, int]:
-        """``(pixel rows, output rows)`` of an item (or unit) of ``grid`` in cpvlm's batch: t*h*w
-        patch rows and t*h*w/m**2 merged tokens (LLaVA-OneVision: an image's crops and its packed
-        rows)."""
-        t, h, w = grid
-        return t * h * w, t * h * w // self.merge_size**2
+    def video_processing(self, config: dict):
+        """The checkpoint's video pipeline from its video processor ``config`` (file entries over
+        the class defaults): ``.grid(frames, height, width)``, ``.pixels(frames_THWC, grid_hw)``
+        and its patch, merge and temporal patch sizes and pixel bounds. Default: none known."""
+        raise ValueError(f"the data path has no video pipeline for {self.family}")
 
-    # ---- modules --------------------------------------------------------------------------------
+    # ---- modules (ContextParallelVLM, parallelize, the trainer) ---------------------------------
+
+    projector: ClassVar[tuple[str, ...]] = ("merger",)
+    """Name prefixes, inside ``vision_tower``, of the parameters that stay trainable when the
+    vision encoder is frozen (a merger inside the tower); a projector beside the tower stays
+    trainable anyway (no override needed)."""
 
     def text_model(self, model: nn.Module) -> nn.Module:
-        """The decoder: ``forward(inputs_embeds=, position_ids=, ...)`` -> last_hidden_state."""
+        """The decoder: ``forward(inputs_embeds=, position_ids=, ...)`` -> last_hidden_state;
+        its attention implementation becomes cpvlm's."""
         return model.model.language_model
 
     def decoder_layers(self, model: nn.Module) -> list[nn.Module]:
+        """The decoder layers, in order (FSDP units)."""
         return list(self.text_model(model).layers)
 
     def embed_tokens(self, model: nn.Module) -> nn.Module:
+        """The token embedding, as the model applies it (any scaling inside the module)."""
         return model.get_input_embeddings()
 
     def lm_head(self, model: nn.Module) -> nn.Module:
+        """The output projection (``weight`` and ``bias``) the loss applies to hidden states."""
         return model.lm_head
 
     def vision_tower(self, model: nn.Module) -> nn.Module:
-        """The module ``encode`` calls; its parameters are the vision side of the model."""
+        """The vision encoder itself: the module whose parameters are frozen by
+        ``freeze_vision_encoder`` (but ``projector``), sharded as an FSDP unit, and whose dtype
+        the pixels take. A projector beside it is not part of it; ``encode`` finds both."""
         return model.model.visual
-
-    def encoder_root(self, model: nn.Module) -> nn.Module:
-        """The module ``encode`` is given: the tower, or (a projector beside the tower) the model
-        part that holds both."""
-        return self.vision_tower(model)
 
     def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
         """FSDP2 units: each decoder layer and the vision tower (ContextParallelVLM calls the
@@ -261,46 +256,41 @@ class VLMAdapter:
         return [*self.decoder_layers(model), self.vision_tower(model)]
 
     def freeze_vision_encoder(self, model: nn.Module) -> None:
-        """Freeze the tower except its projector (``projector`` prefixes)."""
+        """Freeze the tower except its ``projector`` prefixes."""
         for name, p in self.vision_tower(model).named_parameters():
             if not name.startswith(self.projector):
                 p.requires_grad_(False)
-
-    def module_groups(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
-        """``(label, parameter-name regexes)`` that ``cpvlm verify`` reports; first match wins."""
-        return (
-            ("vision patch embed", (r"model\.visual\.(patch_embed|pos_embed)\.",)),
-            ("vision blocks", (r"model\.visual\.blocks\.",)),
-            ("vision merger", (r"model\.visual\.merger\.",)),
-            ("token embeddings", (r"model\.language_model\.embed_tokens\.",)),
-            ("decoder layers", (r"model\.language_model\.(layers|norm)\.",)),
-            ("lm head", (r"lm_head\.",)),
-        )
 
     def install_context_parallel(self, model: nn.Module) -> None:
         """Make the text model's sequence-mixing layers other than attention (which goes through
         transformers' AttentionInterface) follow the ``cpvlm_cp`` context; called once by
         ``ContextParallelVLM``, must be idempotent. Default: nothing (attention-only decoders)."""
 
-    def init_tiny(self, model: nn.Module) -> None:
-        """Re-initialise, under the tiny model's seed, what the family initialises so that a test
-        would see no gradient (a projector starting at zero). Default: nothing."""
+    # ---- vision (VisionDataParallel, the split tower) -------------------------------------------
 
-    def float64_islands(self, model: nn.Module) -> None:
-        """In a float64 ``model``, compute in float64 the parts transformers computes in float32
-        whose round-off a CP run would show (sums it groups differently). ``cpvlm verify`` and the
-        tests apply it to both sides of a float64 check, so that float64 round-off is what they
-        compare. Default: nothing (a family lists such parts in ``float32_groups`` instead)."""
-
-    # ---- vision ---------------------------------------------------------------------------------
+    split_frames: ClassVar[bool] = True
+    """The tower treats a video's temporal frames independently: each frame is a vision unit."""
 
     def encode(
-        self, tower: nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor, **kwargs
+        self, model: nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor, **kwargs
     ) -> VisionRows:
-        """Run the tower on pixel rows ``[patches, C]`` of the items of ``grid_thw``; return one row
-        per merged token, in item order (and the deepstack levels, for families that have them).
-        ``kwargs`` (``vision="split"``): precomputed per-patch inputs and the attention context."""
+        """Run the model's vision side (the tower and any projector beside it) on pixel rows
+        ``[patches, C]`` of the items of ``grid_thw``; return one row per output token, in item
+        order (and the deepstack levels, for families that have them). ``kwargs``
+        (``vision="split"``): precomputed per-patch inputs and the attention context."""
+        tower = self.vision_tower(model)
         return tower(pixel_values, grid_thw=grid_thw, return_dict=True, **kwargs).pooler_output
+
+    def vision_cost(self) -> VisionCost:
+        """The per-unit cost model of the tower, by which vision units are balanced over the CP
+        ranks (VisionDataParallel and a loader that decodes local pixels use it). Default: the
+        patch count."""
+        return VisionCost.patches()
+
+    split_vision: ClassVar[bool] = False
+    """The tower can run sequence-parallel on a unit's patches (``vision="split"``): it takes
+    every per-patch input precomputed (``split_tower_kwargs``) and attends through its attention
+    function with ``cu_seqlens``; its items have the default ``item_sizes``."""
 
     def unit_order(self, grid: tuple[int, int, int]) -> UnitOrder:
         """``vision="split"``: the tower's order of a unit's merge groups (default: pixel order)."""
@@ -313,22 +303,17 @@ class VLMAdapter:
 
     def split_tower_kwargs(self, tower: nn.Module, pieces: Sequence[Piece], n: int) -> dict:
         """``vision="split"``: the tower's precomputed inputs for ``n`` local patches, the
-        ``pieces`` one after another: rotary positions of exactly those patches and one attention
-        call over all of them (``cpvlm.integrations.hf.vision_attention``)."""
-        from transformers.vision_utils import get_vision_position_ids
+        ``pieces`` one after another: rotary positions of exactly those patches (the tower's own
+        function on each whole unit's grid, sliced) and one attention call over all of them
+        (``cpvlm.integrations.hf.vision_attention``)."""
+        from .vision_attention import local_rows, single_call, tower_function
 
-        from .vision_attention import local_rows, single_call
-
-        m = self.merge_size
-        positions = local_rows(pieces, lambda g: get_vision_position_ids(g, m))
+        position_ids = tower_function(tower, "get_vision_position_ids")
+        m = tower.spatial_merge_size
+        positions = local_rows(pieces, lambda g: position_ids(g, m))
         return {"position_ids": positions, "cu_seqlens": single_call(n, positions.device)}
 
-    def vision_cost(self) -> VisionCost:
-        """The per-unit cost model of this family's tower, by which vision units are balanced
-        over the CP ranks (VisionDataParallel and a loader that decodes local pixels use it)."""
-        return self.cost_model(self.config.vision_config)
-
-    # ---- positions ------------------------------------------------------------------------------
+    # ---- positions and masks (prepare_batch, the attention) -------------------------------------
 
     def rope_index(
         self,
@@ -340,10 +325,16 @@ class VLMAdapter:
         video_grid_thw: torch.Tensor | None,
         video_extras: dict[str, torch.Tensor],
     ) -> torch.Tensor | None:
-        """``[3, B, S]`` M-RoPE positions of one document with vision items, from the model's own
-        ``get_rope_index``; None for 1D-RoPE families (the core then uses per-document
-        positions)."""
-        position_ids, _ = model.model.get_rope_index(
+        """``[3, B, S]`` M-RoPE positions of one document, from the model's own
+        ``get_rope_index`` (a document without vision items: ``arange`` in every row); None for a
+        model without one (1D RoPE: the core then uses per-document positions ``[B, S]``)."""
+        get_rope_index = getattr(model.model, "get_rope_index", None)
+        if get_rope_index is None:
+            return None
+        if image_grid_thw is None and video_grid_thw is None:
+            arange = torch.arange(input_ids.shape[1], device=input_ids.device)
+            return arange.expand(3, input_ids.shape[0], -1).clone()
+        position_ids, _ = get_rope_index(
             input_ids,
             mm_token_type_ids=mm_token_type_ids,
             image_grid_thw=image_grid_thw,
@@ -353,34 +344,29 @@ class VLMAdapter:
         )
         return position_ids
 
-    @property
-    def rope_rows(self) -> int:
-        """Rows of the position ids the text model takes: 3 (M-RoPE) or 0 (``[B, S]``, 1D RoPE)."""
-        return 3
+    span_token_types: ClassVar[tuple[int, ...]] = ()
+    """Token types (``mm_token_type_ids``) whose runs attend to each other bidirectionally (one
+    mask span per run and document); () for causal-only models."""
+    span_layers: ClassVar[str] = "all"
+    """Where the spans apply: ``"all"`` layers or the ``"sliding"`` (windowed) ones only."""
 
-    # ---- decoder and losses ---------------------------------------------------------------------
+    # ---- decoder and losses (ContextParallelVLM) ------------------------------------------------
+
+    def decoder_inputs(
+        self,
+        model: nn.Module,
+        input_ids: torch.Tensor,
+        visual_mask: torch.Tensor,
+        deepstack: Sequence[torch.Tensor],
+    ) -> dict[str, Any]:
+        """Extra keywords of the text model's forward on a shard, from this rank's ``[B, L]``
+        ids, its visual positions ``visual_mask`` [B, L] and its deepstack rows in their order
+        (deepstack levels, per-layer embeddings, router logits). Default: the router logits when
+        the model has a router loss."""
+        return {"output_router_logits": True} if self.router_loss() is not None else {}
 
     def router_loss(self) -> RouterLoss | None:
         """The MoE load-balancing loss the model adds (None: no router loss, or not enabled)."""
-        return None
-
-    def decoder_kwargs(
-        self, visual_mask: torch.Tensor, deepstack: Sequence[torch.Tensor]
-    ) -> dict[str, Any]:
-        """Extra keywords of the text model's forward on a shard: ``visual_mask`` [B, L] marks the
-        local visual positions, ``deepstack`` the local deepstack rows in their order."""
-        return {"output_router_logits": True} if self.router_loss() is not None else {}
-
-    def decoder_inputs(
-        self, model: nn.Module, input_ids: torch.Tensor, visual_mask: torch.Tensor
-    ) -> dict[str, Any]:
-        """Extra inputs of the text model's forward computed from this rank's ``[B, L]`` ids
-        (Gemma 4: its per-layer embeddings). Default: none."""
-        return {}
-
-    @property
-    def logit_softcap(self) -> float | None:
-        """``cap`` of the model's final logit soft-capping ``cap * tanh(logits / cap)``, or None."""
         return None
 
     def extra_losses(self, decoder_out, ctx: LossContext) -> dict[str, ExtraLoss]:
@@ -393,3 +379,8 @@ class VLMAdapter:
             decoder_out.router_logits, ctx.real_mask, top_k=spec.top_k, group=ctx.group
         )
         return {"router_aux": ExtraLoss(share, spec.weight)}
+
+    @property
+    def logit_softcap(self) -> float | None:
+        """``cap`` of the model's final logit soft-capping ``cap * tanh(logits / cap)``, or None."""
+        return None

@@ -45,7 +45,7 @@ class CPAttentionContext:
     cp_rank: int | None = None  # default: this process's rank in ``group`` (checked if given)
     spans: tuple[tuple[tuple[int, int], ...], ...] = ()
     """Per batch row, the global padded ``[start, stop)`` runs that attend bidirectionally (the
-    images of Gemma; ``PreparedBatch.spans``); () for none."""
+    images of a family with ``span_token_types``; ``PreparedBatch.spans``); () for none."""
     span_layers: str = "all"  # the spans apply on "all" layers or on the "sliding" ones only
 
 
@@ -113,9 +113,8 @@ def _masks(module, window, ctx: CPAttentionContext, batch: int):
     The rule is the model's own (transformers 5.24): ``window`` is the ``sliding_window`` the
     layer passes (its ``module.sliding_window``, None on full layers); a sliding layer sees
     ``sliding_window_overlay`` (``kv > q - w``, masking_utils.py) AND (causal OR same span), a
-    full layer causal OR same span; the spans apply on every layer (Gemma 3,
-    ``create_masks_for_vision_model`` in models/gemma3/modeling_gemma3.py) or on the sliding
-    layers only (Gemma 4, the function of that name in models/gemma4/modeling_gemma4.py).
+    full layer causal OR same span; the spans apply on every layer or on the sliding layers only
+    (the adapter's ``span_layers``, read from each family's ``create_masks_for_vision_model``).
     """
     with_spans = bool(ctx.spans) and (ctx.span_layers == "all" or window is not None)
     rows = ctx.spans if with_spans else ((),) * batch

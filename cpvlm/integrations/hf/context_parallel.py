@@ -39,11 +39,11 @@ from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
 from cpvlm.attention import hybrid_groups
-from cpvlm.attention.api import check_ulysses_size
-from cpvlm.constants import ATTN_IMPLS, FLOWS, IGNORE_INDEX, LAYOUTS, VISION_MODES
+from cpvlm.constants import IGNORE_INDEX, VISION_MODES
 from cpvlm.distributed.collectives import StepAgreement, agree, fingerprint
 from cpvlm.distributed.shard_plan import pad_and_shard
 from cpvlm.loss import chunked_token_mean_loss, token_mean_loss
+from cpvlm.options import CPOptions
 from cpvlm.vision import VisionDataParallel, VisionUnits
 
 from .adapter import LossContext, VLMAdapter
@@ -68,14 +68,14 @@ class ContextParallelOutput:
 
 class TowerCall:
     """``encoder(pixel_values, grid_thw)`` as VisionDataParallel calls it: the adapter's ``encode``
-    on the model's tower. A plain callable, not a module, so the tower's parameters keep one owner
-    (the model) in ``state_dict`` and FSDP."""
+    on the model. A plain callable, not a module, so the tower's parameters keep one owner (the
+    model) in ``state_dict`` and FSDP."""
 
-    def __init__(self, adapter: VLMAdapter, tower: nn.Module):
-        self.adapter, self.tower = adapter, tower
+    def __init__(self, adapter: VLMAdapter, model: nn.Module):
+        self.adapter, self.model = adapter, model
 
     def __call__(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
-        return self.adapter.encode(self.tower, pixel_values, grid_thw)
+        return self.adapter.encode(self.model, pixel_values, grid_thw)
 
 
 def _local_row_order(prep: PreparedBatch, cp_rank: int) -> torch.Tensor:
@@ -107,6 +107,26 @@ def _softcapped_loss(head, hidden, labels_loc, num_valid: int, cap: float, chunk
     return torch.stack(parts).sum()
 
 
+def _options(options: CPOptions | None, cp_size: int, **given) -> CPOptions:
+    """``options`` (default ``CPOptions()``) with the keywords given (not None) and the group's
+    ``cp_size``, validated; a ValueError names the field and the fix."""
+    options = CPOptions() if options is None else options
+    if not isinstance(options, CPOptions):
+        raise ValueError(
+            f"ContextParallelVLM: options must be a cpvlm.options.CPOptions, got "
+            f"{type(options).__name__}"
+        )
+    if options.cp_size not in (None, cp_size):
+        raise ValueError(
+            f"ContextParallelVLM: options.cp_size={options.cp_size} but the CP group has "
+            f"{cp_size} ranks; build the options with cp_size={cp_size} (or None)"
+        )
+    try:
+        return options.replace(cp_size=cp_size, **{k: v for k, v in given.items() if v is not None})
+    except ValueError as err:
+        raise ValueError(f"ContextParallelVLM: {err}") from None
+
+
 class ContextParallelVLM(nn.Module):
     """Wrap a transformers VLM (``*ForConditionalGeneration`` of a supported family) for training
     on a CP group.
@@ -114,6 +134,10 @@ class ContextParallelVLM(nn.Module):
     Args:
         model: the model; ``cpvlm.integrations.hf.supported()`` lists the classes.
         cp_group: the CP process group (``None``: the default group).
+        options: the CP options (``cpvlm.options.CPOptions``; default ``CPOptions()``). Its
+            ``cp_size``, if set, must be the group's size.
+        attn, vision, flow, ulysses_size, layout: set these options (over ``options``; None:
+            keep its value), checked by ``CPOptions`` as everywhere else.
         attn: CP attention: ``"ring"``, ``"allgather"``, ``"ulysses"``, ``"hybrid"`` (with
             ``ulysses_size``) or ``"auto"`` (see ``cpvlm.cp_attention``); every family.
         vision: ``"route"`` (each unit encoded once, rows sent to their owners), ``"allgather"``
@@ -123,9 +147,10 @@ class ContextParallelVLM(nn.Module):
             ``"replicate"`` (every rank encodes every unit: the simple baseline).
         flow: ``"scalable"`` or ``"compat"`` (full ``inputs_embeds`` built, then sharded).
         ulysses_size: ``attn="hybrid"`` only: ranks per Ulysses group (a divisor of the CP size).
-        layout: ``ShardPlan`` layout, ``"head_tail"`` or ``"balanced"`` (short packed documents
-            whole on one rank).
-        attn_options: extra keywords for ``cp_attention``, passed through unchanged.
+        layout: ``ShardPlan`` layout, ``"head_tail"`` (the default) or ``"balanced"`` (short
+            packed documents whole on one rank; not for linear-attention families).
+        attn_options: extra keywords for ``cp_attention``, passed through unchanged (not
+            ``ulysses_size``, which is an option).
         loss_chunk: compute the loss ``loss_chunk`` rows at a time from the final hidden states
             (``cpvlm.loss.chunked_token_mean_loss``: the same loss and gradients, no
             ``[S_loc, V]`` logits); ``None``: the whole local logits at once.
@@ -142,31 +167,32 @@ class ContextParallelVLM(nn.Module):
         model: nn.Module,
         cp_group: dist.ProcessGroup | None = None,
         *,
-        attn: str = "ring",
-        vision: str = "route",
-        flow: str = "scalable",
+        options: CPOptions | None = None,
+        attn: str | None = None,
+        vision: str | None = None,
+        flow: str | None = None,
         ulysses_size: int | None = None,
-        layout: str = "head_tail",
+        layout: str | None = None,
         attn_options: dict | None = None,
         loss_chunk: int | None = None,
     ):
         super().__init__()
         self.adapter = adapter_for(model)
         self.family = self.adapter.family
-        for name, value, allowed in (
-            ("attn", attn, ATTN_IMPLS),
-            ("vision", vision, VISION_MODES),
-            ("flow", flow, FLOWS),
-            ("layout", layout, LAYOUTS),
-        ):
-            if value not in allowed:
-                raise ValueError(
-                    f"ContextParallelVLM: {name} must be one of {allowed}, got {value!r}"
-                )
-        if flow == "compat" and vision in ("route", "split"):
+        self.options = options = _options(
+            options,
+            dist.get_world_size(cp_group),
+            attn=attn,
+            vision=vision,
+            flow=flow,
+            ulysses_size=ulysses_size,
+            layout=layout,
+        )
+        attn, vision, flow = options.attn, options.vision, options.flow
+        if attn_options and "ulysses_size" in attn_options:
             raise ValueError(
-                "ContextParallelVLM: flow='compat' builds the full inputs_embeds, which needs every "
-                "visual row on every rank: use vision='allgather' or 'replicate'"
+                "ContextParallelVLM: ulysses_size is an option; pass ulysses_size= (or options=), "
+                "not attn_options={'ulysses_size': ...}"
             )
         if vision == "split" and not self.adapter.split_vision:
             modes = [m for m in VISION_MODES if m != "split"]
@@ -184,34 +210,31 @@ class ContextParallelVLM(nn.Module):
         self.model = model
         self.cp_group = cp_group
         self.attn, self.vision, self.flow = attn, vision, flow
-        self.ulysses_size, self.layout = ulysses_size, layout
+        self.ulysses_size, self.layout = options.ulysses_size, options.layout
         self.attn_options = dict(attn_options or {})
-        if ulysses_size is not None:
-            self.attn_options["ulysses_size"] = ulysses_size
-        self.cp_size = dist.get_world_size(cp_group)
+        if options.ulysses_size is not None:
+            self.attn_options["ulysses_size"] = options.ulysses_size
+        self.cp_size = options.cp_size
         self.cp_rank = dist.get_rank(cp_group)
-        check_ulysses_size(
-            attn, self.attn_options.get("ulysses_size"), self.cp_size, "ContextParallelVLM"
-        )
         if attn == "hybrid":  # created now, on every rank, not mid-forward
-            hybrid_groups(cp_group, self.attn_options["ulysses_size"])
+            hybrid_groups(cp_group, options.ulysses_size)
         self.adapter.text_model(model).set_attn_implementation(CP_ATTENTION)
         self.adapter.install_context_parallel(model)
-        tower = self.adapter.vision_tower(model)
-        self.encode = TowerCall(self.adapter, self.adapter.encoder_root(model))
+        self.encode = TowerCall(self.adapter, model)
         self.vision_cost = self.adapter.vision_cost()  # units balanced by the tower's cost
         # "replicate" with no units at all runs the same dummy frame as the other modes.
         split = {}
         if vision == "split":  # the tower's attention: SDPA per unit, cp_attention when sharded
             split = {"attn": attn, "attn_options": self.attn_options}
         self.vision_dp = VisionDataParallel(
-            SplitTower(self.adapter, tower) if vision == "split" else self.encode,
+            SplitTower(self.adapter, model) if vision == "split" else self.encode,
             cp_group,
             mode="allgather" if vision == "replicate" else vision,
             merge_size=self.adapter.merge_size,
             split_frames=self.adapter.split_frames,
             cost=self.vision_cost,
-            unit_sizes=self.adapter.item_sizes if self.adapter.unit_sizes else None,
+            # split cuts units by patches: its families have the default item sizes
+            unit_sizes=None if vision == "split" else self.adapter.item_sizes,
             **split,
         )
         self.batch_keys = (*BASE_KEYS, *self.adapter.video_keys, *self.adapter.model_batch_keys)
@@ -232,7 +255,7 @@ class ContextParallelVLM(nn.Module):
         replicas) that per-batch extra losses are averaged over."""
         self._check_call(batch, num_batches, local_pixels)
         # The record_function ranges name the phases in a torch.profiler trace (nothing when
-        # no profiler runs): benchmarks/train_profile.py reads them.
+        # no profiler runs): benchmarks/train.py --part profile reads them.
         with record_function("cpvlm.prepare"):
             try:
                 prep = prepare_batch(
@@ -286,8 +309,9 @@ class ContextParallelVLM(nn.Module):
                 attention_mask=None,
                 use_cache=False,
                 cpvlm_cp=context,
-                **self.adapter.decoder_kwargs(visual_mask_loc, deepstack),
-                **self.adapter.decoder_inputs(self.model, local["input_ids"], visual_mask_loc),
+                **self.adapter.decoder_inputs(
+                    self.model, local["input_ids"], visual_mask_loc, deepstack
+                ),
             )
         with record_function("cpvlm.loss"):
             loss = self._loss(decoder_out.last_hidden_state, local["labels"], prep.num_valid)
@@ -327,7 +351,7 @@ class ContextParallelVLM(nn.Module):
     def _loss(self, hidden: torch.Tensor, labels_loc: torch.Tensor, num_valid: int):
         head = self.adapter.lm_head(self.model)
         cap = self.adapter.logit_softcap
-        if cap is not None:  # Gemma 4: the model's own cap * tanh(logits / cap)
+        if cap is not None:  # the model's own cap * tanh(logits / cap)
             return _softcapped_loss(head, hidden, labels_loc, num_valid, cap, self.loss_chunk)
         if not self.loss_chunk:
             return token_mean_loss(head(hidden), labels_loc, num_valid)

@@ -119,35 +119,26 @@ def _check_vision(
     if pixels is None:
         raise ValueError(f"{kind}_grid_thw was given without its pixel values")
     patches = sum(adapter.item_sizes(g)[0] for g in grids)
-    # the rule of the Qwen-VL layout; a family with its own sizes (adapter.item_sizes) names none
-    pixel_rule, token_rule = (
-        (" (family rule)", " (family rule)")
-        if adapter.unit_sizes
-        else (" (sum of t*h*w)", f" (t*h*w/{merge}**2)")
-    )
+    rule = f" (the {adapter.family} adapter's item_sizes; by default t*h*w and t*h*w/{merge}**2)"
     if pixels.dim() != 2 or (pixels.shape[0] != patches and not local):
         raise ValueError(
             f"{kind} pixel values have shape {tuple(pixels.shape)} but {kind}_grid_thw needs "
-            f"{patches} patch rows{pixel_rule}"
+            f"{patches} patch rows{rule}"
         )
     n_features = sum(_tokens_per_item(grids, adapter))
     if n_tokens != n_features:
         raise ValueError(
             f"{kind} tokens and features do not match: input_ids hold {n_tokens} {kind} tokens "
-            f"(id {token_id}) but {kind}_grid_thw gives {n_features} features{token_rule}"
+            f"(id {token_id}) but {kind}_grid_thw gives {n_features} features{rule}"
         )
     return grids
 
 
-def _check_token_types(adapter: VLMAdapter, ids, attention_mask, given, has_vision) -> torch.Tensor:
+def _check_token_types(adapter: VLMAdapter, ids, attention_mask, given) -> torch.Tensor:
     types = adapter.mm_token_type_ids(ids, attention_mask)
-    if given is None:
-        if has_vision and adapter.rope_rows:
-            raise ValueError(
-                "mm_token_type_ids is missing: the model needs it to place images and videos in "
-                "its M-RoPE positions (the processor returns it: 1 = image token, 2 = video token)"
-            )
-    elif tuple(given.shape) != tuple(ids.shape) or not torch.equal(given.long(), types):
+    if given is not None and (
+        tuple(given.shape) != tuple(ids.shape) or not torch.equal(given.long(), types)
+    ):
         raise ValueError(
             "mm_token_type_ids does not match input_ids: it must be 1 at the image tokens "
             f"(id {adapter.image_token_id}), 2 at the video tokens, 0 elsewhere (the "
@@ -173,18 +164,15 @@ def _split_by_document(grids, tokens_in_doc, adapter, kind) -> list[list[tuple[i
 
 def _document_positions(adapter, model, ids, types, attention_mask, grids, extras) -> torch.Tensor:
     """Positions of one document (or of a padded batch): ``[3, B, S]`` for M-RoPE families (the
-    model's own ``get_rope_index``; text only: arange), ``[B, S]`` arange for 1D families."""
+    adapter's ``rope_index``), ``[B, S]`` arange for 1D families (``rope_index`` None)."""
     image_grids, video_grids = grids
-    arange = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
-    if adapter.rope_rows == 0:
-        return arange.clone()
-    if not image_grids and not video_grids:
-        return arange.expand(adapter.rope_rows, -1, -1).clone()
     as_tensor = lambda g: torch.tensor(g, dtype=torch.long) if g else None  # noqa: E731
     pos = adapter.rope_index(
         model, ids, types, attention_mask, as_tensor(image_grids), as_tensor(video_grids), extras
     )
-    return arange.expand(adapter.rope_rows, -1, -1).clone() if pos is None else pos
+    if pos is None:
+        return torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1).clone()
+    return pos
 
 
 def _positions(adapter, model, ids, types, attention_mask, grids, extras, plan, doc_lens):
@@ -269,7 +257,7 @@ def prepare_batch(
     ``batch`` holds what the transformers model takes for training: ``input_ids``, ``labels``
     (unshifted), optional ``attention_mask`` (right padding), ``mm_token_type_ids``,
     ``pixel_values``/``image_grid_thw``, ``pixel_values_videos``/``video_grid_thw`` and the
-    family's per-video keys (Qwen2.5-VL: ``second_per_grid_ts``). ``doc_lens`` packs one row into
+    family's per-video keys (the adapter's ``video_keys``). ``doc_lens`` packs one row into
     documents (positions restart, no attention across documents, labels shifted per document).
     ``layout`` is the ShardPlan layout ("head_tail" or "balanced").
     ``local_pixels``: the pixel values hold only the rows of the units this CP rank encodes
@@ -284,9 +272,8 @@ def prepare_batch(
             "sliding-window attention (text_config.use_sliding_window) is not supported"
         )
     has_vision = any(batch.get(k) is not None for *_, pix, grid in _KINDS for k in (pix, grid))
-    types = _check_token_types(
-        adapter, ids, attention_mask, batch.get("mm_token_type_ids"), has_vision
-    )
+    given_types = batch.get("mm_token_type_ids")
+    types = _check_token_types(adapter, ids, attention_mask, given_types)
     token_ids = (adapter.image_token_id, adapter.video_token_id)
     grids = tuple(
         _check_vision(
@@ -310,6 +297,11 @@ def prepare_batch(
     position_ids = _positions(
         adapter, model, ids, types, attention_mask, grids, extras, plan, doc_lens
     )
+    if given_types is None and has_vision and position_ids.dim() == 3:
+        raise ValueError(
+            "mm_token_type_ids is missing: the model needs it to place images and videos in "
+            "its M-RoPE positions (the processor returns it: 1 = image token, 2 = video token)"
+        )
 
     shifted = shift_labels(labels, doc_lens=doc_lens)
     if num_valid is None:

@@ -10,26 +10,17 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForImageTextToText
 
-from .families.qwen2_5_vl import tiny_qwen2_5_vl_config
-from .families.qwen3_vl import TIMESTAMP_TOKENS as QWEN3_TIMESTAMP_TOKENS
-from .families.qwen3_vl import tiny_qwen3_vl_config
-from .registry import adapter_class, adapter_for, tiny_models
+from .registry import adapter_class, adapter_for, kit_for, tiny_models
 
 TINY_MODELS = tiny_models()
 """``{"<family>-tiny": config builder}``: random tiny models of every supported family."""
 
-__all__ = [
-    "QWEN3_TIMESTAMP_TOKENS",
-    "TINY_MODELS",
-    "build_model",
-    "model_family",
-    "tiny_qwen2_5_vl_config",
-    "tiny_qwen3_vl_config",
-]
+__all__ = ["TINY_MODELS", "build_model", "model_family"]
 
 
 def model_family(model_or_config) -> str:
-    """The family name of a model or config (``"qwen3_vl"``, ...); raises for unsupported ones."""
+    """The family name of a model or config (its adapter's ``family``); raises for unsupported
+    ones."""
     return adapter_class(getattr(model_or_config, "config", model_or_config)).family
 
 
@@ -52,7 +43,7 @@ def build_model(
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = AutoModelForImageTextToText.from_config(config, **extra)
-            adapter_for(model).init_tiny(model)
+            kit_for(model).init_tiny(model)
         model = model.to(dtype)
     else:
         path = Path(name_or_path)
@@ -76,4 +67,4 @@ def build_model(
 
 
 def _dtype_kwargs(config, dtype: torch.dtype) -> dict:
-    return dict(adapter_class(config).float64_load_kwargs) if dtype == torch.float64 else {}
+    return dict(adapter_class(config).kit.float64_load_kwargs) if dtype == torch.float64 else {}

@@ -10,23 +10,24 @@ of a checkpoint directory (either layout: ``preprocessor_config.json`` + a templ
 - ``plan(record)``: what ``processor.apply_chat_template(messages, tokenize=True)`` returns,
   without pixels: the template rendered, each image/video placeholder expanded by the processor's
   own ``replace_image_token`` / ``replace_video_token`` for grids computed from the image headers
-  (``cpvlm.integrations.hf.resize``), tokenized; labels on the assistant turns only (or on every
+  (the adapter's ``processor_image_grid``), tokenized; labels on the assistant turns only (or on every
   text token with ``train_on="all"``), image/video tokens never labelled.
 - ``decode(item, temporal)``: the pixel rows of one image (the image processor itself) or of some
-  temporal patches of a video (its pipeline in ``resize.py``), checked against the planned grid.
+  temporal patches of a video (the adapter's ``video_processing``), checked against the planned
+  grid.
 
 Assistant turns are found without template markers: for the i-th message (an assistant turn)
 the conversation up to it is rendered with the generation prompt; what the full rendering adds
 after that prefix, up to the end of the rendering of messages[:i+1] (trailing whitespace off),
 is the turn. A template for which those renderings are not prefixes of each other is reported.
 
-``AutoProcessor`` needs torchvision for Qwen-VL processors (their video processors); where it
-fails, the processor class is built around the image processor with a stand-in for the video
+``AutoProcessor`` needs torchvision for processors with a video processor; where it fails, the processor class is built around the image processor with a stand-in for the video
 processor, so that its token-replacement code still runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,28 +35,18 @@ from types import SimpleNamespace
 
 import torch
 
-from cpvlm.constants import IGNORE_INDEX
+from cpvlm.constants import IGNORE_INDEX, TRAIN_ON
 from cpvlm.data.errors import DataError
 from cpvlm.data.media import image_ref, load_frames, video_frames
 from cpvlm.data.sample import SamplePlan, TokenIds, VisionItem, check_tokens, plan_tokenized
 from cpvlm.data.sources import Record
 
 from .registry import adapter_for
-from .resize import VideoSettings, image_grid
-
-TRAIN_ON = ("assistant", "all")
-DEFAULT_VIDEO_PROCESSOR = {
-    "qwen2_vl": "Qwen2VLVideoProcessor",
-    "qwen2_5_vl": "Qwen2VLVideoProcessor",
-    "qwen3_vl": "Qwen3VLVideoProcessor",
-    "qwen3_vl_moe": "Qwen3VLVideoProcessor",
-}
 
 
 def adapter_token_ids(model_config) -> TokenIds:
     """The data path's ids and sizes of ``model_config`` from its family's adapter (its token-type
-    rule; GLM-4V's video frames are image tokens inside video markers; Gemma's merge size is its
-    projector's pooling)."""
+    rule, merge size and item sizes)."""
     adapter = adapter_for(model_config)
     return TokenIds(
         image=adapter.image_token_id,
@@ -64,7 +55,8 @@ def adapter_token_ids(model_config) -> TokenIds:
         vocab_size=getattr(getattr(model_config, "text_config", model_config), "vocab_size", None),
         pixel_width=adapter.pixel_width,
         types=adapter.mm_token_type_ids,
-        sizes=adapter.item_sizes if adapter.unit_sizes else None,
+        sizes=adapter.item_sizes,
+        split_frames=adapter.split_frames,
     )
 
 
@@ -87,16 +79,15 @@ def load_chat_template(model_dir: Path, tokenizer) -> str:
     return template
 
 
-def video_settings(model_dir: Path, model_type: str, image_processor) -> VideoSettings:
-    """The video processor's settings: its config file (either layout) over the class defaults;
-    patch, merge and temporal sizes default to the image processor's."""
+def video_settings(model_dir: Path, adapter, image_processor):
+    """The video pipeline (the adapter's ``video_processing``) of the video processor's config
+    file (either layout) over the class defaults; patch, merge and temporal sizes default to the
+    image processor's."""
     config = _read_json(model_dir / "video_preprocessor_config.json")
     config = config or _read_json(model_dir / "processor_config.json").get("video_processor", {})
     for key in ("patch_size", "merge_size", "temporal_patch_size"):
         config.setdefault(key, getattr(image_processor, key))
-    return VideoSettings.from_config(
-        config, DEFAULT_VIDEO_PROCESSOR.get(model_type, "Qwen2VLVideoProcessor")
-    )
+    return adapter.video_processing(config)
 
 
 def _processor_class(model_dir: Path, model_type: str):
@@ -177,7 +168,7 @@ class ChatEncoder:
         self.image_processor = AutoImageProcessor.from_pretrained(
             self.model_dir, local_files_only=True
         )
-        if not self.adapter.takes_videos:  # Gemma 3: one fixed image size, no videos
+        if not self.adapter.takes_videos:
             self._init_images_only(model_type)
             return
         size = self.image_processor.size
@@ -185,14 +176,12 @@ class ChatEncoder:
             shortest_edge=min_pixels or size["shortest_edge"],
             longest_edge=max_pixels or size["longest_edge"],
         )
-        self.video = video_settings(self.model_dir, model_type, self.image_processor)
+        self.video = video_settings(self.model_dir, self.adapter, self.image_processor)
         if video_min_pixels or video_max_pixels:
-            self.video = VideoSettings(
-                **{
-                    **self.video.__dict__,
-                    "min_pixels": video_min_pixels or self.video.min_pixels,
-                    "max_pixels": video_max_pixels or self.video.max_pixels,
-                }
+            self.video = dataclasses.replace(
+                self.video,
+                min_pixels=video_min_pixels or self.video.min_pixels,
+                max_pixels=video_max_pixels or self.video.max_pixels,
             )
         template = load_chat_template(self.model_dir, self.tokenizer)
         self.processor = build_processor(
@@ -208,8 +197,8 @@ class ChatEncoder:
             )
 
     def _init_images_only(self, model_type: str) -> None:
-        """A processor without videos (Gemma 3): its own class around the tokenizer and image
-        processor, with its settings (``image_seq_length``) from ``processor_config.json``."""
+        """A processor without videos: its own class around the tokenizer and image processor,
+        with its settings (``image_seq_length``) from ``processor_config.json``."""
         template = load_chat_template(self.model_dir, self.tokenizer)
         settings = {
             k: v
@@ -302,10 +291,7 @@ class ChatEncoder:
         ref = image_ref(value, base_dir)
         height, width = ref.size()
         try:
-            if self.adapter.takes_videos:
-                grid = image_grid(self.image_processor, height, width)
-            else:  # a tower of one image size: every image is resized to it
-                grid = self.adapter.processor_image_grid(self.image_processor, height, width)
+            grid = self.adapter.processor_image_grid(self.image_processor, height, width)
         except ValueError as err:  # e.g. an aspect ratio the processor refuses
             raise DataError("unreadable_media", f"{ref.name}: {err}") from None
         return VisionItem("image", grid, image=ref)
@@ -336,7 +322,7 @@ class ChatEncoder:
         """The processor's own placeholder expansion, for the planned grids."""
         from transformers.video_utils import VideoMetadata
 
-        image_inputs = {"image_grid_thw": torch.tensor([it.grid for it in images]).reshape(-1, 3)}
+        image_inputs = self.adapter.processor_image_inputs([it.grid for it in images])
         video_inputs = {
             "video_grid_thw": torch.tensor([it.grid for it in videos]).reshape(-1, 3),
             "video_metadata": [
@@ -349,8 +335,6 @@ class ChatEncoder:
             ],
         }
         p = self.processor
-        if not self.adapter.takes_videos:
-            image_inputs = self.adapter.processor_image_inputs([it.grid for it in images])
         image_repl = [p.replace_image_token(image_inputs, image_idx=i) for i in range(len(images))]
         video_repl = [p.replace_video_token(video_inputs, video_idx=i) for i in range(len(videos))]
         n_video = text.count(p.video_token) if getattr(p, "video_token", None) else 0
@@ -408,7 +392,7 @@ class ChatEncoder:
     def decode(self, item: VisionItem, temporal) -> torch.Tensor:
         if item.kind == "image":
             out = self.image_processor(images=[item.image.load()], return_tensors="pt")
-            out = self.adapter.from_model_batch(dict(out))  # Gemma: [N, 3, H, W] -> pixel rows
+            out = self.adapter.from_model_batch(dict(out))  # the core's pixel rows and grid
             grid = tuple(int(v) for v in out["image_grid_thw"][0])
             if grid != item.grid:
                 raise DataError(

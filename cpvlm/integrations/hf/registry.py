@@ -2,7 +2,9 @@
 
 ``adapter_for(model)`` looks the model's class (and its base classes) up among the registered
 ``model_classes``; a config (no model yet: the trainer's launcher, synthetic data) is looked up by
-``config.model_type``. Anything else gets one error listing what is supported.
+``config.model_type``. Anything else gets one error listing what is supported. The lists of
+families, tiny models and model classes that help texts, the trainer and the tests show are
+derived from the registered adapters, here.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Callable
 from torch import nn
 
 from .adapter import VLMAdapter
+from .kit import FamilyKit
 
 _ADAPTERS: list[type[VLMAdapter]] = []
 
@@ -26,7 +29,7 @@ def register(cls: type[VLMAdapter]) -> type[VLMAdapter]:
         )
         if taken and other is not cls:
             raise ValueError(f"{cls.__name__}: {sorted(taken)} already served by {other.__name__}")
-        if set(other.tiny_configs) & set(cls.tiny_configs) and other is not cls:
+        if set(other.kit.tiny_configs) & set(cls.kit.tiny_configs) and other is not cls:
             raise ValueError(f"{cls.__name__}: tiny model names clash with {other.__name__}")
     if cls not in _ADAPTERS:
         _ADAPTERS.append(cls)
@@ -44,9 +47,36 @@ def supported() -> list[str]:
     return sorted(c for a in _registered() for c in a.model_classes)
 
 
+def families() -> list[str]:
+    """The family names, in registration order."""
+    return [a.family for a in _registered()]
+
+
 def tiny_models() -> dict[str, Callable]:
     """``{"<family>-tiny": config builder}`` of every family."""
-    return {name: fn for a in _registered() for name, fn in a.tiny_configs.items()}
+    return {name: fn for a in _registered() for name, fn in a.kit.tiny_configs.items()}
+
+
+def tiny_adapters() -> dict[str, type[VLMAdapter]]:
+    """``{"<family>-tiny": adapter class}``: which family each tiny model belongs to."""
+    return {name: a for a in _registered() for name in a.kit.tiny_configs}
+
+
+def published_towers() -> dict[str, tuple[str, dict]]:
+    """``{checkpoint: (model_type, vision_config)}`` of the kits' published towers."""
+    return {
+        name: (a.model_types[0], vc)
+        for a in _registered()
+        for name, vc in vars(a.kit).get("published_towers", {}).items()
+    }
+
+
+def adapter_of_family(family: str) -> type[VLMAdapter]:
+    """The adapter class of a family name."""
+    for a in _registered():
+        if a.family == family:
+            return a
+    raise ValueError(f"unknown family {family!r}; known: {', '.join(families())}")
 
 
 def adapter_class(model_or_config) -> type[VLMAdapter]:
@@ -78,3 +108,9 @@ def adapter_for(model_or_config) -> VLMAdapter:
     if isinstance(model_or_config, nn.Module):
         return adapter_class(model_or_config)(config)
     return adapter_class(config)(config)
+
+
+def kit_for(model_or_config) -> FamilyKit:
+    """The family kit (tests', verify's and synthetic data's knowledge) of a model or config."""
+    adapter = adapter_for(model_or_config)
+    return adapter.kit(adapter)

@@ -16,10 +16,10 @@ VISION_START_TOKEN_ID = 500
 VISION_END_TOKEN_ID = 501
 IMAGE_TOKEN_ID = 502
 VIDEO_TOKEN_ID = 503
-VIDEO_START_TOKEN_ID = 504  # GLM-4V: <|begin_of_video|>, <|end_of_video|>
+VIDEO_START_TOKEN_ID = 504  # video markers, for layouts that write them around a video
 VIDEO_END_TOKEN_ID = 505
 
-QWEN_SPECIAL_TOKEN_IDS = {
+VISION_TOKEN_IDS = {  # the base layout's ids: <vision_start> pads <vision_end>
     "image_token_id": IMAGE_TOKEN_ID,
     "video_token_id": VIDEO_TOKEN_ID,
     "vision_start_token_id": VISION_START_TOKEN_ID,

@@ -3,10 +3,14 @@ for exactly the local patches.
 
 Legend: n local patches, m merge size, H heads, D head width.
 
-The Qwen-VL towers take precomputed per-patch inputs as keywords (transformers' ``vision_utils``:
+The towers that split take precomputed per-patch inputs as keywords (transformers' ``vision_utils``:
 ``position_ids``, ``cu_seqlens``, ``window_index``, ``interp_indices``...): ``SplitTower`` computes
-them with the same functions for each whole unit and takes the rows of the local patches, so the
-rotary angles and interpolated position embeddings are those of the one-process tower. It passes
+them with the functions the tower's own module calls (``tower_function``), on each whole unit's
+grid, and takes the rows of the local patches (``local_rows``), so every float32 step inside them
+(the bilinear weights of Qwen3-VL's position table) rounds as in the one-process tower: the rotary
+angles and interpolated position embeddings are that tower's, bit for bit. A keyword the tower
+does not take would leave it computing its own table from the placeholder grid; it reaches the
+attention call instead, which raises. It passes
 ``cu_seqlens = [0, n]`` (and the same for windows, with the identity window order: the patches
 arrive in window order already), so the tower's non-flash path makes one attention call per block
 with all local patches, and ``SPLIT_ATTENTION``, selected for the tower only, replaces it with
@@ -17,6 +21,7 @@ usable on one device.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +42,7 @@ class VisionSplitContext:
 
     attention: SplitAttention
     windowed: frozenset[int]  # id() of the attention modules of windowed blocks
+    precomputed: frozenset[str] = frozenset()  # the keywords the tower must have taken
 
 
 def split_vision_attention(
@@ -56,6 +62,13 @@ def split_vision_attention(
         )
     if dropout:
         raise ValueError(f"vision attention dropout {dropout} is not supported with vision='split'")
+    untaken = sorted(cpvlm_vision.precomputed & kwargs.keys())
+    if untaken:
+        raise ValueError(
+            f"vision='split': {type(module).__module__} did not take the precomputed {untaken}, "
+            "so its tower computed them from the placeholder grid; this transformers version's "
+            "tower is not supported with vision='split' (use vision='route')"
+        )
     windowed = id(module) in cpvlm_vision.windowed
     out = cpvlm_vision.attention.attend(query, key, value, windowed=windowed, scale=scaling)
     return out, None
@@ -65,16 +78,35 @@ AttentionInterface.register(SPLIT_ATTENTION, split_vision_attention)
 AttentionMaskInterface.register(SPLIT_ATTENTION, sdpa_mask)
 
 
-def local_rows(pieces: tuple[Piece, ...], per_unit) -> torch.Tensor:
-    """The rows of ``per_unit(grid [1, 3])`` (a per-patch tensor of one unit) at each piece's
-    patches, one piece after another; computed once per distinct grid."""
-    cache: dict[tuple, torch.Tensor] = {}
+def tower_function(tower: nn.Module, name: str):
+    """The function ``name`` as the tower's own module calls it (transformers' ``vision_utils``
+    helper that its forward uses), so that a piece's table is computed as the tower computes the
+    whole unit's. The first class of the tower's MRO whose module has it: FSDP2's ``fully_shard``
+    subclasses the tower in a torch module."""
+    for cls in type(tower).__mro__:
+        fn = getattr(sys.modules.get(cls.__module__), name, None)
+        if callable(fn):
+            return fn
+    raise ValueError(
+        f"vision='split': the module of {type(tower).__name__} has no {name}; this transformers "
+        "version's tower is not supported with vision='split' (use vision='route')"
+    )
+
+
+def local_rows(pieces: tuple[Piece, ...], per_unit):
+    """The rows of ``per_unit(grid [1, 3])`` (a per-patch tensor of one whole unit, or a tuple of
+    them) at each piece's patches, one piece after another; computed once per distinct grid and
+    call: each rank holding a piece pays, in parallel, what the one-process tower pays for the
+    whole unit's table (O(its patches) host work, against O(patches x width x depth) tower work)."""
+    cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
     parts = []
     for p in pieces:
         if p.grid not in cache:
-            cache[p.grid] = per_unit(torch.tensor([p.grid], dtype=torch.long))
-        parts.append(cache[p.grid].index_select(0, p.patches.to(cache[p.grid].device)))
-    return torch.cat(parts)
+            table = per_unit(torch.tensor([p.grid], dtype=torch.long))
+            cache[p.grid] = table if isinstance(table, tuple) else (table,)
+        parts.append([t.index_select(0, p.patches.to(t.device)) for t in cache[p.grid]])
+    out = tuple(torch.cat(column) for column in zip(*parts))
+    return out if len(out) > 1 else out[0]
 
 
 def single_call(n: int, device) -> torch.Tensor:
@@ -86,9 +118,10 @@ class SplitTower:
     """A family's tower as ``VisionDataParallel``'s split encoder (``unit_order``,
     ``encode_local``); selects ``SPLIT_ATTENTION`` for the tower's attention."""
 
-    def __init__(self, adapter, tower: nn.Module):
-        self.adapter, self.tower = adapter, tower
-        tower.set_attn_implementation(SPLIT_ATTENTION)
+    def __init__(self, adapter, model: nn.Module):
+        self.adapter, self.model = adapter, model
+        self.tower = adapter.vision_tower(model)
+        self.tower.set_attn_implementation(SPLIT_ATTENTION)
         self._orders: dict[tuple, UnitOrder] = {}
 
     def unit_order(self, grid: tuple[int, int, int]) -> UnitOrder:
@@ -99,8 +132,11 @@ class SplitTower:
     def encode_local(self, pixel_rows: torch.Tensor, pieces, attention: SplitAttention):
         windowed = frozenset(id(m) for m in self.adapter.windowed_attention(self.tower))
         kwargs = self.adapter.split_tower_kwargs(self.tower, pieces, pixel_rows.shape[0])
+        # Computed on the host from the grids, used on the pixels' device, as the one-process
+        # tower uses its own (elementwise float32 steps, correctly rounded on either).
+        kwargs = {k: v.to(pixel_rows.device) for k, v in kwargs.items()}
         m = self.adapter.merge_size
         # The grid is not read: every per-patch input is precomputed in kwargs.
         grid = torch.tensor([[1, m, pixel_rows.shape[0] // m]], device=pixel_rows.device)
-        context = VisionSplitContext(attention, windowed)
-        return self.adapter.encode(self.tower, pixel_rows, grid, cpvlm_vision=context, **kwargs)
+        context = VisionSplitContext(attention, windowed, frozenset(kwargs))
+        return self.adapter.encode(self.model, pixel_rows, grid, cpvlm_vision=context, **kwargs)

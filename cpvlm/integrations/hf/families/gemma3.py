@@ -12,7 +12,7 @@ merge size (k*k patches per image token), and its ``[3, H, W]`` pixels are the `
 
 Text: ``Gemma3TextScaledWordEmbedding`` multiplies by sqrt(hidden_size) inside the embedding
 module, so the core's ``embed_tokens(ids)`` is the model's own embedding; positions are 1D
-(``arange`` per document: the adapter has no ``rope_index``). Attention masks per layer
+(``arange`` per document: the model has no ``get_rope_index``). Attention masks per layer
 (``create_masks_for_vision_model`` in transformers' ``models/gemma3/modeling_gemma3.py``): full
 layers causal OR same image (``blockwise_overlay`` of ``get_block_sequence_ids_for_mask``: one
 block per run of image tokens); sliding layers ``sliding_window_overlay`` AND (causal OR same
@@ -22,14 +22,13 @@ layer.
 
 from __future__ import annotations
 
-import types
-
 import torch
 from transformers import Gemma3Config
 
 from cpvlm.vision.cost import VisionCost, block_linear_macs
 
 from ..adapter import VLMAdapter
+from ..kit import FamilyKit, TinyProcessor, with_float64_forward
 from ..registry import register
 from ..tiny import TEXT, split_overrides, with_overrides
 
@@ -109,6 +108,109 @@ def _rms_norm_in_dtype(self, x):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
 
 
+# ---- the kit: checks and tiny models -------------------------------------------------------------
+
+_SPECIAL = {
+    "boi_token": "<start_of_image>",
+    "eoi_token": "<end_of_image>",
+    "image_token": "<image_soft_token>",
+}
+# Gemma 3's template, reduced to what matters here: turns, <start_of_image> per image.
+_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<start_of_turn>"
+    "{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'image' %}<start_of_image>"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def _config_ids(tokenizer) -> dict:
+    t = tokenizer.convert_tokens_to_ids
+    return {
+        "boi_token_index": t(_SPECIAL["boi_token"]),
+        "eoi_token_index": t(_SPECIAL["eoi_token"]),
+        "image_token_index": t(_SPECIAL["image_token"]),
+        "text_config": {
+            "pad_token_id": t("<pad>"),
+            "bos_token_id": t("<bos>"),
+            "eos_token_id": t("<eos>"),
+        },
+    }
+
+
+def _image_processor(config):
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    side = config.vision_config.image_size
+    return Gemma3ImageProcessorPil(size={"height": side, "width": side})
+
+
+class Kit(FamilyKit):
+    tiny_configs = {"gemma3-tiny": tiny_gemma3_config}
+    traits = frozenset({"image_spans"})
+    zero_gradients = (r"model\.vision_tower\..*\.self_attn\.k_proj\.bias$",)
+    tiny_processor = TinyProcessor(
+        special_tokens=("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>")
+        + tuple(_SPECIAL.values()),
+        tokenizer_kwargs={
+            "bos_token": "<bos>",
+            "eos_token": "<eos>",
+            "pad_token": "<pad>",
+            "extra_special_tokens": _SPECIAL,
+        },
+        chat_template=_TEMPLATE,
+        processor_class="Gemma3Processor",
+        config_ids=_config_ids,
+        image_processor=_image_processor,
+        processor_settings=lambda config: {"image_seq_length": config.mm_tokens_per_image},
+    )
+
+    def synthetic_items(self, kind, grid, *, images_in_sample=1):
+        # one fixed image size: every image gets the tower's grid, whatever is asked
+        side = self.adapter.side
+        return [(kind, (1, side, side) if kind == "image" else grid)]
+
+    def item_tokens(self, kind, grid, text):
+        if kind != "image":
+            raise ValueError(f"{self.adapter.family} takes images only, not {kind}s")
+        c = self.config
+        return (
+            [c.boi_token_index] + [c.image_token_id] * c.mm_tokens_per_image + [c.eoi_token_index]
+        )
+
+    def module_groups(self):
+        v = r"model\.vision_tower\."
+        return (
+            ("vision patch embed", (v + r"embeddings\.",)),
+            ("vision blocks", (v + r"(encoder|post_layernorm)\.",)),
+            ("vision projector", (r"model\.multi_modal_projector\.",)),
+            ("token embeddings", (r"model\.language_model\.embed_tokens\.",)),
+            ("decoder layers", (r"model\.language_model\.(layers|norm)\.",)),
+            *untied_lm_head(self.config),
+        )
+
+    def init_tiny(self, model):
+        # Gemma initialises the projection at zero and every (1 + w) norm weight at zero: the
+        # tower would get no gradient and the norms would all be the identity scale.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("mm_input_projection_weight"):
+                    p.normal_(0.0, p.shape[0] ** -0.5)
+                elif "norm" in name and name.endswith("weight") and "vision_tower" not in name:
+                    p.normal_(0.0, 0.1)
+
+    def float64_islands(self, model):
+        # Gemma3RMSNorm computes in float32 whatever the model dtype: its weight gradients are
+        # float32 sums over the tokens (and images) of one call, which CP groups differently.
+        norm = type(model.model.language_model.norm)
+        with_float64_forward(model, {norm: _rms_norm_in_dtype})
+
+
+# ---- the adapter ---------------------------------------------------------------------------------
+
+
 class FixedImageLayout(VLMAdapter):
     """Towers that encode fixed-size ``[N, 3, H, W]`` images (Gemma 3's SigLIP): each image a
     ``(1, p, p)`` grid of pixel rows, merge size k (the projector's pooling)."""
@@ -116,7 +218,6 @@ class FixedImageLayout(VLMAdapter):
     split_frames = False
     takes_videos = False
     model_batch_keys = ("token_type_ids",)
-    zero_gradients = (r"model\.vision_tower\..*\.self_attn\.k_proj\.bias$",)
 
     def __init__(self, config):
         self.config = config
@@ -149,10 +250,6 @@ class FixedImageLayout(VLMAdapter):
         vc = self.config.vision_config
         return vc.num_channels * vc.image_size**2 // self.side**2
 
-    def synthetic_items(self, kind, grid, *, images_in_sample=1):
-        # one fixed image size: every image gets the tower's grid, whatever is asked
-        return [(kind, (1, self.side, self.side) if kind == "image" else grid)]
-
     def processor_image_grid(self, image_processor, height: int, width: int):
         """The grid of an image through the checkpoint's image processor: its one size (resized,
         whatever the image's); pan-and-scan (crops as extra images) is not planned here."""
@@ -169,14 +266,6 @@ class FixedImageLayout(VLMAdapter):
     def processor_image_inputs(self, grids) -> dict:
         """What ``Gemma3Processor.replace_image_token`` reads: no pan-and-scan crops."""
         return {"num_crops": [0] * len(grids)}
-
-    def item_tokens(self, kind, grid, text):
-        if kind != "image":
-            raise ValueError(f"{self.family} takes images only, not {kind}s")
-        c = self.config
-        return (
-            [c.boi_token_index] + [c.image_token_id] * c.mm_tokens_per_image + [c.eoi_token_index]
-        )
 
     # ---- the model's own batch <-> the core's -------------------------------------------------
 
@@ -220,65 +309,25 @@ class FixedImageLayout(VLMAdapter):
     def vision_tower(self, model):
         return model.model.vision_tower
 
-    def encoder_root(self, model):
-        return model.model  # get_image_features: the tower, then the projector beside it
-
-    def fsdp_units(self, model):
-        return [*self.decoder_layers(model), model.model.vision_tower]
-
-    def module_groups(self):
-        v = r"model\.vision_tower\."
-        return (
-            ("vision patch embed", (v + r"embeddings\.",)),
-            ("vision blocks", (v + r"(encoder|post_layernorm)\.",)),
-            ("vision projector", (r"model\.multi_modal_projector\.",)),
-            ("token embeddings", (r"model\.language_model\.embed_tokens\.",)),
-            ("decoder layers", (r"model\.language_model\.(layers|norm)\.",)),
-            *untied_lm_head(self.config),
-        )
-
     # ---- vision ------------------------------------------------------------------------------
 
-    def encode(self, root, pixel_values, grid_thw):
+    def encode(self, model, pixel_values, grid_thw):
         full = grid_thw.new_tensor([1, self.side, self.side])
         if len(grid_thw) == 1 and not torch.equal(grid_thw[0], full):
             # VisionDataParallel's m x m dummy frame on a rank without images: one zero image,
             # one row of it kept (its value is discarded).
             zeros = pixel_values.new_zeros(self.side**2, self.pixel_width)
-            return self.encode(root, zeros, full[None])[
+            return self.encode(model, zeros, full[None])[
                 : int(grid_thw[0].prod()) // self.merge_size**2
             ]
         if not bool((grid_thw == full).all()):
             raise ValueError(f"{self.family} encodes images of one grid {full.tolist()} only")
-        out = root.get_image_features(self._images(pixel_values), return_dict=True)
+        # get_image_features: the tower, then the projector beside it
+        out = model.model.get_image_features(self._images(pixel_values), return_dict=True)
         return out.pooler_output.flatten(0, 1)
 
     def vision_cost(self) -> VisionCost:
         return siglip_vision_cost(self.config.vision_config)
-
-    def init_tiny(self, model):
-        # Gemma initialises the projection at zero and every (1 + w) norm weight at zero: the
-        # tower would get no gradient and the norms would all be the identity scale.
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("mm_input_projection_weight"):
-                    p.normal_(0.0, p.shape[0] ** -0.5)
-                elif "norm" in name and name.endswith("weight") and "vision_tower" not in name:
-                    p.normal_(0.0, 0.1)
-
-    def float64_islands(self, model):
-        # Gemma3RMSNorm computes in float32 whatever the model dtype: its weight gradients are
-        # float32 sums over the tokens (and images) of one call, which CP groups differently.
-        norm = type(model.model.language_model.norm)
-        for module in model.modules():
-            if isinstance(module, norm):
-                module.forward = types.MethodType(_rms_norm_in_dtype, module)
-
-    # ---- positions and masks -----------------------------------------------------------------
-
-    @property
-    def rope_rows(self) -> int:
-        return 0
 
 
 @register
@@ -286,6 +335,6 @@ class Gemma3Adapter(FixedImageLayout):
     family = "gemma3"
     model_classes = ("Gemma3ForConditionalGeneration",)
     model_types = ("gemma3",)
-    tiny_configs = {"gemma3-tiny": tiny_gemma3_config}
+    kit = Kit
     span_token_types = (1,)  # get_block_sequence_ids_for_mask: token_type_ids == 1
     span_layers = "all"  # create_masks_for_vision_model: full and sliding layers

@@ -25,14 +25,13 @@ with ``use_bidirectional_attention="vision"``): global layers causal only; slidi
 
 from __future__ import annotations
 
-import types
-
 import torch
 from transformers import Gemma4Config
 
 from cpvlm.vision.cost import VisionCost
 
 from ..adapter import VLMAdapter
+from ..kit import FamilyKit, with_float64_forward
 from ..registry import register
 from ..tiny import IMAGE_TOKEN_ID, TEXT, VIDEO_TOKEN_ID, split_overrides, with_overrides
 from .gemma3 import untied_lm_head
@@ -142,19 +141,59 @@ def _pool_in_dtype(self, hidden_states, pixel_position_ids, padding_positions, o
     return hidden_states * self.root_hidden_size, padding_positions
 
 
+class Kit(FamilyKit):
+    tiny_configs = {"gemma4-tiny": tiny_gemma4_config}
+    traits = frozenset({"image_spans"})
+
+    def item_tokens(self, kind, grid, text):
+        t, h, w = grid
+        c = self.config
+        pad = c.image_token_id if kind == "image" else c.video_token_id
+        frame = [c.boi_token_id] + [pad] * (h * w // self.adapter.merge_size**2) + [c.eoi_token_id]
+        if kind == "image":
+            return frame
+        tokens = []
+        for _ in range(t):
+            tokens += text(TIMESTAMP_TOKENS) + frame
+        return tokens
+
+    def module_groups(self):
+        v = r"model\.vision_tower\."
+        return (
+            ("vision patch embed", (v + r"patch_embedder\.",)),
+            ("vision blocks", (v + r"encoder\.",)),
+            ("vision projector", (r"model\.embed_vision\.",)),
+            ("token embeddings", (r"model\.language_model\.embed_tokens(_per_layer)?\.",)),
+            ("decoder layers", (r"model\.language_model\.",)),
+            *untied_lm_head(self.config),
+        )
+
+    def init_tiny(self, model):
+        # The patch embedder's position table starts at ones (every position alike).
+        with torch.no_grad():
+            table = model.model.vision_tower.patch_embedder.position_embedding_table
+            table.normal_(0.0, 0.1)
+
+    def float64_islands(self, model):
+        # Gemma4RMSNorm and the vision pooler compute in float32 whatever the model dtype; the
+        # norm weights' gradients are float32 sums over the tokens of one call.
+        norm = type(model.model.language_model.norm)
+        pooler = type(model.model.vision_tower.pooler)
+        with_float64_forward(model, {norm: _rms_norm_in_dtype, pooler: _pool_in_dtype})
+
+
 @register
 class Gemma4Adapter(VLMAdapter):
     family = "gemma4"
     model_classes = ("Gemma4ForConditionalGeneration",)
     model_types = ("gemma4",)
-    tiny_configs = {"gemma4-tiny": tiny_gemma4_config}
+    kit = Kit
     model_batch_keys = (
         "image_position_ids",
         "video_position_ids",
         "num_frames_per_video",
     )
     span_layers = "sliding"
-    projector = ()
 
     def __init__(self, config):
         self.config = config
@@ -182,18 +221,6 @@ class Gemma4Adapter(VLMAdapter):
     @property
     def pixel_width(self) -> int:
         return 3 * self.config.vision_config.patch_size**2
-
-    def item_tokens(self, kind, grid, text):
-        t, h, w = grid
-        c = self.config
-        pad = c.image_token_id if kind == "image" else c.video_token_id
-        frame = [c.boi_token_id] + [pad] * (h * w // self.merge_size**2) + [c.eoi_token_id]
-        if kind == "image":
-            return frame
-        tokens = []
-        for _ in range(t):
-            tokens += text(TIMESTAMP_TOKENS) + frame
-        return tokens
 
     # ---- the model's own batch <-> the core's -------------------------------------------------
 
@@ -254,42 +281,12 @@ class Gemma4Adapter(VLMAdapter):
     def vision_tower(self, model):
         return model.model.vision_tower
 
-    def encoder_root(self, model):
-        return model.model  # get_image_features: the tower, then embed_vision beside it
-
-    def module_groups(self):
-        v = r"model\.vision_tower\."
-        return (
-            ("vision patch embed", (v + r"patch_embedder\.",)),
-            ("vision blocks", (v + r"encoder\.",)),
-            ("vision projector", (r"model\.embed_vision\.",)),
-            ("token embeddings", (r"model\.language_model\.embed_tokens(_per_layer)?\.",)),
-            ("decoder layers", (r"model\.language_model\.",)),
-            *untied_lm_head(self.config),
-        )
-
-    def init_tiny(self, model):
-        # The patch embedder's position table starts at ones (every position alike).
-        with torch.no_grad():
-            table = model.model.vision_tower.patch_embedder.position_embedding_table
-            table.normal_(0.0, 0.1)
-
-    def float64_islands(self, model):
-        # Gemma4RMSNorm and the vision pooler compute in float32 whatever the model dtype; the
-        # norm weights' gradients are float32 sums over the tokens of one call.
-        norm = type(model.model.language_model.norm)
-        pooler = type(model.model.vision_tower.pooler)
-        for module in model.modules():
-            if isinstance(module, norm):
-                module.forward = types.MethodType(_rms_norm_in_dtype, module)
-            elif isinstance(module, pooler):
-                module.forward = types.MethodType(_pool_in_dtype, module)
-
     # ---- vision ------------------------------------------------------------------------------
 
-    def encode(self, root, pixel_values, grid_thw):
+    def encode(self, model, pixel_values, grid_thw):
+        # get_image_features: the tower, then embed_vision beside it
         pixels, positions = self._padded(pixel_values, grid_thw)
-        out = root.get_image_features(pixels, positions.to(pixels.device), return_dict=True)
+        out = model.model.get_image_features(pixels, positions.to(pixels.device), return_dict=True)
         return torch.cat(out.pooler_output)
 
     def vision_cost(self) -> VisionCost:
@@ -297,11 +294,7 @@ class Gemma4Adapter(VLMAdapter):
 
     # ---- positions, decoder, loss ------------------------------------------------------------
 
-    @property
-    def rope_rows(self) -> int:
-        return 0
-
-    def decoder_inputs(self, model, input_ids, visual_mask):
+    def decoder_inputs(self, model, input_ids, visual_mask, deepstack):
         """The per-layer embeddings' token part of this rank's ids, as ``Gemma4Model.forward``
         computes it (placeholders looked up as the pad token)."""
         text = self.config.text_config

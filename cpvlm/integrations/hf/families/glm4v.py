@@ -11,15 +11,28 @@ path can (it places rows by token type).
 
 GLM-4.5V's MoE layers route with a sigmoid router computed in float32 whatever the model dtype,
 so a float64 GLM-4.5V is exact under CP only to float32 round-off (~1e-7); its optional
-load-balancing loss (``output_router_logits``) is computed like Qwen3-VL-MoE's.
+load-balancing loss (``output_router_logits``) is computed like Qwen3-VL-MoE's. The kit's
+``float64_islands`` computes both float32 parts with the same math in the model's dtype, so that
+float64 checks hold every gradient to 1e-10; ``float32_groups`` names what the unchanged models
+round to float32.
+
+Cost model (w width, o ``out_hidden_size``, I the merger's width, m merge size): blocks
+4 w^2 + 3 w o (the block MLP is gated with width o); a 2-d convolution of m x m patches to o
+(w o per patch) and a merger o^2 + 3 o I per merged token; full attention everywhere.
 """
 
 from __future__ import annotations
 
+import types
+
 import torch
+import torch.nn.functional as F
 from transformers import Glm4vConfig, Glm4vMoeConfig, Glm46VConfig
 
+from cpvlm.vision.cost import VisionCost, block_linear_macs
+
 from ..adapter import MoeRouter, VLMAdapter
+from ..kit import FamilyKit, MoeKit
 from ..registry import register
 from ..tiny import (
     IMAGE_TOKEN_ID,
@@ -33,7 +46,7 @@ from ..tiny import (
     split_overrides,
     with_overrides,
 )
-from ..vision_cost import glm4v_vision_cost
+from ..vision_cost import values_per_patch
 
 TIMESTAMP_TOKENS = 1
 """Text tokens of the timestamp the processor writes after every video frame (``int(seconds)``)."""
@@ -100,13 +113,120 @@ def tiny_glm4v_moe_config(**overrides) -> Glm4vMoeConfig:
     return _tiny(Glm4vMoeConfig, text, overrides)
 
 
-class _GlmLayout(VLMAdapter):
-    projector = ("downsample", "merger")
-    cost_model = staticmethod(glm4v_vision_cost)
+def glm4v_vision_cost(vc) -> VisionCost:
+    w, m, o = vc.hidden_size, vc.spatial_merge_size, vc.out_hidden_size
+    merger_per_token = o * o + 3 * o * vc.intermediate_size
+    if merger_per_token % (m * m):
+        raise ValueError(
+            f"GLM-4V merger MACs {merger_per_token} are not divisible by m^2 = {m * m}"
+        )
+    linear = (
+        values_per_patch(vc) * w
+        + vc.depth * block_linear_macs(w, o, gated=True)
+        + w * o
+        + merger_per_token // (m * m)
+    )
+    return VisionCost(linear_per_patch=linear, pair=2 * w, full_blocks=vc.depth)
+
+
+# ---- the float32 islands, in the model's dtype (checks only) ------------------------------------
+
+
+def _position_table_forward(self, embeddings, lengths, image_shapes, h_coords, w_coords):
+    """``Glm4vVisionEmbeddings.forward`` in the model's dtype (transformers resamples in
+    float32)."""
+    weight = self.position_embedding.weight
+    side = int(weight.shape[0] ** 0.5)
+    table = weight.view(side, side, -1).permute(2, 0, 1).unsqueeze(0)
+    lengths = torch.as_tensor(lengths, device=weight.device)
+    seq_ids = (torch.arange(embeddings.shape[0])[None] >= lengths.cumsum(0)[:, None]).sum(0)
+    norm_w = ((w_coords + 0.5) / image_shapes[seq_ids, 2].to(weight.dtype)) * 2 - 1
+    norm_h = ((h_coords + 0.5) / image_shapes[seq_ids, 1].to(weight.dtype)) * 2 - 1
+    grid = torch.stack((norm_w, norm_h), dim=-1).unsqueeze(0).unsqueeze(2)
+    out = F.grid_sample(table, grid, mode="bicubic", align_corners=False, padding_mode="border")
+    return embeddings + out.squeeze(0).squeeze(-1).permute(1, 0)
+
+
+def _router_forward(self, hidden_states):
+    """``Glm4vMoeTextTopkRouter.forward`` in the model's dtype (transformers casts its input and
+    weight to float32)."""
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states, self.weight)
+    scores = router_logits.sigmoid()
+    scores_for_choice = scores + self.e_score_correction_bias
+    per_group = self.num_experts // self.num_group
+    group_scores = scores_for_choice.view(-1, self.num_group, per_group).topk(2, dim=-1)[0].sum(-1)
+    group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = (
+        group_mask.unsqueeze(-1).expand(-1, self.num_group, per_group).reshape(-1, self.num_experts)
+    )
+    scores_for_choice = scores_for_choice.masked_fill(~score_mask.bool(), float("-inf"))
+    topk_indices = torch.topk(scores_for_choice, k=self.top_k, dim=-1, sorted=False)[1]
+    topk_weights = scores.gather(1, topk_indices)
+    if self.norm_topk_prob:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return router_logits, topk_weights * self.routed_scaling_factor, topk_indices
+
+
+class _GlmKit(FamilyKit):
+    traits = frozenset({"frames_as_images"})
     mixes_images_and_videos = False
     # The position table is resampled by a float32 bicubic grid_sample: its gradient is a float32
     # sum over the patches of one tower call (docs/hf_internals.md section 8).
     float32_groups = ("vision position table",)
+
+    def float64_islands(self, model):
+        for module in model.modules():
+            kind = type(module).__name__
+            if kind.endswith("VisionEmbeddings") and kind.startswith("Glm4v"):
+                module.forward = types.MethodType(_position_table_forward, module)
+            elif kind == "Glm4vMoeTextTopkRouter":
+                module.forward = types.MethodType(_router_forward, module)
+
+    def item_tokens(self, kind, grid, text):
+        c = self.config
+        t, h, w = grid
+        frame = [c.image_start_token_id]
+        frame += [c.image_token_id] * (h * w // self.adapter.merge_size**2)
+        frame.append(c.image_end_token_id)
+        if kind == "image":
+            return frame * t
+        tokens = [c.video_start_token_id]
+        for _ in range(t):
+            tokens += frame + text(TIMESTAMP_TOKENS)
+        return tokens + [c.video_end_token_id]
+
+    def module_groups(self):
+        v = r"model\.visual\."
+        return (
+            ("vision position table", (v + r"embeddings\.position_embedding\.",)),
+            ("vision patch embed", (v + r"(patch_embed|post_conv_layernorm)\.",)),
+            ("vision blocks", (v + r"blocks\.",)),
+            ("vision merger", (v + r"(post_layernorm|downsample|merger)\.",)),
+            *super().module_groups()[3:],
+        )
+
+
+class Kit(_GlmKit):
+    tiny_configs = {"glm4v-tiny": tiny_glm4v_config, "glm46v-tiny": tiny_glm46v_config}
+    published_towers = {
+        "GLM-4.1V-9B": {"depth": 24, "hidden_size": 1536, "intermediate_size": 13696,
+         "num_heads": 12, "out_hidden_size": 4096, "patch_size": 14, "temporal_patch_size": 2,
+         "spatial_merge_size": 2, "in_channels": 3, "image_size": 336},
+    }  # fmt: skip
+
+
+class MoeGlmKit(MoeKit, _GlmKit):
+    tiny_configs = {"glm4v-moe-tiny": tiny_glm4v_moe_config}
+    # The sigmoid router casts its input and weight to float32 (any model dtype): its backward
+    # rounds every gradient upstream of an MoE layer to float32, and its routing weights the loss.
+    float32_groups = ("*",)
+    experts_pattern = r"(experts|shared_experts)\."
+
+
+class _GlmLayout(VLMAdapter):
+    projector = ("downsample", "merger")
 
     @property
     def special_token_ids(self):
@@ -129,33 +249,15 @@ class _GlmLayout(VLMAdapter):
         types = pads.long() + (pads & inside).long()
         return types if attention_mask is None else types * attention_mask.bool()
 
-    def item_tokens(self, kind, grid, text):
-        c = self.config
-        t, h, w = grid
-        frame = [c.image_start_token_id] + [c.image_token_id] * (h * w // self.merge_size**2)
-        frame.append(c.image_end_token_id)
-        if kind == "image":
-            return frame * t
-        tokens = [c.video_start_token_id]
-        for _ in range(t):
-            tokens += frame + text(TIMESTAMP_TOKENS)
-        return tokens + [c.video_end_token_id]
-
-    def module_groups(self):
-        v = r"model\.visual\."
-        return (
-            ("vision position table", (v + r"embeddings\.position_embedding\.",)),
-            ("vision patch embed", (v + r"(patch_embed|post_conv_layernorm)\.",)),
-            ("vision blocks", (v + r"blocks\.",)),
-            ("vision merger", (v + r"(post_layernorm|downsample|merger)\.",)),
-            *super().module_groups()[3:],
-        )
-
-    def encode(self, tower, pixel_values, grid_thw):
+    def encode(self, model, pixel_values, grid_thw):
         # One (1, h, w) grid per frame, as get_video_features passes videos.
         hw = torch.repeat_interleave(grid_thw[:, 1:], grid_thw[:, 0], dim=0)
         frames = torch.cat([hw.new_ones(hw.shape[0], 1), hw], dim=1)
+        tower = self.vision_tower(model)
         return tower(pixel_values, grid_thw=frames, return_dict=True).pooler_output
+
+    def vision_cost(self):
+        return glm4v_vision_cost(self.config.vision_config)
 
 
 @register
@@ -163,7 +265,7 @@ class Glm4vAdapter(_GlmLayout):
     family = "glm4v"
     model_classes = ("Glm4vForConditionalGeneration", "Glm46VForConditionalGeneration")
     model_types = ("glm4v", "glm46v")
-    tiny_configs = {"glm4v-tiny": tiny_glm4v_config, "glm46v-tiny": tiny_glm46v_config}
+    kit = Kit
 
 
 @register
@@ -171,9 +273,4 @@ class Glm4vMoeAdapter(MoeRouter, _GlmLayout):
     family = "glm4v_moe"
     model_classes = ("Glm4vMoeForConditionalGeneration",)
     model_types = ("glm4v_moe",)
-    tiny_configs = {"glm4v-moe-tiny": tiny_glm4v_moe_config}
-    # The sigmoid router casts its input and weight to float32 (any model dtype): its backward
-    # rounds every gradient upstream of an MoE layer to float32, and its routing weights the loss.
-    float32_groups = ("*",)
-
-    experts_pattern = r"(experts|shared_experts)\."
+    kit = MoeGlmKit

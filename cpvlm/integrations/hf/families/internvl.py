@@ -8,7 +8,8 @@ ratio, plus a thumbnail when there is more than one tile) and writes ``<img>``, 
 ``image_seq_length`` = s*s/m**2 context tokens per tile, then ``</img>``; ``pixel_values`` is
 ``[tiles, C, H, W]`` for all images of the batch. A video is written as one-tile images, one per
 frame, with its frame labels as text, and its frames join ``pixel_values``: the model has image
-tokens only, and so has this adapter (synthetic videos become one-tile images, ``synthetic_items``).
+tokens only, and so has this adapter (synthetic videos become one-tile images, the kit's
+``synthetic_items``).
 
 The unit is one tile. ``get_image_features`` encodes each tile alone (the ViT attends within a
 tile, its CLS token and position table are per tile), and pixel shuffle and the projector act on
@@ -18,8 +19,8 @@ an image of k tiles has the grid (k, s, s) and its pixels are the tiles' values 
 rows of C*p*p values (``to_model_batch`` gives the model its ``[tiles, C, H, W]`` back): the tiles of
 an image are the "frames" of the Qwen layout, units of s*s pixel rows and s*s/m**2 output rows.
 
-Positions are 1D: ``rope_index`` returns None, and the core gives every packed document positions
-0..n-1, as the model's own forward gives a document alone.
+Positions are 1D (the model has no ``get_rope_index``): the core gives every packed document
+positions 0..n-1, as the model's own forward gives a document alone.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from transformers import InternVLConfig
 from cpvlm.vision.cost import VisionCost, block_linear_macs
 
 from ..adapter import VLMAdapter
+from ..kit import FamilyKit
 from ..registry import register
 from ..tiny import (
     IMAGE_TOKEN_ID,
@@ -102,13 +104,44 @@ def internvl_vision_cost(config) -> VisionCost:
     return VisionCost(linear_per_patch=linear, pair=2 * w, full_blocks=vc.num_hidden_layers)
 
 
+class Kit(FamilyKit):
+    tiny_configs = {"internvl-tiny": tiny_internvl_config}
+    traits = frozenset({"tiled"})
+
+    def synthetic_items(self, kind, grid, *, images_in_sample=1):
+        t, h, w = grid
+        s = self.adapter.tile_side
+        if kind == "video":
+            return [("image", (1, s, s))] * t
+        return [("image", (self.adapter.tiles(h, w) * t, s, s))]
+
+    def item_tokens(self, kind, grid, text):
+        if kind != "image":
+            raise ValueError("InternVL writes video frames as images; it has no video tokens")
+        a = self.adapter
+        rows = a.item_sizes(grid)[1]
+        return [a.start_image_token_id] + [a.image_token_id] * rows + [a.end_image_token_id]
+
+    def module_groups(self):
+        v = r"model\.vision_tower\."
+        groups = [
+            ("vision patch embed", (v + r"embeddings\.",)),
+            ("vision blocks", (v + r"(encoder|layernorm)\.",)),
+            ("vision merger", (r"model\.multi_modal_projector\.",)),
+            ("token embeddings", (r"model\.language_model\.embed_tokens\.",)),
+            ("decoder layers", (r"model\.language_model\.(layers|norm)\.",)),
+        ]
+        if not self.config.tie_word_embeddings:  # tied: the head is the token embeddings
+            groups.append(("lm head", (r"lm_head\.",)))
+        return tuple(groups)
+
+
 @register
 class InternVLAdapter(VLMAdapter):
     family = "internvl"
     model_classes = ("InternVLForConditionalGeneration",)
     model_types = ("internvl",)
-    tiny_configs = {"internvl-tiny": tiny_internvl_config}
-    projector = ("multi_modal_projector",)
+    kit = Kit
 
     def __init__(self, config):
         self.config = config
@@ -164,22 +197,6 @@ class InternVLAdapter(VLMAdapter):
         n = -(-h // s) * -(-w // s)
         return n + 1 if n > 1 else n
 
-    def synthetic_items(self, kind, grid, *, images_in_sample=1):
-        t, h, w = grid
-        s = self.tile_side
-        if kind == "video":
-            return [("image", (1, s, s))] * t
-        return [("image", (self.tiles(h, w) * t, s, s))]
-
-    def item_tokens(self, kind, grid, text):
-        if kind != "image":
-            raise ValueError("InternVL writes video frames as images; it has no video tokens")
-        t, h, w = grid
-        rows = t * h * w // self.merge_size**2
-        return (
-            [self.start_image_token_id] + [self.image_token_id] * rows + [self.end_image_token_id]
-        )
-
     def to_model_batch(self, batch):
         out = {k: v for k, v in batch.items() if k not in ("image_grid_thw", "mm_token_type_ids")}
         if batch.get("pixel_values") is not None:
@@ -190,30 +207,11 @@ class InternVLAdapter(VLMAdapter):
     # ---- modules --------------------------------------------------------------------------------
 
     def vision_tower(self, model):
-        # InternVLModel: encode calls its get_image_features (tower, feature layer, pixel
-        # shuffle, projector); its vision parameters are vision_tower and multi_modal_projector.
-        return model.model
+        return model.model.vision_tower
 
     def fsdp_units(self, model):
         inner = model.model
         return [*self.decoder_layers(model), inner.vision_tower, inner.multi_modal_projector]
-
-    def freeze_vision_encoder(self, model):
-        for p in model.model.vision_tower.parameters():
-            p.requires_grad_(False)
-
-    def module_groups(self):
-        v = r"model\.vision_tower\."
-        groups = [
-            ("vision patch embed", (v + r"embeddings\.",)),
-            ("vision blocks", (v + r"(encoder|layernorm)\.",)),
-            ("vision merger", (r"model\.multi_modal_projector\.",)),
-            ("token embeddings", (r"model\.language_model\.embed_tokens\.",)),
-            ("decoder layers", (r"model\.language_model\.(layers|norm)\.",)),
-        ]
-        if not self.config.tie_word_embeddings:  # tied: the head is the token embeddings
-            groups.append(("lm head", (r"lm_head\.",)))
-        return tuple(groups)
 
     # ---- vision ---------------------------------------------------------------------------------
 
@@ -223,28 +221,21 @@ class InternVLAdapter(VLMAdapter):
         h, w = size
         return rows.reshape(-1, c, h * p, w * p)
 
-    def encode(self, tower, pixel_values, grid_thw):
-        # Consecutive items of one tile size go through one call (all real tiles are s x s;
-        # VisionDataParallel's dummy frame on a rank without units is a smaller one, alone).
+    def encode(self, model, pixel_values, grid_thw):
+        # InternVLModel.get_image_features: the tower, the feature layer, pixel shuffle and the
+        # projector. Consecutive items of one tile size go through one call (all real tiles are
+        # s x s; VisionDataParallel's dummy frame on a rank without units is a smaller one, alone).
         grids = [tuple(int(v) for v in g) for g in grid_thw.tolist()]
         out, row = [], 0
         for size, group in itertools.groupby(grids, key=lambda g: g[1:]):
             group = list(group)
             n = sum(t * h * w for t, h, w in group)
             tiles = self._tiles(pixel_values[row : row + n], size)
-            feats = tower.get_image_features(pixel_values=tiles, return_dict=True).pooler_output
+            features = model.model.get_image_features(pixel_values=tiles, return_dict=True)
+            feats = features.pooler_output
             out.append(feats.reshape(-1, feats.shape[-1]))
             row += n
         return torch.cat(out)
 
     def vision_cost(self) -> VisionCost:
         return internvl_vision_cost(self.config)
-
-    # ---- positions ------------------------------------------------------------------------------
-
-    def rope_index(self, *args, **kwargs):
-        return None
-
-    @property
-    def rope_rows(self) -> int:
-        return 0

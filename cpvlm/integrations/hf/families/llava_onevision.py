@@ -27,7 +27,7 @@ Videos are not taken: the model pools each frame and adds one newline row per vi
 per-item sizes could express, but a video's grid cannot be told from an image's in the core's
 ``grid_thw`` (images, then videos, one list); synthetic videos become base-only images.
 
-Positions are 1D: ``rope_index`` returns None (the core's per-document positions).
+Positions are 1D (the model has no ``get_rope_index``: the core's per-document positions).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from transformers.image_processing_utils import select_best_resolution
 from cpvlm.vision.cost import VisionCost, block_linear_macs
 
 from ..adapter import VLMAdapter
+from ..kit import FamilyKit
 from ..registry import register
 from ..tiny import IMAGE_TOKEN_ID, TEXT, VIDEO_TOKEN_ID, VISION, split_overrides, with_overrides
 
@@ -118,16 +119,45 @@ def llava_onevision_vision_cost(config) -> CropCost:
     )
 
 
+class Kit(FamilyKit):
+    tiny_configs = {"llava-onevision-tiny": tiny_llava_onevision_config}
+    traits = frozenset({"tiled"})
+    zero_gradients = (r"model\.vision_tower\..*self_attn\.k_proj\.bias",)
+    unused_parameters = r"model\.vision_tower\.post_layernorm\."  # SigLIP's, at feature layer -1
+
+    def synthetic_items(self, kind, grid, *, images_in_sample: int = 1):
+        a = self.adapter
+        t, h, w = grid
+        if kind == "video":
+            return [("image", (1, a.crop, a.crop))] * t
+        height, width = h * a.patch, w * a.patch
+        if images_in_sample > 1:
+            return [("image", (1, height, width))]
+        rows, cols = a.crop_grid(height, width)
+        return [("image", (1 + rows * cols, height, width))]
+
+    def item_tokens(self, kind, grid, text):
+        if kind != "image":
+            raise ValueError("cpvlm takes LLaVA-OneVision images only (see its adapter)")
+        return [self.adapter.image_token_id] * self.adapter.item_sizes(grid)[1]
+
+    def module_groups(self):
+        v = r"model\.vision_tower\."
+        return (
+            ("vision patch embed", (v + r"embeddings\.",)),
+            ("vision blocks", (v + r"(encoder|post_layernorm)\.",)),
+            ("vision merger", (r"model\.(multi_modal_projector\.|image_newline)",)),
+            *super().module_groups()[3:],
+        )
+
+
 @register
 class LlavaOnevisionAdapter(VLMAdapter):
     family = "llava_onevision"
     model_classes = ("LlavaOnevisionForConditionalGeneration",)
     model_types = ("llava_onevision",)
-    tiny_configs = {"llava-onevision-tiny": tiny_llava_onevision_config}
-    projector = ("multi_modal_projector", "image_newline")
+    kit = Kit
     split_frames = False
-    unit_sizes = True
-    zero_gradients = (r"model\.vision_tower\..*self_attn\.k_proj\.bias",)
 
     def __init__(self, config):
         self.config = config
@@ -193,21 +223,6 @@ class LlavaOnevisionAdapter(VLMAdapter):
         types += 2 * (input_ids == self.video_token_id).long()
         return types if attention_mask is None else types * attention_mask.bool()
 
-    def synthetic_items(self, kind, grid, *, images_in_sample: int = 1):
-        t, h, w = grid
-        if kind == "video":
-            return [("image", (1, self.crop, self.crop))] * t
-        height, width = h * self.patch, w * self.patch
-        if images_in_sample > 1:
-            return [("image", (1, height, width))]
-        rows, cols = self.crop_grid(height, width)
-        return [("image", (1 + rows * cols, height, width))]
-
-    def item_tokens(self, kind, grid, text):
-        if kind != "image":
-            raise ValueError("cpvlm takes LLaVA-OneVision images only (see its adapter)")
-        return [self.image_token_id] * self.item_sizes(grid)[1]
-
     def to_model_batch(self, batch):
         out = {k: v for k, v in batch.items() if k not in ("image_grid_thw", "mm_token_type_ids")}
         if batch.get("pixel_values") is None:
@@ -226,9 +241,9 @@ class LlavaOnevisionAdapter(VLMAdapter):
     # ---- modules --------------------------------------------------------------------------------
 
     def vision_tower(self, model):
-        # LlavaOnevisionModel: encode runs its tower, projector and pack_image_features; its
-        # vision parameters are vision_tower, multi_modal_projector and image_newline.
-        return model.model
+        # encode runs this tower, then the projector and pack_image_features of
+        # LlavaOnevisionModel (the projector and image_newline are beside the tower).
+        return model.model.vision_tower
 
     def fsdp_units(self, model):
         # The tower's layers, not the tower: encode reads the feature layer's output, not the
@@ -238,19 +253,6 @@ class LlavaOnevisionAdapter(VLMAdapter):
         layers = list(inner.vision_tower.encoder.layers)
         return [*self.decoder_layers(model), *layers, inner.multi_modal_projector]
 
-    def freeze_vision_encoder(self, model):
-        for p in model.model.vision_tower.parameters():
-            p.requires_grad_(False)
-
-    def module_groups(self):
-        v = r"model\.vision_tower\."
-        return (
-            ("vision patch embed", (v + r"embeddings\.",)),
-            ("vision blocks", (v + r"(encoder|post_layernorm)\.",)),
-            ("vision merger", (r"model\.(multi_modal_projector\.|image_newline)",)),
-            *super().module_groups()[3:],
-        )
-
     # ---- vision ---------------------------------------------------------------------------------
 
     def _crops(self, rows: torch.Tensor, crops_per_item: list[int]) -> list[torch.Tensor]:
@@ -259,23 +261,23 @@ class LlavaOnevisionAdapter(VLMAdapter):
         per_crop = rows.reshape(-1, c, self.crop, self.crop)
         return list(torch.split(per_crop, crops_per_item))
 
-    def encode(self, tower, pixel_values, grid_thw):
+    def encode(self, model, pixel_values, grid_thw):
         # get_image_features (modeling_llava_onevision.py) with the crops of each image as grid_thw
         # says, not as image_sizes and batch_num_images would infer them: the tower on every crop
         # at once, the feature layer(s) (the "full" strategy), the projector, then the model's own
         # pack_image_features.
-        config = self.config
+        config, inner = self.config, model.model
         grids = [tuple(int(v) for v in g) for g in grid_thw.tolist()]
         counts = [t for t, _, _ in grids]
         crops = torch.cat(self._crops(pixel_values, counts)) if grids else pixel_values
-        feats = self._feature_layers(tower.vision_tower, crops)
-        feats = tower.multi_modal_projector(feats)
+        feats = self._feature_layers(inner.vision_tower, crops)
+        feats = inner.multi_modal_projector(feats)
         # The dummy frame of a rank without units is grid (1, 1, 1): one base crop, packed alike.
         sizes = torch.tensor([[h, w] for _, h, w in grids], dtype=torch.long)
-        packed, _ = tower.pack_image_features(
+        packed, _ = inner.pack_image_features(
             torch.split(feats, counts),
             sizes,
-            image_newline=tower.image_newline,
+            image_newline=inner.image_newline,
             vision_aspect_ratio=config.vision_aspect_ratio,
         )
         return torch.cat(packed)
@@ -304,15 +306,6 @@ class LlavaOnevisionAdapter(VLMAdapter):
 
     def vision_cost(self) -> VisionCost:
         return llava_onevision_vision_cost(self.config)
-
-    # ---- positions ------------------------------------------------------------------------------
-
-    def rope_index(self, *args, **kwargs):
-        return None
-
-    @property
-    def rope_rows(self) -> int:
-        return 0
 
 
 def _samples_of(grids) -> list[int]:

@@ -4,6 +4,10 @@ Videos carry ``second_per_grid_ts`` (one entry per video), which ``get_rope_inde
 temporal position steps; the tower's windows are per frame, so frames stay independent units. Under ``vision="split"``
 each unit's merge groups are put in the tower's window order before they are cut (the window
 reordering the tower does itself), so every window is contiguous on the line.
+
+Cost model: blocks 4 w^2 + 3 w I (gated MLP); one merger; the blocks in
+``fullatt_block_indexes`` attend the whole frame, the others windows of
+(window_size // m // patch_size) merged tokens a side, i.e. that times m patches.
 """
 
 from __future__ import annotations
@@ -12,12 +16,15 @@ import torch
 from transformers import Qwen2_5_VLConfig
 from transformers.vision_utils import get_vision_window_index
 
+from cpvlm.vision.cost import VisionCost, block_linear_macs
 from cpvlm.vision.split import UnitOrder
 
 from ..adapter import VLMAdapter
+from ..kit import FamilyKit
 from ..registry import register
-from ..tiny import QWEN_SPECIAL_TOKEN_IDS, TEXT, VISION, split_overrides, with_overrides
-from ..vision_cost import qwen2_5_vl_vision_cost
+from ..tiny import TEXT, VISION, VISION_TOKEN_IDS, split_overrides, with_overrides
+from ..vision_cost import patch_merger_macs, values_per_patch
+from .qwen_vl_processing import QwenVLProcessing, tiny_qwen_vl_processor
 
 
 def tiny_qwen2_5_vl_config(**overrides) -> Qwen2_5_VLConfig:
@@ -49,20 +56,62 @@ def tiny_qwen2_5_vl_config(**overrides) -> Qwen2_5_VLConfig:
         },
         text,
     )
-    top = with_overrides({**QWEN_SPECIAL_TOKEN_IDS, "attn_implementation": "sdpa"}, top)
+    top = with_overrides({**VISION_TOKEN_IDS, "attn_implementation": "sdpa"}, top)
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **top)
 
 
+def qwen2_5_vl_vision_cost(vc) -> VisionCost:
+    w, m = vc.hidden_size, vc.spatial_merge_size
+    full = sorted(set(vc.fullatt_block_indexes))
+    if any(not 0 <= i < vc.depth for i in full):
+        raise ValueError(
+            f"vision_config.fullatt_block_indexes {full} must lie in [0, depth={vc.depth})"
+        )
+    linear = (
+        values_per_patch(vc) * w
+        + vc.depth * block_linear_macs(w, vc.intermediate_size, gated=True)
+        + patch_merger_macs(w, m, vc.out_hidden_size)
+    )
+    windowed = vc.depth - len(full)
+    window = vc.window_size // m // vc.patch_size * m
+    if windowed and window < 1:
+        raise ValueError(
+            f"vision_config.window_size {vc.window_size} is smaller than one merged token "
+            f"(spatial_merge_size {m} x patch_size {vc.patch_size}) but {windowed} blocks are windowed"
+        )
+    return VisionCost(
+        linear_per_patch=linear,
+        pair=2 * w,
+        full_blocks=len(full),
+        windowed_blocks=windowed,
+        window=window if windowed else 0,
+    )
+
+
+class Kit(FamilyKit):
+    tiny_configs = {"qwen2.5-vl-tiny": tiny_qwen2_5_vl_config}
+    published_towers = {
+        "Qwen2.5-VL-7B": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420,
+         "num_heads": 16, "out_hidden_size": 3584, "patch_size": 14, "temporal_patch_size": 2,
+         "spatial_merge_size": 2, "in_channels": 3, "window_size": 112,
+         "fullatt_block_indexes": [7, 15, 23, 31]},
+    }  # fmt: skip
+    tiny_processor = tiny_qwen_vl_processor(
+        "Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor", system_prompt=True
+    )
+
+
 @register
-class Qwen2_5_VLAdapter(VLMAdapter):
+class Qwen2_5_VLAdapter(QwenVLProcessing, VLMAdapter):
     family = "qwen2_5_vl"
     model_classes = ("Qwen2_5_VLForConditionalGeneration",)
     model_types = ("qwen2_5_vl",)
-    tiny_configs = {"qwen2.5-vl-tiny": tiny_qwen2_5_vl_config}
+    kit = Kit
     video_keys = ("second_per_grid_ts",)
-    cost_model = staticmethod(qwen2_5_vl_vision_cost)
-
     split_vision = True
+
+    def vision_cost(self):
+        return qwen2_5_vl_vision_cost(self.config.vision_config)
 
     def unit_order(self, grid):
         """The tower's own window order of the unit's groups, and its window lengths."""

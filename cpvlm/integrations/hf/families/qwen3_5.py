@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import sys
-import types
 from collections.abc import Callable
 
 import torch
@@ -50,10 +49,11 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
 from cpvlm.attention.linear import cp_causal_conv1d, cp_gated_delta_rule
 from cpvlm.attention.linear.delta_rule import compute_dtype
 
-from ..adapter import MoeRouter, VLMAdapter
+from ..adapter import MoeRouter
+from ..kit import MoeKit, with_float64_forward
 from ..registry import register
-from ..tiny import QWEN_SPECIAL_TOKEN_IDS, TEXT, VISION, split_overrides, with_overrides
-from ..vision_cost import qwen3_vl_vision_cost
+from ..tiny import TEXT, VISION, VISION_TOKEN_IDS, split_overrides, with_overrides
+from .qwen3_vl import Kit as Qwen3VLKit
 from .qwen3_vl import Qwen3VLAdapter
 
 # ---- the CP linear-attention layer ---------------------------------------------------------------
@@ -131,7 +131,7 @@ def _float64_forwards(module_cls: type) -> Callable:
     """transformers' forward of a Gated DeltaNet or (gated) RMSNorm class with its float32 casts
     read as float64 (the delta rule's too); for a Gated DeltaNet, a CP forward (``cpvlm_cp``
     given, the class swapped by ``install_context_parallel``) is left as it is."""
-    from cpvlm.testing.float64_twins import float64_twin
+    from cpvlm.integrations.hf.float64 import float64_twin
 
     hf = sys.modules[module_cls.__module__]
     if not issubclass(module_cls, (Qwen3_5GatedDeltaNet, Qwen3_5MoeGatedDeltaNet)):
@@ -199,7 +199,7 @@ def tiny_qwen3_5_config(**overrides) -> Qwen3_5Config:
     """A Qwen3.5 config small enough for float64 CPU tests: a linear-attention layer and a
     full-attention layer."""
     vision, text, top = split_overrides(overrides)
-    top = with_overrides({**QWEN_SPECIAL_TOKEN_IDS, "attn_implementation": "sdpa"}, top)
+    top = with_overrides({**VISION_TOKEN_IDS, "attn_implementation": "sdpa"}, top)
     return Qwen3_5Config(
         text_config=with_overrides(TINY_TEXT, text),
         vision_config=with_overrides(TINY_VISION, vision),
@@ -220,7 +220,7 @@ def tiny_qwen3_5_moe_config(**overrides) -> Qwen3_5MoeConfig:
         output_router_logits=True,
         router_aux_loss_coef=0.001,
     )
-    top = with_overrides({**QWEN_SPECIAL_TOKEN_IDS, "attn_implementation": "sdpa"}, top)
+    top = with_overrides({**VISION_TOKEN_IDS, "attn_implementation": "sdpa"}, top)
     return Qwen3_5MoeConfig(
         text_config=with_overrides(moe_text, text),
         vision_config=with_overrides(TINY_VISION, vision),
@@ -231,14 +231,33 @@ def tiny_qwen3_5_moe_config(**overrides) -> Qwen3_5MoeConfig:
 # ---- the adapters --------------------------------------------------------------------------------
 
 
+class Kit(Qwen3VLKit):
+    tiny_configs = {"qwen3.5-tiny": tiny_qwen3_5_config}
+    traits = frozenset({"linear_attention"})
+    tiny_processor = None
+
+    def float64_islands(self, model) -> None:
+        with_float64_forward(model, {c: _float64_forwards(c) for c in FLOAT64_ISLANDS})
+
+    def module_groups(self):
+        groups = list(super().module_groups())
+        i = [label for label, _ in groups].index("decoder layers")
+        linear = r"model\.language_model\.layers\.\d+\.linear_attn\."
+        groups.insert(i, ("linear attention", (linear,)))
+        return tuple(groups)
+
+
+class Qwen3_5MoeKit(MoeKit, Kit):
+    tiny_configs = {"qwen3.5-moe-tiny": tiny_qwen3_5_moe_config}
+    shared_tests = False  # tests/hf/test_qwen3_5.py (the shared suite's time)
+
+
 @register
 class Qwen3_5Adapter(Qwen3VLAdapter):
     family = "qwen3_5"
     model_classes = ("Qwen3_5ForConditionalGeneration",)
     model_types = ("qwen3_5",)
-    tiny_configs = {"qwen3.5-tiny": tiny_qwen3_5_config}
-    projector = ("merger",)
-    cost_model = staticmethod(qwen3_vl_vision_cost)
+    kit = Kit
 
     def install_context_parallel(self, model) -> None:
         for module in self.text_model(model).modules():
@@ -246,29 +265,10 @@ class Qwen3_5Adapter(Qwen3VLAdapter):
             if cp_class is not None:
                 module.__class__ = cp_class
 
-    def float64_islands(self, model) -> None:
-        for module in model.modules():
-            kind = next((c for c in FLOAT64_ISLANDS if isinstance(module, c)), None)
-            if kind is not None:
-                module.forward = types.MethodType(_float64_forwards(kind), module)
-
-    def module_groups(self):
-        groups = list(VLMAdapter.module_groups(self))
-        i = [label for label, _ in groups].index("decoder layers")
-        linear = r"model\.language_model\.layers\.\d+\.linear_attn\."
-        groups.insert(i, ("linear attention", (linear,)))
-        return tuple(groups)
-
-    def encode(self, tower, pixel_values, grid_thw, **kwargs):
-        return VLMAdapter.encode(self, tower, pixel_values, grid_thw, **kwargs)
-
-    def decoder_kwargs(self, visual_mask, deepstack):
-        return VLMAdapter.decoder_kwargs(self, visual_mask, deepstack)
-
 
 @register
 class Qwen3_5MoeAdapter(MoeRouter, Qwen3_5Adapter):
     family = "qwen3_5_moe"
     model_classes = ("Qwen3_5MoeForConditionalGeneration",)
     model_types = ("qwen3_5_moe",)
-    tiny_configs = {"qwen3.5-moe-tiny": tiny_qwen3_5_moe_config}
+    kit = Qwen3_5MoeKit

@@ -6,22 +6,27 @@ The tower returns the merged rows and one ``[R, D]`` deepstack level per entry o
 ``vision_config.deepstack_visual_indexes``; the text model adds level l after decoder layer l at
 the visual positions (``visual_pos_masks``, ``deepstack_visual_embeds``), which on a shard are
 the local visual mask and the local rows in their order. Under ``vision="split"`` the tower's
-learned position table is interpolated per unit and taken at the local patches. The processor
-writes each temporal
+learned position table is interpolated per whole unit, by the tower's own function (float32
+weights), and taken at the local patches. The processor writes each temporal
 patch-frame of a video as ``<t seconds><vision_start> pads <vision_end>``, and ``get_rope_index``
 needs that text between frames.
+
+Cost model: blocks 4 w^2 + 2 w I; one merger plus one per deepstack index; full attention
+everywhere (Qwen3.5's tower: the same without deepstack).
 """
 
 from __future__ import annotations
 
-import torch
 from transformers import Qwen3VLConfig
-from transformers.vision_utils import get_vision_interpolation_indices_and_weights
+
+from cpvlm.vision.cost import VisionCost, block_linear_macs
 
 from ..adapter import VLMAdapter
+from ..kit import FamilyKit
 from ..registry import register
-from ..tiny import QWEN_SPECIAL_TOKEN_IDS, TEXT, VISION, split_overrides, with_overrides
-from ..vision_cost import qwen3_vl_vision_cost
+from ..tiny import TEXT, VISION, VISION_TOKEN_IDS, split_overrides, with_overrides
+from ..vision_cost import patch_merger_macs, values_per_patch
+from .qwen_vl_processing import QwenVLProcessing, tiny_qwen_vl_processor
 
 TIMESTAMP_TOKENS = 3
 """Text tokens of the timestamp the processor writes before every video frame ("<0.5 seconds>")."""
@@ -56,20 +61,39 @@ def tiny_qwen3_vl_config(**overrides) -> Qwen3VLConfig:
     """A Qwen3-VL config small enough for float64 CPU tests (~250k parameters). Deepstack taps
     the first and last vision block unless ``deepstack_visual_indexes`` is given."""
     vision, text, top = split_overrides(overrides)
-    top = with_overrides({**QWEN_SPECIAL_TOKEN_IDS, "attn_implementation": "sdpa"}, top)
+    top = with_overrides({**VISION_TOKEN_IDS, "attn_implementation": "sdpa"}, top)
     return Qwen3VLConfig(
         text_config=with_overrides(TINY_TEXT, text), vision_config=tiny_vision(vision), **top
     )
 
 
-@register
-class Qwen3VLAdapter(VLMAdapter):
-    family = "qwen3_vl"
-    model_classes = ("Qwen3VLForConditionalGeneration",)
-    model_types = ("qwen3_vl",)
+def qwen3_vl_vision_cost(vc) -> VisionCost:
+    w, m = vc.hidden_size, vc.spatial_merge_size
+    mergers = 1 + len(getattr(vc, "deepstack_visual_indexes", None) or ())
+    linear = (
+        values_per_patch(vc) * w
+        + vc.depth * block_linear_macs(w, vc.intermediate_size, gated=False)
+        + mergers * patch_merger_macs(w, m, vc.out_hidden_size)
+    )
+    return VisionCost(linear_per_patch=linear, pair=2 * w, full_blocks=vc.depth)
+
+
+def has_deepstack(config) -> bool:
+    return bool(getattr(config.vision_config, "deepstack_visual_indexes", None))
+
+
+class Kit(FamilyKit):
     tiny_configs = {"qwen3-vl-tiny": tiny_qwen3_vl_config}
-    projector = ("merger", "deepstack_merger_list")
-    cost_model = staticmethod(qwen3_vl_vision_cost)
+    published_towers = {
+        "Qwen3-VL-8B": {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304,
+         "num_heads": 16, "out_hidden_size": 4096, "patch_size": 16, "temporal_patch_size": 2,
+         "spatial_merge_size": 2, "in_channels": 3, "num_position_embeddings": 2304,
+         "deepstack_visual_indexes": [8, 16, 24]},
+    }  # fmt: skip
+    traits = frozenset({"deepstack"})
+    tiny_processor = tiny_qwen_vl_processor(
+        "Qwen3VLProcessor", "Qwen3VLVideoProcessor", system_prompt=False
+    )
 
     def item_tokens(self, kind, grid, text):
         if kind == "image":
@@ -80,33 +104,55 @@ class Qwen3VLAdapter(VLMAdapter):
 
     def module_groups(self):
         groups = list(super().module_groups())
-        groups.insert(3, ("deepstack mergers", (r"model\.visual\.deepstack_merger_list\.",)))
+        if has_deepstack(self.config):
+            deepstack = (r"model\.visual\.deepstack_merger_list\.",)
+            groups.insert(3, ("deepstack mergers", deepstack))
         return tuple(groups)
 
-    def encode(self, tower, pixel_values, grid_thw, **kwargs):
-        out = tower(pixel_values, grid_thw=grid_thw, return_dict=True, **kwargs)
+
+@register
+class Qwen3VLAdapter(QwenVLProcessing, VLMAdapter):
+    family = "qwen3_vl"
+    model_classes = ("Qwen3VLForConditionalGeneration",)
+    model_types = ("qwen3_vl",)
+    kit = Kit
+    video_processor = "Qwen3VLVideoProcessor"
+    projector = ("merger", "deepstack_merger_list")
+
+    def vision_cost(self):
+        return qwen3_vl_vision_cost(self.config.vision_config)
+
+    def encode(self, model, pixel_values, grid_thw, **kwargs):
+        out = self.vision_tower(model)(pixel_values, grid_thw=grid_thw, return_dict=True, **kwargs)
+        if not has_deepstack(self.config):
+            return out.pooler_output
         return out.pooler_output, list(out.deepstack_features)
 
     split_vision = True
 
     def split_tower_kwargs(self, tower, pieces, n):
-        """The learned position table, interpolated per unit, at exactly the local patches."""
+        """The learned position table's interpolation taps and float32 weights, computed by the
+        tower's own function and arguments on each whole unit's grid, at the local patches."""
+        from ..vision_attention import local_rows, tower_function
+
         kwargs = super().split_tower_kwargs(tower, pieces, n)
-        interp = {}
-        for g in {p.grid for p in pieces}:
-            interp[g] = get_vision_interpolation_indices_and_weights(
-                torch.tensor([g]),
+        interpolation = tower_function(tower, "get_vision_interpolation_indices_and_weights")
+        kwargs["interp_indices"], kwargs["interp_weights"] = local_rows(
+            pieces,
+            lambda grid: interpolation(
+                grid,
                 num_grid_per_side=tower.num_grid_per_side,
                 mode=tower.interpolation_mode,
                 align_corners=tower.interpolation_align_corners,
-                spatial_merge_size=self.merge_size,
-            )
-        for i, key in enumerate(("interp_indices", "interp_weights")):
-            kwargs[key] = torch.cat([interp[p.grid][i].index_select(0, p.patches) for p in pieces])
+                spatial_merge_size=tower.config.spatial_merge_size,
+            ),
+        )
         return kwargs
 
-    def decoder_kwargs(self, visual_mask, deepstack):
-        kwargs = super().decoder_kwargs(visual_mask, deepstack)
+    def decoder_inputs(self, model, input_ids, visual_mask, deepstack):
+        kwargs = super().decoder_inputs(model, input_ids, visual_mask, deepstack)
+        if not has_deepstack(self.config):
+            return kwargs
         return {
             **kwargs,
             "visual_pos_masks": visual_mask,

@@ -11,9 +11,11 @@ from __future__ import annotations
 from transformers import Qwen3VLMoeConfig
 
 from ..adapter import MoeRouter
+from ..kit import MoeKit
 from ..registry import register
-from ..tiny import QWEN_SPECIAL_TOKEN_IDS, split_overrides, with_overrides
+from ..tiny import VISION_TOKEN_IDS, split_overrides, with_overrides
 from .qwen3_vl import TINY_TEXT, Qwen3VLAdapter, tiny_vision
+from .qwen3_vl import Kit as Qwen3VLKit
 
 
 def tiny_qwen3_vl_moe_config(**overrides) -> Qwen3VLMoeConfig:
@@ -32,8 +34,13 @@ def tiny_qwen3_vl_moe_config(**overrides) -> Qwen3VLMoeConfig:
         },
         text,
     )
-    top = with_overrides({**QWEN_SPECIAL_TOKEN_IDS, "attn_implementation": "sdpa"}, top)
+    top = with_overrides({**VISION_TOKEN_IDS, "attn_implementation": "sdpa"}, top)
     return Qwen3VLMoeConfig(text_config=text, vision_config=tiny_vision(vision), **top)
+
+
+class Kit(MoeKit, Qwen3VLKit):
+    tiny_configs = {"qwen3-vl-moe-tiny": tiny_qwen3_vl_moe_config}
+    tiny_processor = None
 
 
 @register
@@ -41,4 +48,4 @@ class Qwen3VLMoeAdapter(MoeRouter, Qwen3VLAdapter):
     family = "qwen3_vl_moe"
     model_classes = ("Qwen3VLMoeForConditionalGeneration",)
     model_types = ("qwen3_vl_moe",)
-    tiny_configs = {"qwen3-vl-moe-tiny": tiny_qwen3_vl_moe_config}
+    kit = Kit

@@ -1,6 +1,6 @@
 """Run a function on N real gloo processes, return every rank's result, never hang.
 
-A pool of N spawned workers per world size is started once and reused, so that a distributed
+``cpvlm verify`` runs its CP side with it, and the tests their distributed checks. A pool of N spawned workers per world size is started once and reused, so that a distributed
 test costs milliseconds after the first one. Each worker has a default gloo process group.
 
     results = run_distributed(fn, world_size, *args, timeout=60)
@@ -9,7 +9,8 @@ calls ``fn(rank, world_size, *args)`` on every rank. ``fn`` must be importable (
 function). If a rank raises, the others usually wait forever in their next collective; so on the
 first failure the pool waits a short grace period, kills every worker and raises
 ``DistributedTestError`` with the failing rank's traceback. On a timeout it kills every worker
-and names the ranks that did not finish. A killed pool is rebuilt on the next call.
+and names the ranks that did not finish. A killed pool is rebuilt on the next call. The first
+pool registers ``shutdown_pools`` to run at exit; importing this module registers nothing.
 """
 
 from __future__ import annotations
@@ -173,6 +174,7 @@ class _Pool:
 
 
 _pools: OrderedDict[int, _Pool] = OrderedDict()
+_exit_hook: list[bool] = []  # whether shutdown_pools is registered with atexit
 
 
 def run_distributed(
@@ -195,6 +197,9 @@ def run_distributed(
             and sum(p.world_size for p in _pools.values()) + world_size > _MAX_POOLED_PROCESSES
         ):
             _pools.popitem(last=False)[1].close()
+        if not _exit_hook:
+            atexit.register(shutdown_pools)
+            _exit_hook.append(True)
         pool = _Pool(world_size)
     try:
         result = pool.run(fn, args, kwargs, timeout)
@@ -211,6 +216,3 @@ def shutdown_pools() -> None:
     """Stop every pooled worker."""
     while _pools:
         _pools.popitem()[1].close()
-
-
-atexit.register(shutdown_pools)

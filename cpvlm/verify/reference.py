@@ -6,8 +6,8 @@ The reference is the unwrapped model's own forward (its own attention and vision
 whole batch, or on each packed document alone; the cross-entropy is recomputed in the model's dtype
 (transformers' loss upcasts float64 logits to float32 only), and an MoE model's router
 load-balancing loss is recomputed in the model's dtype from its router logits (transformers sums it
-in float32), following transformers' ``load_balancing_loss_func`` step by step. Nothing here
-calls the CP code.
+in float32), following transformers' ``load_balancing_loss_func`` step by step
+(``moe_reference.py``). Nothing here calls the CP code.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from cpvlm.constants import IGNORE_INDEX
-from cpvlm.integrations.hf.registry import adapter_for
-from cpvlm.testing.moe_reference import switch_load_balancing_loss
+from cpvlm.verify.moe_reference import switch_load_balancing_loss
+
+# cpvlm.integrations.hf (and transformers) is imported where a reference runs, not with this module.
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -40,6 +41,8 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torc
 
 
 def _forward(model, inputs: Mapping, router: bool):
+    from cpvlm.integrations.hf import adapter_for
+
     kwargs = adapter_for(model).to_model_batch({k: v for k, v in inputs.items() if k != "labels"})
     if router:
         kwargs["output_router_logits"] = True
@@ -70,6 +73,8 @@ def reference_loss_and_grads(
     batch (the documents pooled, as one packed forward would), backward. Returns the detached loss
     and a clone of every trainable parameter's gradient (zeros where a parameter got none); leaves
     ``.grad`` cleared and the model's cached ``rope_deltas`` reset."""
+    from cpvlm.integrations.hf import adapter_for
+
     if (batch is None) == (documents is None):
         raise ValueError("pass batch or documents")
     parts = [batch] if documents is None else list(documents)
@@ -106,9 +111,21 @@ def reference_loss_and_grads(
     return loss.detach(), grads
 
 
+def reference(model, batch: Mapping, doc_lens: Sequence[int] | None):
+    """``reference_loss_and_grads`` of a batch as the CP side takes it: the whole ``batch``, or
+    with ``doc_lens`` each document of its packed row alone."""
+    from cpvlm.integrations.hf.synthetic import split_documents
+
+    if doc_lens is None:
+        return reference_loss_and_grads(model, batch)
+    return reference_loss_and_grads(model, documents=split_documents(model.config, batch, doc_lens))
+
+
 def mrope_position_ids(model, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The ``[3, B, S]`` M-RoPE position ids the model's own forward computes for ``batch``
     (``get_rope_index`` leaves padding positions at 0)."""
+    from cpvlm.integrations.hf import adapter_for
+
     adapter = adapter_for(model)
     extras = {k: batch[k] for k in adapter.video_keys if batch.get(k) is not None}
     return adapter.rope_index(

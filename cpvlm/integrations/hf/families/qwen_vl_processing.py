@@ -14,7 +14,7 @@ multiple of tp by repeating the last. Where torchvision works, tests compare it 
 video processor.
 
 Rules are keyed by the processor class (``Pil``/``Fast`` suffixes dropped); a family whose
-processor differs adds its rule here.
+processor differs gives its own ``processor_image_grid`` and ``video_processing``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import (
     smart_resize as smart_resize_video,
 )
+
+from ..kit import TinyProcessor
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -72,7 +74,7 @@ def image_grid(image_processor, height: int, width: int) -> tuple[int, int, int]
     if name not in IMAGE_RULES:
         raise ValueError(
             f"no resize rule for the image processor {type(image_processor).__name__}; "
-            f"cpvlm knows {', '.join(IMAGE_RULES)} (add yours in cpvlm/integrations/hf/resize.py)"
+            f"cpvlm knows {', '.join(IMAGE_RULES)} (an adapter's processor_image_grid)"
         )
     p, m = image_processor.patch_size, image_processor.merge_size
     size = image_processor.size
@@ -80,6 +82,19 @@ def image_grid(image_processor, height: int, width: int) -> tuple[int, int, int]
         height, width, p * m, min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"]
     )
     return 1, h // p, w // p
+
+
+class QwenVLProcessing:
+    """Adapter mixin: the data path's image grid and video pipeline of a Qwen-VL processor
+    (``video_processor``: the video processor class a checkpoint that names none has)."""
+
+    video_processor: str = "Qwen2VLVideoProcessor"
+
+    def processor_image_grid(self, image_processor, height: int, width: int):
+        return image_grid(image_processor, height, width)
+
+    def video_processing(self, config: dict) -> VideoSettings:
+        return VideoSettings.from_config(config, self.video_processor)
 
 
 @dataclass(frozen=True)
@@ -103,8 +118,8 @@ class VideoSettings:
         name = base_class_name(config.get("video_processor_type") or default_class)
         if name not in VIDEO_DEFAULTS:
             raise ValueError(
-                f"no video rule for {name}; cpvlm knows {', '.join(VIDEO_DEFAULTS)} (add yours in "
-                "cpvlm/integrations/hf/resize.py)"
+                f"no video rule for {name}; cpvlm knows {', '.join(VIDEO_DEFAULTS)} (an adapter's "
+                "video_processing)"
             )
         merged = {**VIDEO_DEFAULTS[name], **{k: v for k, v in config.items() if v is not None}}
         size = dict(merged["size"])
@@ -168,3 +183,81 @@ def patchify_video(x_TCHW: torch.Tensor, p: int, m: int, tp: int) -> torch.Tenso
     x = x_TCHW.view(gt, tp, C, gh // m, m, p, gw // m, m, p)
     x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
     return x.reshape(gt * gh * gw, C * tp * p * p)
+
+
+# ---- a tiny Qwen-VL processor (the kits' tiny checkpoints) ---------------------------------------
+
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+_TEMPLATE = """{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}{SYSTEM}<|im_start|>{{ message['role'] }}
+{% if message['content'] is string %}{{ message['content'] }}<|im_end|>
+{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>
+{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""  # noqa: E501
+_DEFAULT_SYSTEM = """{% if loop.first and message['role'] != 'system' %}<|im_start|>system
+You are a helpful assistant.<|im_end|>
+{% endif %}"""
+IMAGE_MIN_PIXELS = 16 * 16 * 4  # 4 x 4 patches of 8 pixels: 4 merged tokens
+IMAGE_MAX_PIXELS = 16 * 16 * 16  # 8 x 8 patches: 16 merged tokens
+VIDEO_MIN_PIXELS = 16 * 16 * 4
+VIDEO_MAX_PIXELS = 16 * 16 * 4 * 8
+
+
+def _config_ids(tokenizer) -> dict:
+    t = tokenizer.convert_tokens_to_ids
+    return {
+        "image_token_id": t("<|image_pad|>"),
+        "video_token_id": t("<|video_pad|>"),
+        "vision_start_token_id": t("<|vision_start|>"),
+        "vision_end_token_id": t("<|vision_end|>"),
+    }
+
+
+def _image_processor(config):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    v = config.vision_config
+    return Qwen2VLImageProcessorPil(
+        patch_size=v.patch_size,
+        merge_size=v.spatial_merge_size,
+        temporal_patch_size=v.temporal_patch_size,
+        min_pixels=IMAGE_MIN_PIXELS,
+        max_pixels=IMAGE_MAX_PIXELS,
+    )
+
+
+def tiny_qwen_vl_processor(
+    processor_class: str, video_processor: str, *, system_prompt: bool
+) -> TinyProcessor:
+    """A Qwen-VL processor at toy size: the Qwen-VL chat template (with Qwen2-VL's default
+    system prompt, or without, as Qwen3-VL's), a ``Qwen2VLImageProcessor`` and a video processor
+    with the model's patch / merge sizes."""
+
+    def video(config) -> dict:
+        v = config.vision_config
+        return {
+            "video_processor_type": video_processor,
+            "patch_size": v.patch_size,
+            "merge_size": v.spatial_merge_size,
+            "temporal_patch_size": v.temporal_patch_size,
+            "size": {"shortest_edge": VIDEO_MIN_PIXELS, "longest_edge": VIDEO_MAX_PIXELS},
+        }
+
+    return TinyProcessor(
+        special_tokens=SPECIAL_TOKENS,
+        tokenizer_kwargs={"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+        chat_template=_TEMPLATE.replace("{SYSTEM}", _DEFAULT_SYSTEM if system_prompt else ""),
+        processor_class=processor_class,
+        config_ids=_config_ids,
+        image_processor=_image_processor,
+        video_processor=video,
+    )

@@ -50,7 +50,8 @@ def _samples(samples, images, videos, text_len) -> list[SampleSpec]:
 
 def sample_items(sample: SampleSpec, i: int, adapter) -> list[tuple[str, tuple[int, int, int]]]:
     """``[(kind, (t, h, w)), ...]``: the sample's images, then its videos, checked, as the
-    family's processor makes items of them (``adapter.synthetic_items``: tiles, crops)."""
+    family's processor makes items of them (the kit's ``synthetic_items``: tiles, crops)."""
+    kit = adapter.kit(adapter)
     merge = adapter.merge_size
     items = [("image", (1, h, w)) for h, w in sample.images]
     items += [("video", tuple(g)) for g in sample.videos]
@@ -64,21 +65,20 @@ def sample_items(sample: SampleSpec, i: int, adapter) -> list[tuple[str, tuple[i
         raise ValueError(f"sample {i}: text_len must be >= 0 and the sample non-empty")
     n = len(sample.images)
     return [
-        made
-        for kind, grid in items
-        for made in adapter.synthetic_items(kind, grid, images_in_sample=n)
+        made for kind, grid in items for made in kit.synthetic_items(kind, grid, images_in_sample=n)
     ]
 
 
 def sample_tokens(adapter, items, text_len: int, text) -> list[int]:
     """The sample's ids: text chunks around the items, as evenly as possible (earlier chunks get
     the remainder); ``text(n)`` gives n text ids, called in sequence order."""
+    kit = adapter.kit(adapter)
     chunks = [text_len // (len(items) + 1)] * (len(items) + 1)
     for j in range(text_len % (len(items) + 1)):
         chunks[j] += 1
     tokens = []
     for chunk, (kind, grid) in zip(chunks, items):
-        tokens += text(chunk) + adapter.item_tokens(kind, grid, text)
+        tokens += text(chunk) + kit.item_tokens(kind, grid, text)
     return tokens + text(chunks[-1])
 
 

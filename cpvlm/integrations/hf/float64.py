@@ -2,8 +2,9 @@
 
 A float64 exactness test at 1e-10 needs a reference that does its sums in float64. Where
 transformers casts to float32 inside a float64 model (docs/hf_internals.md), these give the same
-code line for line in float64, so that a test still compares with transformers' algorithm and not
-with a rewrite of it. Test fixtures only: nothing in the library uses them.
+code line for line in float64, so that a check still compares with transformers' algorithm and
+not with a rewrite of it. Adapters' ``float64_islands`` use them (Qwen3.5's delta rule, decay and
+RMSNorm); nothing in a training step does.
 """
 
 from __future__ import annotations

@@ -1,0 +1,148 @@
+"""The family kit: what tests, ``cpvlm verify`` and synthetic data know of a family.
+
+The CP step never reads a kit; it reads the adapter (``cpvlm.integrations.hf.adapter``). A kit
+holds the knowledge that serves checks and tiny models: tiny configs and how to initialise them,
+where a float64 model still computes in float32 and how to compute those parts in float64, the
+module groups a check reports, the gradients that are zero in exact arithmetic, the items and
+tokens a synthetic sample of the family has, and a tiny processor for a checkpoint directory.
+Each family defines its kit in its own file (``class Kit(FamilyKit)``) and links it from its
+adapter (``kit = Kit``); ``cpvlm.integrations.hf.registry.kit_for(model_or_config)`` gives the
+kit of a model.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from torch import nn
+
+TRAITS = {
+    "tiled": "square tiles or crops of an image through a ViT, image tokens only, 1D RoPE",
+    "deepstack": "the tower returns deepstack levels that the decoder adds after its layers",
+    "linear_attention": "decoder layers other than attention (a recurrence over the sequence)",
+    "frames_as_images": "video frames are image tokens inside video markers, one tower call each",
+    "image_spans": "images attended bidirectionally and sliding windows; the model's own images",
+}
+"""What the shared tests select families by (``FamilyKit.traits``)."""
+
+
+@dataclass(frozen=True)
+class TinyProcessor:
+    """What a tiny checkpoint directory of the family holds besides the model
+    (``cpvlm.integrations.hf.tiny_checkpoint.make_tiny_checkpoint``)."""
+
+    special_tokens: tuple[str, ...]  # the tokenizer's special tokens, in id order
+    tokenizer_kwargs: dict[str, Any]  # PreTrainedTokenizerFast keywords (eos, pad, ...)
+    chat_template: str
+    processor_class: str  # the transformers processor class name
+    config_ids: Callable[[Any], dict]  # tokenizer -> the tiny config's token-id overrides
+    image_processor: Callable[[Any], Any]  # model config -> the image processor
+    video_processor: Callable[[Any], dict] | None = None  # model config -> its config (or none)
+    processor_settings: Callable[[Any], dict] = field(default=lambda config: {})
+    """Extra entries of ``processor_config.json`` from the model config."""
+
+
+class FamilyKit:
+    """The test- and verify-side knowledge of one family (defaults: nothing particular)."""
+
+    tiny_configs: ClassVar[dict[str, Callable[..., Any]]] = {}
+    """``{"<name>-tiny": config builder}``: tiny configs built from the real config classes."""
+    shared_tests: ClassVar[bool] = True
+    """The shared HF tests run on the tiny models (else only the family's own tests do)."""
+    traits: ClassVar[frozenset[str]] = frozenset()
+    """What the shared tests select the family by: names from ``TRAITS``."""
+    float64_load_kwargs: ClassVar[dict[str, str]] = {}
+    """Loading keywords a float64 model needs (MoE: eager experts; grouped_mm rejects float64)."""
+    float32_groups: ClassVar[tuple[str, ...]] = ()
+    """Module groups (``module_groups`` labels) whose gradients the model computes in float32 even
+    in a float64 model; float64 checks of the unchanged model hold them to float32 round-off.
+    ``("*",)``: every group and the loss (a float32 part in the forward, such as a router)."""
+    zero_gradients: ClassVar[tuple[str, ...]] = ()
+    """Parameter-name regexes whose gradient is zero in exact arithmetic and round-off in floats
+    (a key bias: it adds q.b to every logit of a query, which softmax cancels). A relative
+    error of round-off means nothing: checks hold them to their module group's gradient scale."""
+    unused_parameters: ClassVar[str | None] = None
+    """A regex of the parameters the forward never uses (zero gradient in every run)."""
+    mixes_images_and_videos: ClassVar[bool] = True
+    """The model's own forward takes images and videos in one call (a reference can use it)."""
+    published_towers: ClassVar[dict[str, dict]] = {}
+    """``{checkpoint: vision_config fields the cost model reads}`` of published checkpoints (their
+    config.json), for cost-model tests and benchmarks: ``AutoConfig.for_model(model_types[0],
+    vision_config=...)`` builds one."""
+    tiny_processor: ClassVar[TinyProcessor | None] = None
+    """The processor files of a tiny checkpoint directory (None: the family has none)."""
+
+    def __init__(self, adapter):
+        self.adapter = adapter
+        self.config = adapter.config
+
+    def module_groups(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """``(label, parameter-name regexes)`` that ``cpvlm verify`` reports; first match wins.
+        Default: the base layout's modules (a tower ``model.visual`` with its merger)."""
+        return (
+            ("vision patch embed", (r"model\.visual\.(patch_embed|pos_embed)\.",)),
+            ("vision blocks", (r"model\.visual\.blocks\.",)),
+            ("vision merger", (r"model\.visual\.merger\.",)),
+            ("token embeddings", (r"model\.language_model\.embed_tokens\.",)),
+            ("decoder layers", (r"model\.language_model\.(layers|norm)\.",)),
+            ("lm head", (r"lm_head\.",)),
+        )
+
+    def init_tiny(self, model: nn.Module) -> None:
+        """Re-initialise, under the tiny model's seed, what the family initialises so that a test
+        would see no gradient (a projector starting at zero). Default: nothing."""
+
+    def float64_islands(self, model: nn.Module) -> None:
+        """In a float64 ``model``, compute in float64 the parts transformers computes in float32
+        whose round-off a CP run would show (sums it groups differently). ``cpvlm verify`` and the
+        tests apply it to both sides of a float64 check. Default: nothing."""
+
+    def synthetic_items(
+        self, kind: str, grid: tuple[int, int, int], *, images_in_sample: int = 1
+    ) -> list[tuple[str, tuple[int, int, int]]]:
+        """The items (kind, grid) the family's processor makes of an image of ``grid`` (1, h, w)
+        or a video of (t, h, w) patches in a sample of ``images_in_sample`` images, for synthetic
+        batches. Default: that item."""
+        return [(kind, grid)]
+
+    def item_tokens(
+        self, kind: str, grid: tuple[int, int, int], text: Callable[[int], list[int]]
+    ) -> list[int]:
+        """The token ids the processor writes for one item of ``grid`` in cpvlm's batch (an item
+        of ``synthetic_items``); ``text(n)`` gives n text tokens where the layout has text
+        (timestamps). Default: the base layout, ``<vision_start> pads <vision_end>``."""
+        t, h, w = grid
+        c = self.config
+        pad = c.image_token_id if kind == "image" else c.video_token_id
+        frame = h * w // self.adapter.merge_size**2
+        return [c.vision_start_token_id] + [pad] * (t * frame) + [c.vision_end_token_id]
+
+
+def with_float64_forward(model: nn.Module, forwards: dict[type, Callable]) -> None:
+    """Give every module of ``model`` that is an instance of a key of ``forwards`` that forward
+    (bound to the module): how a kit's ``float64_islands`` swaps transformers' float32 parts."""
+    for module in model.modules():
+        kind = next((c for c in forwards if isinstance(module, c)), None)
+        if kind is not None:
+            module.forward = types.MethodType(forwards[kind], module)
+
+
+class MoeKit:
+    """Mixin of the MoE families' kits (listed before the family's kit in the bases): eager
+    experts in float64, the router and expert parameters as their own module groups."""
+
+    float64_load_kwargs = {"experts_implementation": "eager"}
+    experts_pattern = r"experts\."  # the expert parameters of a layer's mlp
+
+    def module_groups(self):
+        layer = r"model\.language_model\.layers\.\d+\.mlp\."
+        groups = list(super().module_groups())
+        i = [label for label, _ in groups].index("decoder layers")
+        groups[i:i] = [
+            ("router", (layer + r"gate\.",)),
+            ("experts", (layer + self.experts_pattern,)),
+        ]
+        return tuple(groups)

@@ -1,0 +1,197 @@
+"""A tiny checkpoint directory with a real processor, built offline for the examples and tests.
+
+``make_tiny_checkpoint(dir, family)`` writes what a downloaded checkpoint of the family holds, at
+toy size: the model (``save_pretrained`` of a tiny config whose special token ids are the
+tokenizer's), a byte-level BPE tokenizer trained here with the ``tokenizers`` library, and the
+family's chat template, image processor and video processor config (its kit's
+``tiny_processor``). ``layout="v5"`` writes transformers 5's ``processor_config.json`` (nested
+processors) and ``chat_template.jinja``; ``layout="legacy"`` writes ``preprocessor_config.json``,
+``video_preprocessor_config.json`` and ``chat_template.json``.
+
+``write_images`` and ``write_frames`` make PNG files of given sizes from a seed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+_CORPUS = (
+    "You are a helpful assistant. Describe the image. What is in the picture? A red square on a "
+    "blue field, two cats, a video of a ball that rolls to the left and then stops. Count the "
+    "shapes: one, two, three, four. The answer is yes. The answer is no. Seconds 0.5 1.0 2.0."
+)
+
+
+def _kit_class(family: str):
+    from cpvlm.integrations.hf.registry import adapter_of_family
+
+    kit = adapter_of_family(family).kit
+    if kit.tiny_processor is None or not kit.tiny_configs:
+        raise ValueError(f"the {family} kit has no tiny processor (FamilyKit.tiny_processor)")
+    return kit
+
+
+def tiny_tokenizer(family: str, vocab_size: int = 320):
+    """A byte-level BPE tokenizer (``tokenizers``) with the family's special tokens (its kit's
+    ``tiny_processor``)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tiny = _kit_class(family).tiny_processor
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(tiny.special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **tiny.tokenizer_kwargs)
+
+
+def tiny_model_config(family: str, tokenizer):
+    """The family's tiny config with the tokenizer's special token ids."""
+    kit = _kit_class(family)
+    build = next(iter(kit.tiny_configs.values()))
+    return build(**kit.tiny_processor.config_ids(tokenizer))
+
+
+def make_tiny_checkpoint(
+    path: str | Path, family: str, *, layout: str = "v5", seed: int = 0
+) -> Path:
+    """Write a tiny checkpoint directory (model + processor files) and return its path."""
+    from transformers import AutoModelForImageTextToText
+
+    if layout not in ("v5", "legacy"):
+        raise ValueError(f"layout must be 'v5' or 'legacy', got {layout!r}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tiny = _kit_class(family).tiny_processor
+    tokenizer = tiny_tokenizer(family)
+    config = tiny_model_config(family, tokenizer)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForImageTextToText.from_config(config)
+    model.save_pretrained(path)
+    template = tiny.chat_template
+    image_processor = tiny.image_processor(config)
+    processor = {
+        "processor_class": tiny.processor_class,
+        "image_processor": image_processor.to_dict(),
+        **tiny.processor_settings(config),
+    }
+    if tiny.video_processor is None:  # no video processor: the v5 layout, whatever is asked
+        tokenizer.chat_template = template
+        tokenizer.save_pretrained(path)
+        (path / "processor_config.json").write_text(json.dumps(processor, indent=1))
+        return path
+    video = tiny.video_processor(config)
+    if layout == "v5":
+        tokenizer.chat_template = template
+        tokenizer.save_pretrained(path)  # writes chat_template.jinja
+        processor["video_processor"] = video
+        (path / "processor_config.json").write_text(json.dumps(processor, indent=1))
+    else:
+        tokenizer.save_pretrained(path)
+        image_processor.save_pretrained(path)  # preprocessor_config.json
+        (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=1))
+        (path / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    return path
+
+
+def _png(path: Path, height: int, width: int, rng) -> None:
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path)
+
+
+def write_images(folder: str | Path, sizes, *, seed: int = 0, prefix: str = "img") -> list[str]:
+    """PNG files ``prefix{i}.png`` of the ``(height, width)`` sizes; returns their names."""
+    rng = np.random.default_rng(seed)
+    names = []
+    for i, (h, w) in enumerate(sizes):
+        name = f"{prefix}{i}.png"
+        _png(Path(folder) / name, h, w, rng)
+        names.append(name)
+    return names
+
+
+def write_frames(folder: str | Path, frames: int, height: int, width: int, *, seed: int = 0):
+    """A video as a folder of ``frames`` PNG frames."""
+    rng = np.random.default_rng(seed)
+    for f in range(frames):
+        _png(Path(folder) / f"{f:05d}.png", height, width, rng)
+    return Path(folder)
+
+
+def write_video(path: str | Path, frames: int, height: int, width: int, *, fps: int = 10, seed=0):
+    """A video file of ``frames`` random frames at ``fps`` (MPEG-4 part 2, which every FFmpeg build
+    of PyAV encodes); returns its path."""
+    import av
+
+    rng = np.random.default_rng(seed)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.height, stream.width, stream.pix_fmt = height, width, "yuv420p"
+        for _ in range(frames):
+            pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+_WORDS = ("a red square", "two cats", "a blue field", "one, two, three", "yes", "no", "a ball")
+
+
+def example_records(folder: str | Path, num_samples: int, *, seed: int = 0, videos: bool = True):
+    """Write images (and frame folders) under ``folder`` and return ``num_samples`` conversation
+    records referring to them by relative paths: text-only, one or two images of several sizes,
+    and (with ``videos``) a video of 3 to 5 frames; one or two turns."""
+    rng = np.random.default_rng(seed)
+    folder = Path(folder)
+    records = []
+    for i in range(num_samples):
+        kind = ["text", "image", "image", "two_images", "video" if videos else "image"][i % 5]
+        content = []
+        if kind in ("image", "two_images"):
+            for k in range(1 + (kind == "two_images")):
+                h, w = (int(v) for v in rng.integers(12, 90, 2))
+                name = f"img/s{i}_{k}.png"
+                _png(folder / name, h, w, rng)
+                content.append({"type": "image", "image": name})
+        elif kind == "video":
+            name = f"vid/s{i}"
+            write_frames(folder / name, int(rng.integers(3, 6)), 24, 40, seed=seed * 1000 + i)
+            content.append({"type": "video", "video": name, "fps": 2.0})
+        question = "Describe the image." if kind != "text" else "Count the shapes:"
+        content.append({"type": "text", "text": question + " " * int(rng.integers(0, 3))})
+        answer = " ".join(_WORDS[int(j)] for j in rng.integers(0, len(_WORDS), 1 + i % 4))
+        messages = [
+            {"role": "user", "content": content},
+            {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+        ]
+        if i % 3 == 0:
+            messages += [
+                {"role": "user", "content": [{"type": "text", "text": "And then?"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": _WORDS[i % 7]}]},
+            ]
+        records.append({"messages": messages})
+    return records
+
+
+def write_jsonl(path: str | Path, records) -> Path:
+    path = Path(path)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path

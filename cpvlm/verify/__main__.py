@@ -1,0 +1,5 @@
+import sys
+
+from cpvlm.verify.command import main
+
+sys.exit(main())

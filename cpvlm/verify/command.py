@@ -1,0 +1,296 @@
+"""`cpvlm verify`: check a model's CP loss and gradients against the one-process run.
+
+Run it on your model config before a long job:
+
+    cpvlm verify --cp 2,4
+    cpvlm verify --model /path/to/checkpoint --cp 2 --dtype float64
+
+For each CP size and (attn, vision, flow, layout) combination it runs one synthetic batch
+(images of several sizes, a video, a text-only row) and one packed row of documents through
+``ContextParallelVLM`` on real gloo processes, sums the loss shares and gradients over the CP ranks,
+and compares them with the unwrapped model's own forward and backward on one process. It prints
+the largest relative gradient error of each module group and exits 1 if any error (or the loss
+difference) exceeds the dtype's tolerance, naming the group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from cpvlm import options
+from cpvlm.constants import ATTN_IMPLS, DTYPES
+from cpvlm.options import DEFAULTS
+from cpvlm.verify.batches import verify_batches
+from cpvlm.verify.compare import FLOAT32_IN_FLOAT64, compare, group_of, module_groups, tolerance
+from cpvlm.verify.reference import reference
+from cpvlm.verify.runner import run_distributed
+from cpvlm.verify.step import cp_loss_and_grads
+
+CHECKED_IMPLS = tuple(a for a in ATTN_IMPLS if a != "auto")  # auto picks one of these
+
+
+@dataclass(frozen=True)
+class Case:
+    cp: int
+    attn: str
+    vision: str
+    flow: str
+    batch: str
+    ulysses_size: int | None = None
+    layout: str = DEFAULTS.layout
+
+    @property
+    def attn_label(self) -> str:
+        u = self.ulysses_size
+        return self.attn if u is None else f"{self.attn} {u}x{self.cp // u}"
+
+    def __str__(self) -> str:
+        return (
+            f"cp={self.cp} attn={self.attn_label} vision={self.vision} flow={self.flow} "
+            f"layout={self.layout} batch={self.batch}"
+        )
+
+
+def hybrid_size(cp: int, ulysses_size: int | None) -> int:
+    """The Ulysses size of a hybrid check at ``cp``: the one given, else cp's smallest divisor
+    above 1 (2 for even cp)."""
+    if ulysses_size is not None:
+        return ulysses_size
+    return next(u for u in range(2, cp + 1) if cp % u == 0) if cp > 1 else 1
+
+
+# ---- the CP side (runs on every rank) -------------------------------------------------------
+
+
+def default_cp_model(model, group, attn: str, vision: str, flow: str, **kwargs):
+    from cpvlm.integrations.hf import ContextParallelVLM
+
+    return ContextParallelVLM(model, group, attn=attn, vision=vision, flow=flow, **kwargs)
+
+
+def _cp_rank_main(rank, world_size, model_spec, dtype, cases, factory):
+    from cpvlm.integrations.hf import build_model, kit_for
+
+    base = build_model(model_spec, dtype=dtype, seed=0)
+    if dtype == torch.float64:
+        kit_for(base).float64_islands(base)
+    batches = verify_batches(base, dtype)
+    results = []
+    for case in cases:
+        model = copy.deepcopy(base)
+        extra = {"layout": case.layout}
+        if case.ulysses_size is not None:
+            extra["ulysses_size"] = case.ulysses_size
+        cp_model = factory(model, dist.group.WORLD, case.attn, case.vision, case.flow, **extra)
+        batch, doc_lens = batches[case.batch]
+        _, loss, grads = cp_loss_and_grads(cp_model, batch, doc_lens)
+        results.append((loss, grads) if rank == 0 else None)
+    return results
+
+
+def run_verify(
+    model_spec: str,
+    cps: Sequence[int],
+    attns: Sequence[str] = ("ring",),
+    visions: Sequence[str] = ("route",),
+    flows: Sequence[str] = ("scalable",),
+    dtype: str = "float64",
+    tol: float | None = None,
+    factory: Callable = default_cp_model,
+    timeout: float = 600.0,
+    out=sys.stdout,
+    ulysses_size: int | None = None,
+    layouts: Sequence[str] = (DEFAULTS.layout,),
+) -> bool:
+    """Run the checks and print the table; True when every error is within tolerance.
+
+    ``factory(model, group, attn, vision, flow, layout=...)`` builds the CP module on each rank
+    (with ``ulysses_size=`` too for "hybrid", see ``hybrid_size``); it must be importable (module
+    level). Tests pass a deliberately broken one to prove the check can fail. A (vision, flow)
+    pair that ``CPOptions`` rejects is skipped (all of them: ValueError).
+    """
+    from cpvlm.integrations.hf import build_model, kit_for
+
+    torch_dtype = getattr(torch, dtype)
+    model = build_model(model_spec, dtype=torch_dtype, seed=0)
+    kit = kit_for(model)
+    if torch_dtype == torch.float64:
+        kit.float64_islands(model)  # on the CP ranks' models too
+    groups = module_groups(model)
+    float32_groups = kit.float32_groups
+    zero = kit.zero_gradients
+    batches = verify_batches(model, torch_dtype)
+    refs = {name: reference(model, b, d) for name, (b, d) in batches.items()}
+    present = {group_of(n, groups) for n in refs["mixed"][1]}
+    labels = ["loss"] + [g for g, _ in groups if g in present]
+
+    skipped = {(v, f): options.problem(vision=v, flow=f) for f in flows for v in visions}
+    skipped = {pair: why for pair, why in skipped.items() if why is not None}
+    if len(skipped) == len(flows) * len(visions):
+        raise ValueError(f"run_verify: {next(iter(skipped.values()))}")
+    for (v, f), why in skipped.items():
+        print(f"skipped flow={f} vision={v}: {why}", file=out)
+    rows, failures = [], []
+    for cp in cps:
+        cases = [
+            Case(cp, a, v, f, b, hybrid_size(cp, ulysses_size) if a == "hybrid" else None, lay)
+            for f in flows
+            for v in visions
+            if (v, f) not in skipped
+            for a in attns
+            for lay in layouts
+            for b in batches
+        ]
+        per_rank = run_distributed(
+            _cp_rank_main, cp, model_spec, torch_dtype, cases, factory, timeout=timeout
+        )
+        for case, (loss, grads) in zip(cases, per_rank[0], strict=True):
+            errors = compare(loss, grads, *refs[case.batch], groups, zero)
+            tols = {g: tolerance(dtype, case.vision, tol, g, float32_groups) for g in errors}
+            rows.append((case, errors, tols))
+            failures += [(case, g, e, tols[g]) for g, e in errors.items() if not e <= tols[g]]
+
+    _print_table(rows, labels, dtype, model_spec, out)
+    for case, group, err, case_tol in failures:
+        print(f"FAIL {group}: relative error {err:.2e} > {case_tol:.0e} at {case}", file=out)
+    if not failures:
+        print(f"OK: the loss and every gradient are within tolerance ({dtype})", file=out)
+    return not failures
+
+
+def _print_table(rows, labels, dtype, model_spec, out) -> None:
+    head = ["cp", "attn", "vision", "flow", "layout", "batch", "tol", *labels]
+    table = [
+        [str(c.cp), c.attn_label, c.vision, c.flow, c.layout, c.batch, f"{t['loss']:.0e}"]
+        + [
+            f"{e.get(g, 0.0):.1e}" + ("*" if t.get(g, t["loss"]) != t["loss"] else "")
+            for g in labels
+        ]
+        for c, e, t in rows
+    ]
+    widths = [max(len(h), *(len(r[i]) for r in table)) for i, h in enumerate(head)]
+    print(f"cpvlm verify: {model_spec}, {dtype} (max relative error per module group)", file=out)
+    if any(t.get(g) != t["loss"] for _, _, t in rows for g in t):
+        print(
+            f"  * checked at {FLOAT32_IN_FLOAT64:.0e}: the model computes it in float32", file=out
+        )
+    elif dtype == "float64" and any(t["loss"] == FLOAT32_IN_FLOAT64 for _, _, t in rows):
+        print(
+            f"  tol {FLOAT32_IN_FLOAT64:.0e}: the model computes a part in float32 (replicate "
+            "mode, or a float32 router whose backward reaches every gradient)",
+            file=out,
+        )
+    print("  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True)), file=out)
+    for r, (_, errors, t) in zip(table, rows, strict=True):
+        bad = any(not e <= t[g] for g, e in errors.items())
+        line = "  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True))
+        print(line + ("  <- FAIL" if bad else ""), file=out)
+
+
+def _csv(kind):
+    def parse(text: str):
+        values = [kind(v) for v in text.split(",") if v]
+        if not values:
+            raise argparse.ArgumentTypeError("expected a comma-separated list")
+        return values
+
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default="qwen3-vl-tiny",
+        help="a tiny model of a supported family (<family>-tiny; an unknown name lists them) or a "
+        "local checkpoint directory",
+    )
+    parser.add_argument(
+        "--cp", type=_csv(int), default="2,4", help="CP sizes to check, comma-separated"
+    )
+    # --attn, --vision, --flow, --layout, --ulysses-size: every combination is checked
+    options.add_arguments(
+        parser,
+        lists=True,
+        attn=CHECKED_IMPLS,
+        defaults={"attn": CHECKED_IMPLS},
+        ulysses_help="--attn hybrid: ranks per Ulysses group, a divisor of every --cp "
+        "(default: the smallest divisor above 1 of each)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="float64",
+        help="model and compute dtype; tolerance float64 1e-10, float32 1e-5, bfloat16 5e-2",
+    )
+    parser.add_argument(
+        "--tol",
+        type=float,
+        default=None,
+        help="relative error allowed, a finite number > 0 (default: the dtype's)",
+    )
+
+
+def _check_args(args) -> str | None:
+    """The first problem with the flags, or None. The CP options are ``CPOptions``' to judge:
+    every --cp size, --ulysses-size at each (with hybrid), and at least one (vision, flow) pair
+    it accepts (``run_verify`` skips the others)."""
+    u = args.ulysses_size
+    if "hybrid" in args.attn:
+        checks = [dict(cp_size=c, attn="hybrid", ulysses_size=hybrid_size(c, u)) for c in args.cp]
+    else:
+        checks = [dict(cp_size=c, attn=args.attn[0], ulysses_size=u) for c in args.cp]
+    for why in (options.problem(**fields) for fields in checks):
+        if why is not None:
+            return why
+    pairs = [options.problem(vision=v, flow=f) for f in args.flow for v in args.vision]
+    if all(pairs):
+        return pairs[0]
+    if args.tol is not None and not (math.isfinite(args.tol) and args.tol > 0):
+        return f"--tol must be a finite number > 0, got {args.tol}"
+    try:
+        from cpvlm.train.launcher import model_config
+
+        model_config(args.model)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from cpvlm.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(
+        prog="cpvlm verify",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=HelpFormatter,
+    )
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    problem = _check_args(args)
+    if problem is not None:
+        parser.error(problem)
+    torch.set_num_threads(1)
+    ok = run_verify(
+        args.model,
+        args.cp,
+        args.attn,
+        args.vision,
+        args.flow,
+        args.dtype,
+        args.tol,
+        ulysses_size=args.ulysses_size,
+        layouts=args.layout,
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
