@@ -118,6 +118,7 @@ def _reference(kind):
     return loss, grads, aux
 
 
+@pytest.mark.float64_family
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("kind", ["mixed", "packed"])
 def test_router_loss_and_every_gradient_match_one_process(kind, cp):

@@ -18,10 +18,10 @@ The vision tower is Qwen3-VL's without deepstack (``pooler_output`` only); video
 timestamps as in Qwen3-VL. Qwen3.5-MoE adds Qwen3-VL-MoE's router load-balancing loss.
 
 Precision: transformers' torch fallback casts the delta rule and the decay to float32 whatever
-the model's dtype, and ``Qwen3_5RMSNorm`` sums its weight gradients in float32. Under CP a
-float64 model runs the delta rule and the decay in float64 (float32 and bfloat16 models in
-float32, as transformers). ``float64_islands`` reads transformers' own code for those three in
-float64, so that ``cpvlm verify`` and the tests compare float64 with float64 at 1e-10; against the
+the model's dtype, ``Qwen3_5RMSNorm`` sums its weight gradients in float32, and the gated output
+norm runs in float32. Under CP a float64 model runs the delta rule and the decay in float64
+(float32 and bfloat16 models in float32, as transformers). ``float64_islands`` reads
+transformers' own code for those four in float64, so that ``cpvlm verify`` and the tests compare float64 with float64 at 1e-10; against the
 unchanged float64 model the CP gradients differ by transformers' float32 round-off (measured
 <= 6e-6 on the tiny model, tests/hf/test_qwen3_5.py).
 """
@@ -35,10 +35,15 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from transformers import Qwen3_5Config, Qwen3_5MoeConfig
-from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet, Qwen3_5RMSNorm
+from transformers.models.qwen3_5.modeling_qwen3_5 import (
+    Qwen3_5GatedDeltaNet,
+    Qwen3_5RMSNorm,
+    Qwen3_5RMSNormGated,
+)
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
     Qwen3_5MoeGatedDeltaNet,
     Qwen3_5MoeRMSNorm,
+    Qwen3_5MoeRMSNormGated,
 )
 
 from cpvlm.attention.linear import cp_causal_conv1d, cp_gated_delta_rule
@@ -123,13 +128,13 @@ CP_LINEAR_ATTENTION = {
 
 @functools.cache
 def _float64_forwards(module_cls: type) -> Callable:
-    """transformers' forward of a Gated DeltaNet or RMSNorm class with its float32 casts read as
-    float64 (the delta rule's too); for a Gated DeltaNet, a CP forward (``cpvlm_cp`` given, the
-    class swapped by ``install_context_parallel``) is left as it is."""
+    """transformers' forward of a Gated DeltaNet or (gated) RMSNorm class with its float32 casts
+    read as float64 (the delta rule's too); for a Gated DeltaNet, a CP forward (``cpvlm_cp``
+    given, the class swapped by ``install_context_parallel``) is left as it is."""
     from cpvlm.integrations.hf.float64 import float64_twin
 
     hf = sys.modules[module_cls.__module__]
-    if issubclass(module_cls, (Qwen3_5RMSNorm, Qwen3_5MoeRMSNorm)):
+    if not issubclass(module_cls, (Qwen3_5GatedDeltaNet, Qwen3_5MoeGatedDeltaNet)):
         return float64_twin(module_cls.forward)
     own = float64_twin(
         module_cls.forward,
@@ -147,11 +152,22 @@ def _float64_forwards(module_cls: type) -> Callable:
 FLOAT64_ISLANDS = (
     Qwen3_5GatedDeltaNet,
     Qwen3_5RMSNorm,
+    Qwen3_5RMSNormGated,
     Qwen3_5MoeGatedDeltaNet,
     Qwen3_5MoeRMSNorm,
+    Qwen3_5MoeRMSNormGated,
 )
 """Where a float64 Qwen3.5 rounds to float32: the torch delta rule (all of it) and the decay
-(``A_log.float()``), and ``Qwen3_5RMSNorm``'s ``(1 + w)`` (weight gradients summed in float32)."""
+(``A_log.float()``), ``Qwen3_5RMSNorm``'s ``(1 + w)`` (weight gradients summed in float32), and
+the Gated DeltaNet's output norm ``Qwen3_5RMSNormGated`` (the norm and its gate's ``silu`` in
+float32). The gate's float32 ``silu`` is not even the same function on every element: ATen's
+AVX2/AVX-512 kernels compute a tensor's last elements (fewer than 2 vector widths) with the scalar
+formula, whose result differs from the vectorised one in the last float32 bit for ~4% of inputs
+(none under ``ATEN_CPU_CAPABILITY=default``), and a CP shard ends elsewhere than the one-process
+run's tensor. The linear-attention gradients move by up to 1.5e-7 (relative) between this norm in
+float32 and in float64, so a few such elements put the conv weight's gradient at 4e-10 on an
+AVX-512 machine, whose 32-element step leaves 16 of a token's 48 gate values to the scalar
+formula; in float64 the same effect is float64 round-off."""
 
 
 # ---- tiny configs --------------------------------------------------------------------------------
