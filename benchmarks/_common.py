@@ -1,5 +1,6 @@
 """What every benchmark script shares: its output folder, a printed table, the JSON file, a plot
-when matplotlib is there, CPU/wall clocks, the core count, and the offline unshard."""
+when matplotlib is there, CPU/wall clocks, the core count. (The offline unshard is
+``cpvlm.testing.attention_check.unshard``.)"""
 
 from __future__ import annotations
 
@@ -9,12 +10,8 @@ import os
 import platform
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from cpvlm import ShardPlan
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -66,17 +63,6 @@ class Clock:
 def max_over_mean(values) -> float:
     values = list(values)
     return max(values) / (sum(values) / len(values))
-
-
-def unshard(plan: ShardPlan, shards: list[torch.Tensor], seq_dim: int) -> torch.Tensor:
-    """The full padded tensor from every rank's shard (in rank order), zero at padding; offline,
-    in one process (``ShardPlan.unshard`` is the collective)."""
-    shape = list(shards[0].shape)
-    shape[seq_dim] = plan.padded_len
-    full = shards[0].new_zeros(shape)
-    for r, shard in enumerate(shards):
-        full.index_copy_(seq_dim, plan.indices(r), shard)
-    return full
 
 
 def print_table(rows: list[dict], columns: list[str], title: str = "") -> None:

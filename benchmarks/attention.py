@@ -49,7 +49,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import Clock, parser, print_table, unshard, write_json
+from _common import Clock, parser, print_table, write_json
 
 from cpvlm import ShardPlan
 from cpvlm.attention import (
@@ -65,6 +65,7 @@ from cpvlm.attention import block as attn_block
 from cpvlm.attention import ring as attn_ring
 from cpvlm.distributed import compat
 from cpvlm.testing import rel_err, run_distributed
+from cpvlm.testing.attention_check import unshard
 
 B, HQ, HKV, D = 1, 8, 2, 64
 CP = 2

@@ -26,7 +26,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from _common import Clock, parser, print_table, unshard, write_json
+from _common import Clock, parser, print_table, write_json
 
 from cpvlm import ShardPlan
 from cpvlm.attention.linear import cp_causal_conv1d, cp_gated_delta_rule
@@ -34,6 +34,7 @@ from cpvlm.attention.linear import delta_rule as dr
 from cpvlm.attention.linear.conv import halo_plan
 from cpvlm.distributed.collectives import all_gather_dim0, reduce_scatter_dim0
 from cpvlm.testing import rel_err, run_distributed
+from cpvlm.testing.attention_check import unshard
 
 B, HK, HV, DK, DV, WIDTH = 1, 2, 4, 128, 128, 4
 CHANNELS = 2 * HK * DK + HV * DV
