@@ -10,6 +10,20 @@ def _stop_worker_pools():
     shutdown_pools()
 
 
+@pytest.fixture
+def no_training_process(monkeypatch):
+    """``cpvlm train`` parses and validates, but a launch of training processes fails the test (and
+    no launcher's rank variables leak in from the environment)."""
+    from cpvlm.train import launcher
+
+    def trap(config):
+        raise AssertionError(f"a training process was started for {config}")
+
+    monkeypatch.setattr(launcher, "launch_local", trap)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -8,7 +8,6 @@ import pytest
 import torch.distributed as dist
 
 from cpvlm.options import DEFAULTS, CPOptions, problem
-from cpvlm.train import launcher
 from cpvlm.train.command import build_parser as train_parser
 from cpvlm.train.command import main as train_main
 from cpvlm.train.config import ParallelConfig
@@ -40,14 +39,7 @@ def _exit(main, argv) -> int:
         return stop.code
 
 
-@pytest.fixture(autouse=True)
-def _no_process_may_start(monkeypatch):
-    def trap(config):
-        raise AssertionError(f"a training process was started for {config}")
-
-    monkeypatch.setattr(launcher, "launch_local", trap)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
+pytestmark = pytest.mark.usefixtures("no_training_process")
 
 
 def _library_messages(rank, world_size, cases):

@@ -12,15 +12,7 @@ from cpvlm.cli import main as cpvlm_main
 from cpvlm.train import TrainConfig, launcher
 from cpvlm.train.command import main as train_main
 
-
-@pytest.fixture(autouse=True)
-def _no_process_may_start(monkeypatch):
-    def trap(config):
-        raise AssertionError(f"a training process was started for {config}")
-
-    monkeypatch.setattr(launcher, "launch_local", trap)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
+pytestmark = pytest.mark.usefixtures("no_training_process")
 
 
 def _error(capsys, argv) -> str:
