@@ -1,4 +1,4 @@
-"""The ``cpvlm`` command: ``cpvlm train``, ``cpvlm verify`` and ``cpvlm export``.
+"""The ``cpvlm`` command: ``cpvlm train``, ``cpvlm prepare``, ``cpvlm verify``, ``cpvlm export``.
 
 A subcommand is a module with ``main(argv) -> exit code`` that parses its own flags; it is
 imported only when it runs, so ``cpvlm train --help`` and flag errors do not wait for torch.
@@ -15,6 +15,10 @@ SUBCOMMANDS = {
     "train": (
         "cpvlm.train.command",
         "train a VLM with context parallelism (synthetic data by default)",
+    ),
+    "prepare": (
+        "cpvlm.train.prepare",
+        "tokenize and plan a dataset once, for cpvlm train --data FOLDER",
     ),
     "verify": (
         "cpvlm.verify",

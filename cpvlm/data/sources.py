@@ -12,6 +12,8 @@ without a path refer to in order) or an already tokenized sample (``{"input_ids"
 - a folder written by ``datasets``' ``save_to_disk`` (a ``DatasetDict`` needs a ``train`` split),
   or ``.parquet`` files (a file or a folder of them): rows as records, read through Arrow so that
   image columns stay undecoded ``{"bytes", "path"}`` until a rank decodes the images it encodes.
+- a folder written by ``cpvlm prepare`` (``cpvlm.data.prepared``): samples planned once, read
+  back without the tokenizer.
 - ``pkg.module:function``: ``function(**kwargs)`` with ``--data-arg key=value`` pairs (values
   parsed as JSON where they parse, else strings) and, if it takes them, ``model_config=`` and
   ``seed=``. The current directory is importable, as under ``python -m``. It returns a sequence,
@@ -32,6 +34,7 @@ from pathlib import Path
 from cpvlm.data.errors import DataError
 
 DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+PREPARED_MANIFEST = "prepared.json"  # cpvlm.data.prepared.MANIFEST
 
 
 @dataclass(frozen=True)
@@ -183,20 +186,24 @@ def _call_function(spec: str, data_args: Mapping, model_config, seed: int) -> Ob
 
 
 def source_kind(spec: str) -> str:
-    """``"jsonl"``, ``"datasets"``, ``"parquet"`` or ``"function"`` for a ``--data`` value."""
+    """``"jsonl"``, ``"datasets"``, ``"parquet"``, ``"prepared"`` or ``"function"`` for a
+    ``--data`` value."""
     path = Path(spec)
     if path.is_file() and path.suffix == ".jsonl":
         return "jsonl"
     if path.is_file() and path.suffix == ".parquet":
         return "parquet"
     if path.is_dir():
+        if (path / PREPARED_MANIFEST).is_file():
+            return "prepared"
         if any((path / m).is_file() for m in DATASET_MARKERS):
             return "datasets"
         if any(path.glob("*.parquet")):
             return "parquet"
         raise ValueError(
             f"--data {spec}: a folder without a datasets save_to_disk layout "
-            f"({', '.join(DATASET_MARKERS)}) or .parquet files"
+            f"({', '.join(DATASET_MARKERS)}), .parquet files or a cpvlm prepare folder "
+            f"({PREPARED_MANIFEST})"
         )
     if ":" in spec and not path.exists():
         return "function"
@@ -212,6 +219,10 @@ def open_source(spec: str, *, data_args: Mapping = (), model_config=None, seed: 
         return JsonlSource(spec)
     if kind == "function":
         return _call_function(spec, dict(data_args), model_config, seed)
+    if kind == "prepared":
+        from cpvlm.data.prepared import PreparedSource
+
+        return PreparedSource(spec)
     path = Path(spec)
     table = _datasets_table(path) if kind == "datasets" else _parquet_table(path)
     base = path.resolve() if path.is_dir() else path.resolve().parent

@@ -102,7 +102,8 @@ def _data_flags(g, d: DataConfig) -> None:
         "--data",
         default=d.source,
         help="'synthetic', a .jsonl file of conversations, a datasets save_to_disk folder, "
-        ".parquet files, or pkg.module:function (see cpvlm/data/sources.py)",
+        ".parquet files, a cpvlm prepare folder, or pkg.module:function (see "
+        "cpvlm/data/sources.py)",
     )
     g.add_argument(
         "--data-arg",

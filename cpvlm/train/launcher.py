@@ -180,6 +180,10 @@ def _check_data(config: TrainConfig, mc) -> None:
             f"processor, but --model {config.model.name} is not a checkpoint directory with one "
             "(tokenizer, chat template, image processor); pass --model DIR"
         )
+    if kind == "prepared":
+        from cpvlm.train.prepare import check_prepared_spec
+
+        check_prepared_spec(config, mc)
 
 
 def prepare(

@@ -30,6 +30,7 @@ from cpvlm.data import (
     parse_data_args,
     plan_tokenized,
 )
+from cpvlm.data.prepared import PreparedSource
 from cpvlm.data.sources import ObjectSource
 from cpvlm.train.config import TrainConfig
 
@@ -80,8 +81,9 @@ def build_source(config: TrainConfig, model_config):
     )
 
 
-def build_encoder(config: TrainConfig, model_config):
-    """``(plan, decode, temporal patch)``: the checkpoint's processor, or tokenized samples only."""
+def build_encoder(config: TrainConfig, model_config, source=None):
+    """``(plan, decode, temporal patch)``: the checkpoint's processor, or tokenized samples only;
+    a prepared ``source`` (``cpvlm prepare``) plans from its columns, if its key is this run's."""
     if not has_processor(config.model.name):
         return (*_tokenized_only(token_ids(model_config)), 2)
     from cpvlm.integrations.hf.processor import ChatEncoder
@@ -96,14 +98,21 @@ def build_encoder(config: TrainConfig, model_config):
         video_min_pixels=d.video_min_pixels,
         video_max_pixels=d.video_max_pixels,
     )
-    return encoder.plan, encoder.decode, encoder.video.temporal_patch_size
+    plan = encoder.plan
+    if isinstance(source, PreparedSource):
+        from cpvlm.train.prepare import check_prepared
+
+        check_prepared(source, encoder, model_config, d)
+        plan = source.plan
+    return plan, encoder.decode, encoder.video.temporal_patch_size
 
 
 def build_loader(config: TrainConfig, model_config, groups, *, assign, state=None) -> RankLoader:
     d = config.data
-    plan, decode, temporal_patch = build_encoder(config, model_config)
+    source = build_source(config, model_config)
+    plan, decode, temporal_patch = build_encoder(config, model_config, source)
     stream = RowStream(
-        build_source(config, model_config),
+        source,
         plan,
         seq_len=d.seq_len,
         window=d.pack_window,

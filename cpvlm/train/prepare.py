@@ -1,0 +1,460 @@
+"""``cpvlm prepare``: tokenize and plan a dataset once, for every later ``cpvlm train``.
+
+    cpvlm prepare --model CKPT --data train.jsonl --out train.prepared
+    cpvlm train   --model CKPT --data train.prepared --cp 2 ...
+
+Every record of ``--data`` is planned with the checkpoint's processor as ``cpvlm train`` plans it
+(chat template, tokenizer, grids from the image headers; no pixels), on all cores, and written to
+a folder that ``cpvlm train --data`` reads without a tokenizer (the format:
+``cpvlm.data.prepared``). Training from it gives the same rows, losses and bad-sample reports as
+training from the source: the same records in the same order, the failed ones kept with their
+error. Images and videos stay references to their files (or bytes) and are decoded at training
+time by the rank that encodes them, so the source's media must stay where they are.
+
+The folder is keyed by what produced it: the processor class, hashes of the tokenizer files, the
+processor configs and the chat template, the model's token ids, ``--train-on`` and the pixel
+limits. ``cpvlm train`` refuses a folder whose key differs from its own ``--model`` and flags,
+naming each field that differs. An interrupted ``prepare`` keeps its finished shards; the same
+command again resumes from the missing ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+from collections import Counter
+from pathlib import Path
+
+from cpvlm.data.errors import DataError
+from cpvlm.data.prepared import (
+    FORMAT_VERSION,
+    SHARDS,
+    PreparedSource,
+    is_prepared,
+    key_differences,
+    plan_row,
+    read_manifest,
+    shard_path,
+    write_manifest,
+    write_shard,
+)
+
+DEFAULT_SHARD_SIZE = 1024
+PIXEL_FLAGS = ("min_pixels", "max_pixels", "video_min_pixels", "video_max_pixels")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+PROCESSOR_FILES = (
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "processor_config.json",
+)
+PIXEL_HELP = {
+    "min_pixels": "images: fewest pixels after resizing",
+    "max_pixels": "images: most pixels after resizing",
+    "video_min_pixels": "videos: fewest pixels",
+    "video_max_pixels": "videos: most pixels",
+}
+FLAGS = {"train_on": "--train-on", **{k: "--" + k.replace("_", "-") for k in PIXEL_FLAGS}}
+
+
+def _hash_files(folder: Path, names: tuple[str, ...]) -> str:
+    """sha256 over the files that exist; JSON parsed and written canonically, without its
+    ``chat_template`` (hashed on its own, so that a template change is named as one)."""
+    h = hashlib.sha256()
+    for name in names:
+        path = folder / name
+        if not path.is_file():
+            continue
+        data = path.read_bytes()
+        if name.endswith(".json"):
+            value = json.loads(data)
+            if isinstance(value, dict):
+                value.pop("chat_template", None)
+            data = json.dumps(value, sort_keys=True).encode()
+        h.update(name.encode() + b"\0" + data + b"\0")
+    return h.hexdigest()[:16]
+
+
+def prepared_key(encoder, model_config, data) -> dict:
+    """What produced the plans of ``encoder`` (a ``ChatEncoder``) under the ``DataConfig``
+    ``data``: two runs with equal keys plan every record identically."""
+    ids = encoder.ids
+    return {
+        "format": FORMAT_VERSION,
+        "processor": type(encoder.processor).__name__,
+        "processor_config": _hash_files(encoder.model_dir, PROCESSOR_FILES),
+        "tokenizer": _hash_files(encoder.model_dir, TOKENIZER_FILES),
+        "chat_template": hashlib.sha256(encoder.chat_template.encode()).hexdigest()[:16],
+        "model_type": model_config.model_type,
+        "token_ids": [ids.image, ids.video, ids.merge, ids.vocab_size, ids.pixel_width],
+        **{name: getattr(data, name) for name in ("train_on", *PIXEL_FLAGS)},
+    }
+
+
+def _source_fingerprint(spec: str, data_args) -> dict:
+    """The source a cache was made from: its name, and the names, sizes and times of its files."""
+    path = Path(spec)
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    h = hashlib.sha256()
+    for f in files if path.exists() else []:
+        st = f.stat()
+        h.update(
+            f"{f.relative_to(path) if path.is_dir() else f.name}:{st.st_size}:{st.st_mtime_ns};".encode()
+        )
+    name = str(path.resolve()) if path.exists() else spec
+    return {"data": name, "data_args": list(data_args), "files": h.hexdigest()[:16]}
+
+
+def _encoder(model: str, data):
+    """The checkpoint's config and ``ChatEncoder`` for the flags of ``data``."""
+    from transformers import AutoConfig
+
+    from cpvlm.integrations.hf import adapter_for
+    from cpvlm.integrations.hf.processor import ChatEncoder
+    from cpvlm.train.loader import has_processor
+
+    if not has_processor(model):
+        raise ValueError(
+            f"--model {model}: not a checkpoint directory with a tokenizer, chat template and "
+            "image processor; cpvlm prepare plans samples with the model's own processor"
+        )
+    config = AutoConfig.from_pretrained(model, local_files_only=True)
+    adapter_for(config)
+    kwargs = {name: getattr(data, name) for name in ("train_on", *PIXEL_FLAGS)}
+    return config, ChatEncoder(model, config, **kwargs)
+
+
+def check_prepared(source: PreparedSource, encoder, model_config, data) -> None:
+    """Refuse a cache prepared with another processor, template or flags than this run's."""
+    diffs = key_differences(source.key, prepared_key(encoder, model_config, data))
+    if diffs:
+        named = [
+            f"{d.split(':')[0]} ({FLAGS[d.split(':')[0]]}){d[d.index(':') :]}"
+            if d.split(":")[0] in FLAGS
+            else d
+            for d in diffs
+        ]
+        raise ValueError(
+            f"data.source = {str(source.path)!r} (--data): prepared with --model "
+            f"{source.manifest.get('model')} and other processor files, template or flags than "
+            f"this run's ({'; '.join(named)}); train with the --model and flags it was prepared "
+            "with, or run cpvlm prepare again"
+        )
+
+
+def check_prepared_spec(config, model_config) -> None:
+    """``check_prepared`` for ``config.data.source`` (the launcher's check before any rank)."""
+    from cpvlm.integrations.hf.processor import ChatEncoder
+
+    d = config.data
+    try:
+        source = PreparedSource(d.source)
+    except ValueError as err:
+        raise ValueError(f"data.source {str(err).removeprefix('--data ')} (--data)") from None
+    kwargs = {name: getattr(d, name) for name in ("train_on", *PIXEL_FLAGS)}
+    check_prepared(source, ChatEncoder(config.model.name, model_config, **kwargs), model_config, d)
+
+
+# ---- the workers ---------------------------------------------------------------------------------
+
+_WORK: dict = {}  # per worker process: the encoder, source, output folder and sizes
+
+
+def _init(encoder, source, out: str, shard_size: int, samples: int) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    cost = encoder.adapter.vision_cost()
+    _WORK.update(
+        encoder=encoder,
+        source=source,
+        out=out,
+        shard_size=shard_size,
+        samples=samples,
+        cost=cost.unit_cost,
+    )
+
+
+def _prepare_shard(k: int) -> int:
+    """Plan the samples of shard ``k`` and write it; returns its sample count."""
+    w = _WORK
+    rows = []
+    for i in range(k * w["shard_size"], min(w["samples"], (k + 1) * w["shard_size"])):
+        where = f"sample {i}"
+        try:
+            record = w["source"][i]
+            where = record.where
+            result = w["encoder"].plan(record)
+        except DataError as err:
+            result = err
+            where = where if where != f"sample {i}" else (err.where or where)
+        rows.append(plan_row(i, where, result, w["cost"]))
+    write_shard(shard_path(w["out"], k), rows)
+    return len(rows)
+
+
+def _context():
+    import multiprocessing as mp
+
+    # fork: workers inherit the encoder and source without rebuilding them; elsewhere they are
+    # pickled (the ChatEncoder rebuilds itself from its arguments).
+    return mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+
+
+# ---- the command -------------------------------------------------------------------------------
+
+
+def prepare_dataset(
+    model: str,
+    data: str,
+    out: str | Path,
+    *,
+    data_args=(),
+    train_on: str = "assistant",
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+    video_min_pixels: int | None = None,
+    video_max_pixels: int | None = None,
+    workers: int | None = None,
+    shard_size: int | None = None,
+    overwrite: bool = False,
+    progress: bool | None = None,
+) -> dict:
+    """Write (or finish) the prepared folder ``out``; returns its manifest."""
+    from tqdm import tqdm
+
+    from cpvlm.data import open_source, parse_data_args
+    from cpvlm.train.config import DataConfig
+
+    flags = DataConfig(
+        source=data,
+        data_args=tuple(data_args),
+        train_on=train_on,
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+        video_min_pixels=video_min_pixels,
+        video_max_pixels=video_max_pixels,
+    )  # the train flags' validation
+    if shard_size is not None and (not isinstance(shard_size, int) or shard_size < 1):
+        raise ValueError(f"--shard-size {shard_size}: must be a positive integer")
+    workers = workers or os.cpu_count() or 1
+    model_config, encoder = _encoder(model, flags)
+    source = open_source(data, data_args=parse_data_args(data_args), model_config=model_config)
+    if isinstance(source, PreparedSource):
+        raise ValueError(f"--data {data}: already a prepared folder")
+    if getattr(source, "endless", False) or not hasattr(source, "__len__"):
+        raise ValueError(f"--data {data}: an endless source cannot be prepared")
+    key = prepared_key(encoder, model_config, flags)
+    origin = _source_fingerprint(data, data_args)
+    out = Path(out)
+    if is_prepared(out):
+        old = read_manifest(out)
+        diffs = key_differences(old.get("key", {}), key)
+        if old.get("source") != origin or old.get("samples") != len(source):
+            diffs.append(f"source: prepared from {old.get('source')}, now {origin}")
+        if shard_size is not None and old.get("shard_size") != shard_size:
+            diffs.append(f"shard_size: {old.get('shard_size')}, now {shard_size}")
+        if diffs and not overwrite:
+            raise ValueError(
+                f"--out {out}: holds a prepared dataset made otherwise ({'; '.join(diffs)}); "
+                "pass --overwrite to replace it, or choose another --out"
+            )
+        if diffs:
+            shutil.rmtree(out / SHARDS, ignore_errors=True)
+        else:
+            shard_size = old["shard_size"]
+            if old.get("complete"):
+                return old
+    elif out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise ValueError(
+                f"--out {out}: not empty and not a prepared dataset; choose another --out or "
+                "pass --overwrite"
+            )
+        shutil.rmtree(out)
+    shard_size = shard_size or DEFAULT_SHARD_SIZE
+    n = len(source)
+    manifest = {
+        "format": FORMAT_VERSION,
+        "key": key,
+        "source": origin,
+        "model": str(model),
+        "samples": n,
+        "shard_size": shard_size,
+        "complete": False,
+    }
+    (out / SHARDS).mkdir(parents=True, exist_ok=True)
+    for tmp in (out / SHARDS).glob("*.tmp"):  # half-written by an interrupted run
+        tmp.unlink()
+    write_manifest(out, manifest)
+    shards = -(-n // shard_size)
+    todo = [k for k in range(shards) if not shard_path(out, k).is_file()]
+    done = n - sum(min(n, (k + 1) * shard_size) - k * shard_size for k in todo)
+    args = (encoder, source, str(out), shard_size, n)
+    bar = tqdm(
+        total=n,
+        initial=done,
+        unit="sample",
+        desc="cpvlm prepare",
+        disable=None if progress is None else not progress,
+    )
+    with bar:
+        if workers == 1 or len(todo) <= 1:
+            _init(*args)
+            for k in todo:
+                bar.update(_prepare_shard(k))
+        else:
+            with _context().Pool(min(workers, len(todo)), _init, args) as pool:
+                for count in pool.imap_unordered(_prepare_shard, todo):
+                    bar.update(count)
+    manifest.update(complete=True, stats=_stats(out))
+    write_manifest(out, manifest)
+    return manifest
+
+
+def _stats(out: Path) -> dict:
+    import pyarrow as pa
+
+    tokens, longest, errors, macs = 0, 0, Counter(), 0
+    for path in sorted((out / SHARDS).glob("shard-*.arrow")):
+        table = pa.ipc.open_file(pa.memory_map(str(path))).read_all()
+        t = table.column("tokens").to_numpy()
+        tokens, longest = tokens + int(t.sum()), max(longest, int(t.max(initial=0)))
+        errors.update(r for r in table.column("error_reason").to_pylist() if r is not None)
+        macs += int(table.column("vision_macs").to_numpy().sum())
+    return {
+        "tokens": tokens,
+        "longest": longest,
+        "errors": dict(sorted(errors.items())),
+        "vision_macs": macs,
+    }
+
+
+DESCRIPTION = """\
+Tokenize and plan a dataset once (all cores), for every later cpvlm train:
+
+    cpvlm prepare --model CKPT --data train.jsonl --out train.prepared
+    cpvlm train   --model CKPT --data train.prepared --cp 2 ...
+
+Training from the folder gives the same rows and losses as training from --data, and starts
+without tokenizing. Images and videos stay references to their files, decoded at training time.
+cpvlm train refuses the folder with another --model processor, chat template, --train-on or
+pixel flag, naming what differs. Interrupted? Run the same command again: it resumes.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from cpvlm.cli import HelpFormatter
+    from cpvlm.constants import TRAIN_ON
+
+    p = argparse.ArgumentParser(
+        prog="cpvlm prepare", description=DESCRIPTION, formatter_class=HelpFormatter
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        metavar="DIR",
+        help="checkpoint directory whose processor (tokenizer, chat template, image "
+        "processor) plans the samples; cpvlm train --data OUT needs the same one",
+    )
+    p.add_argument(
+        "--data",
+        required=True,
+        help="a .jsonl file of conversations, a datasets save_to_disk folder, .parquet "
+        "files, or pkg.module:function (as cpvlm train --data)",
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="folder to write (or to finish)")
+    p.add_argument(
+        "--data-arg",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="keyword argument of a pkg.module:function source (repeatable)",
+    )
+    g = p.add_argument_group("planning flags (part of the key: cpvlm train must pass the same)")
+    g.add_argument(
+        "--train-on",
+        default="assistant",
+        choices=TRAIN_ON,
+        help="conversations: labels on the assistant turns only, or on all text",
+    )
+    for name in PIXEL_FLAGS:
+        g.add_argument(
+            FLAGS[name],
+            type=int,
+            default=None,
+            metavar="N",
+            help=f"{PIXEL_HELP[name]} (default: the processor's)",
+        )
+    g = p.add_argument_group("work")
+    g.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="processes that plan shards (default: all cores)",
+    )
+    g.add_argument(
+        "--shard-size",
+        type=int,
+        metavar="N",
+        default=None,
+        help=f"samples per shard file, the unit of resuming (default: "
+        f"{DEFAULT_SHARD_SIZE}; on resume: the folder's)",
+    )
+    g.add_argument(
+        "--overwrite", action="store_true", help="replace an --out folder prepared otherwise"
+    )
+    g.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        default=None,
+        help="no progress bar (default: one on a terminal)",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    if a.workers is not None and a.workers < 1:
+        print(f"cpvlm prepare: error: --workers {a.workers}: must be 1 or more", file=sys.stderr)
+        return 2
+    try:
+        m = prepare_dataset(
+            a.model,
+            a.data,
+            a.out,
+            data_args=a.data_arg or (),
+            train_on=a.train_on,
+            min_pixels=a.min_pixels,
+            max_pixels=a.max_pixels,
+            video_min_pixels=a.video_min_pixels,
+            video_max_pixels=a.video_max_pixels,
+            workers=a.workers,
+            shard_size=a.shard_size,
+            overwrite=a.overwrite,
+            progress=a.progress,
+        )
+    except (ValueError, DataError) as err:
+        print(f"cpvlm prepare: error: {err}", file=sys.stderr)
+        return 2
+    s = m["stats"]
+    bad = ", ".join(f"{k} {v}" for k, v in s["errors"].items()) or "none"
+    print(
+        f"prepared {m['samples']} samples into {a.out}: {s['tokens']} tokens (longest "
+        f"{s['longest']}), bad samples: {bad}"
+    )
+    print(f"train:    cpvlm train --model {a.model} --data {a.out} ...")
+    return 0
