@@ -146,10 +146,10 @@ def check_prepared(source: PreparedSource, encoder, model_config, data) -> None:
             for d in diffs
         ]
         raise ValueError(
-            f"data.source = {str(source.path)!r} (--data): prepared with --model "
-            f"{source.manifest.get('model')} and other processor files, template or flags than "
-            f"this run's ({'; '.join(named)}); train with the --model and flags it was prepared "
-            "with, or run cpvlm prepare again"
+            f"data.source = {str(source.path)!r} (--data): prepared with another processor, "
+            f"chat template or flags than this run's (it was made with --model "
+            f"{source.manifest.get('model')}): {'; '.join(named)}; train with the --model and "
+            "flags it was prepared with, or run cpvlm prepare again"
         )
 
 
