@@ -62,10 +62,12 @@ def shard_path(path: str | Path, k: int) -> Path:
     return Path(path) / SHARDS / f"shard-{k:05d}.arrow"
 
 
-def key_differences(made: dict, wanted: dict) -> list[str]:
-    """``"field: made with A, this run B"`` for every key field that differs."""
+def key_differences(made: dict, wanted: dict, flags: dict[str, str] | None = None) -> list[str]:
+    """``"field (--flag): prepared with A, this run B"`` for every key field that differs."""
+    flags = flags or {}
     return [
-        f"{name}: prepared with {made.get(name)!r}, this run {wanted.get(name)!r}"
+        f"{name}{f' ({flags[name]})' if name in flags else ''}: prepared with "
+        f"{made.get(name)!r}, this run {wanted.get(name)!r}"
         for name in sorted(set(made) | set(wanted))
         if made.get(name) != wanted.get(name)
     ]

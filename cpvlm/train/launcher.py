@@ -181,7 +181,7 @@ def _check_data(config: TrainConfig, mc) -> None:
             "(tokenizer, chat template, image processor); pass --model DIR"
         )
     if kind == "prepared":
-        from cpvlm.train.prepare import check_prepared_spec
+        from cpvlm.integrations.hf.prepared_key import check_prepared_spec
 
         check_prepared_spec(config, mc)
 

@@ -100,7 +100,7 @@ def build_encoder(config: TrainConfig, model_config, source=None):
     )
     plan = encoder.plan
     if isinstance(source, PreparedSource):
-        from cpvlm.train.prepare import check_prepared
+        from cpvlm.integrations.hf.prepared_key import check_prepared
 
         check_prepared(source, encoder, model_config, d)
         plan = source.plan

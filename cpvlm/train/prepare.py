@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import shutil
 import sys
@@ -42,64 +41,15 @@ from cpvlm.data.prepared import (
     write_manifest,
     write_shard,
 )
+from cpvlm.integrations.hf.prepared_key import FLAGS, PIXEL_FLAGS, prepared_key
 
 DEFAULT_SHARD_SIZE = 1024
-PIXEL_FLAGS = ("min_pixels", "max_pixels", "video_min_pixels", "video_max_pixels")
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-)
-PROCESSOR_FILES = (
-    "preprocessor_config.json",
-    "video_preprocessor_config.json",
-    "processor_config.json",
-)
 PIXEL_HELP = {
     "min_pixels": "images: fewest pixels after resizing",
     "max_pixels": "images: most pixels after resizing",
     "video_min_pixels": "videos: fewest pixels",
     "video_max_pixels": "videos: most pixels",
 }
-FLAGS = {"train_on": "--train-on", **{k: "--" + k.replace("_", "-") for k in PIXEL_FLAGS}}
-
-
-def _hash_files(folder: Path, names: tuple[str, ...]) -> str:
-    """sha256 over the files that exist; JSON parsed and written canonically, without its
-    ``chat_template`` (hashed on its own, so that a template change is named as one)."""
-    h = hashlib.sha256()
-    for name in names:
-        path = folder / name
-        if not path.is_file():
-            continue
-        data = path.read_bytes()
-        if name.endswith(".json"):
-            value = json.loads(data)
-            if isinstance(value, dict):
-                value.pop("chat_template", None)
-            data = json.dumps(value, sort_keys=True).encode()
-        h.update(name.encode() + b"\0" + data + b"\0")
-    return h.hexdigest()[:16]
-
-
-def prepared_key(encoder, model_config, data) -> dict:
-    """What produced the plans of ``encoder`` (a ``ChatEncoder``) under the ``DataConfig``
-    ``data``: two runs with equal keys plan every record identically."""
-    ids = encoder.ids
-    return {
-        "format": FORMAT_VERSION,
-        "processor": type(encoder.processor).__name__,
-        "processor_config": _hash_files(encoder.model_dir, PROCESSOR_FILES),
-        "tokenizer": _hash_files(encoder.model_dir, TOKENIZER_FILES),
-        "chat_template": hashlib.sha256(encoder.chat_template.encode()).hexdigest()[:16],
-        "model_type": model_config.model_type,
-        "token_ids": [ids.image, ids.video, ids.merge, ids.vocab_size, ids.pixel_width],
-        **{name: getattr(data, name) for name in ("train_on", *PIXEL_FLAGS)},
-    }
 
 
 def _source_fingerprint(spec: str, data_args) -> dict:
@@ -135,46 +85,16 @@ def _encoder(model: str, data):
     return config, ChatEncoder(model, config, **kwargs)
 
 
-def check_prepared(source: PreparedSource, encoder, model_config, data) -> None:
-    """Refuse a cache prepared with another processor, template or flags than this run's."""
-    diffs = key_differences(source.key, prepared_key(encoder, model_config, data))
-    if diffs:
-        named = [
-            f"{d.split(':')[0]} ({FLAGS[d.split(':')[0]]}){d[d.index(':') :]}"
-            if d.split(":")[0] in FLAGS
-            else d
-            for d in diffs
-        ]
-        raise ValueError(
-            f"data.source = {str(source.path)!r} (--data): prepared with another processor, "
-            f"chat template or flags than this run's (it was made with --model "
-            f"{source.manifest.get('model')}): {'; '.join(named)}; train with the --model and "
-            "flags it was prepared with, or run cpvlm prepare again"
-        )
-
-
-def check_prepared_spec(config, model_config) -> None:
-    """``check_prepared`` for ``config.data.source`` (the launcher's check before any rank)."""
-    from cpvlm.integrations.hf.processor import ChatEncoder
-
-    d = config.data
-    try:
-        source = PreparedSource(d.source)
-    except ValueError as err:
-        raise ValueError(f"data.source {str(err).removeprefix('--data ')} (--data)") from None
-    kwargs = {name: getattr(d, name) for name in ("train_on", *PIXEL_FLAGS)}
-    check_prepared(source, ChatEncoder(config.model.name, model_config, **kwargs), model_config, d)
-
-
 # ---- the workers ---------------------------------------------------------------------------------
 
 _WORK: dict = {}  # per worker process: the encoder, source, output folder and sizes
 
 
-def _init(encoder, source, out: str, shard_size: int, samples: int) -> None:
-    import torch
+def _init(encoder, source, out: str, shard_size: int, samples: int, worker: bool = True) -> None:
+    if worker:
+        import torch
 
-    torch.set_num_threads(1)
+        torch.set_num_threads(1)  # one core per worker process
     cost = encoder.adapter.vision_cost()
     _WORK.update(
         encoder=encoder,
@@ -202,6 +122,13 @@ def _prepare_shard(k: int) -> int:
         rows.append(plan_row(i, where, result, w["cost"]))
     write_shard(shard_path(w["out"], k), rows)
     return len(rows)
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 def _context():
@@ -248,7 +175,7 @@ def prepare_dataset(
     )  # the train flags' validation
     if shard_size is not None and (not isinstance(shard_size, int) or shard_size < 1):
         raise ValueError(f"--shard-size {shard_size}: must be a positive integer")
-    workers = workers or os.cpu_count() or 1
+    workers = workers or _cores()
     model_config, encoder = _encoder(model, flags)
     source = open_source(data, data_args=parse_data_args(data_args), model_config=model_config)
     if isinstance(source, PreparedSource):
@@ -258,33 +185,12 @@ def prepare_dataset(
     key = prepared_key(encoder, model_config, flags)
     origin = _source_fingerprint(data, data_args)
     out = Path(out)
-    if is_prepared(out):
-        old = read_manifest(out)
-        diffs = key_differences(old.get("key", {}), key)
-        if old.get("source") != origin or old.get("samples") != len(source):
-            diffs.append(f"source: prepared from {old.get('source')}, now {origin}")
-        if shard_size is not None and old.get("shard_size") != shard_size:
-            diffs.append(f"shard_size: {old.get('shard_size')}, now {shard_size}")
-        if diffs and not overwrite:
-            raise ValueError(
-                f"--out {out}: holds a prepared dataset made otherwise ({'; '.join(diffs)}); "
-                "pass --overwrite to replace it, or choose another --out"
-            )
-        if diffs:
-            shutil.rmtree(out / SHARDS, ignore_errors=True)
-        else:
-            shard_size = old["shard_size"]
-            if old.get("complete"):
-                return old
-    elif out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise ValueError(
-                f"--out {out}: not empty and not a prepared dataset; choose another --out or "
-                "pass --overwrite"
-            )
-        shutil.rmtree(out)
-    shard_size = shard_size or DEFAULT_SHARD_SIZE
     n = len(source)
+    old = _existing(out, key, origin, n, shard_size, overwrite)
+    if old is not None and old.get("complete"):
+        return old
+    shard_size = old["shard_size"] if old is not None else shard_size
+    shard_size = shard_size or max(1, min(DEFAULT_SHARD_SIZE, -(-n // (4 * workers))))
     manifest = {
         "format": FORMAT_VERSION,
         "key": key,
@@ -311,9 +217,12 @@ def prepare_dataset(
     )
     with bar:
         if workers == 1 or len(todo) <= 1:
-            _init(*args)
-            for k in todo:
-                bar.update(_prepare_shard(k))
+            _init(*args, worker=False)
+            try:
+                for k in todo:
+                    bar.update(_prepare_shard(k))
+            finally:
+                _WORK.clear()
         else:
             with _context().Pool(min(workers, len(todo)), _init, args) as pool:
                 for count in pool.imap_unordered(_prepare_shard, todo):
@@ -321,6 +230,35 @@ def prepare_dataset(
     manifest.update(complete=True, stats=_stats(out))
     write_manifest(out, manifest)
     return manifest
+
+
+def _existing(out: Path, key, origin, n, shard_size, overwrite) -> dict | None:
+    """The manifest of the same preparation in ``out`` (to resume or to keep), or None where
+    there is none; a folder prepared otherwise is refused, or cleared under ``overwrite``."""
+    if not is_prepared(out):
+        if out.exists() and any(out.iterdir()):
+            if not overwrite:
+                raise ValueError(
+                    f"--out {out}: not empty and not a prepared dataset; choose another --out "
+                    "or pass --overwrite"
+                )
+            shutil.rmtree(out)
+        return None
+    old = read_manifest(out)
+    diffs = key_differences(old.get("key", {}), key, FLAGS)
+    if old.get("source") != origin or old.get("samples") != n:
+        diffs.append(f"source: prepared from {old.get('source')}, now {origin}")
+    if shard_size is not None and old.get("shard_size") != shard_size:
+        diffs.append(f"shard_size: {old.get('shard_size')}, now {shard_size}")
+    if not diffs:
+        return old
+    if not overwrite:
+        raise ValueError(
+            f"--out {out}: holds a prepared dataset made otherwise ({'; '.join(diffs)}); pass "
+            "--overwrite to replace it, or choose another --out"
+        )
+    shutil.rmtree(out / SHARDS, ignore_errors=True)
+    return None
 
 
 def _stats(out: Path) -> dict:
@@ -410,8 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         metavar="N",
         default=None,
-        help=f"samples per shard file, the unit of resuming (default: "
-        f"{DEFAULT_SHARD_SIZE}; on resume: the folder's)",
+        help=f"samples per shard file, the unit of resuming (default: {DEFAULT_SHARD_SIZE}, or "
+        "fewer so that each worker gets 4 shards; on resume: the folder's)",
     )
     g.add_argument(
         "--overwrite", action="store_true", help="replace an --out folder prepared otherwise"

@@ -48,14 +48,14 @@ def data(tmp_path_factory):
     return root, ckpt, jsonl, out
 
 
-def test_prepared_plans_and_meta_equal_planning_the_source(data):
+def _assert_same_plans(ckpt, source, prepared) -> dict[str, str]:
+    """Planning each record of ``source`` with the processor against the prepared plan and
+    meta; returns the bad samples' reasons by place."""
     from cpvlm.integrations.hf.processor import ChatEncoder
     from cpvlm.train.launcher import model_config
 
-    _, ckpt, jsonl, out = data
     encoder = ChatEncoder(ckpt, model_config(str(ckpt)))
-    source, prepared = open_source(str(jsonl)), open_source(str(out))
-    assert isinstance(prepared, PreparedSource) and len(prepared) == len(source) == 24
+    assert isinstance(prepared, PreparedSource) and len(prepared) == len(source)
     reasons = {}
     for i in range(len(source)):
         cached, record = prepared[i], None
@@ -80,8 +80,33 @@ def test_prepared_plans_and_meta_equal_planning_the_source(data):
         assert (plan.images, plan.videos) == (want.images, want.videos)
         grids = (tuple(it.grid for it in want.images), tuple(it.grid for it in want.videos))
         assert prepared.meta(i) == SampleMeta(len(want), *grids)
+    return reasons
+
+
+def test_prepared_plans_and_meta_equal_planning_the_source(data):
+    _, ckpt, jsonl, out = data
+    prepared = open_source(str(out))
+    reasons = _assert_same_plans(ckpt, open_source(str(jsonl)), prepared)
     assert reasons == {"train.jsonl line 6": "missing_media", "train.jsonl line 7": "bad_record"}
     assert sum(bool(prepared.meta(i).video_grids) for i in range(24) if i not in (5, 6)) >= 3
+
+
+def test_images_as_bytes_are_kept_in_the_prepared_folder(data, tmp_path):
+    """A parquet file whose images are encoded bytes (datasets' image column layout)."""
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    _, ckpt, jsonl, _ = data
+    rows = []
+    for line in jsonl.read_text().splitlines()[:5]:
+        record, images = json.loads(line), []
+        for c in record["messages"][0]["content"]:
+            if c["type"] == "image":
+                images.append({"bytes": (jsonl.parent / c.pop("image")).read_bytes(), "path": None})
+        rows.append({"messages": record["messages"], "images": images})
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    prepare_dataset(str(ckpt), str(tmp_path / "train.parquet"), tmp_path / "p", workers=1)
+    prepared = open_source(str(tmp_path / "p"))
+    assert _assert_same_plans(ckpt, open_source(str(tmp_path / "train.parquet")), prepared) == {}
+    assert any(it.image.data for i in range(5) for it in prepared.plan(prepared[i]).images)
 
 
 def test_train_from_prepared_equals_train_from_jsonl_cp2(data):
