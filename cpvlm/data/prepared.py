@@ -17,7 +17,7 @@ Legend: N samples of the source, L tokens of a sample, (t, h, w) an item's grid 
   training time as it would be from the source).
 
 A shard is written to a temporary name and renamed, so an interrupted ``prepare`` leaves whole
-shards only and resumes from the missing ones. ``PreparedSource`` memory-maps the shards:
+shards only and resumes from the missing ones. ``PreparedSource`` memory-maps each shard when first read:
 ``source[i]`` is a ``Record``, ``plan(record)`` rebuilds its ``SamplePlan`` from the columns
 (pixels are still decoded from the references, by the rank that encodes them), and
 ``meta(i)`` gives its ``SampleMeta`` from the length and grid columns alone.
@@ -214,8 +214,6 @@ class PreparedSource:
     """The samples of a ``cpvlm prepare`` folder (see the module docstring)."""
 
     def __init__(self, path: str | Path):
-        import pyarrow as pa
-
         self.path = Path(path)
         self.manifest = read_manifest(self.path)
         m = self.manifest
@@ -231,10 +229,12 @@ class PreparedSource:
             )
         self.key, self.num_samples, self.shard_size = m["key"], m["samples"], m["shard_size"]
         self.base_dir = None
-        self._shards = []
-        for k in range(-(-self.num_samples // self.shard_size)):
-            table = pa.ipc.open_file(pa.memory_map(str(shard_path(self.path, k)))).read_all()
-            self._shards.append(_Shard(table, table.column("where").to_pylist()))
+        self._shards: list[_Shard | None] = [None] * -(-self.num_samples // self.shard_size)
+        missing = [k for k in range(len(self._shards)) if not shard_path(path, k).is_file()]
+        if missing:
+            raise ValueError(
+                f"--data {path}: shard {missing[0]} is missing; run cpvlm prepare again"
+            )
 
     def __len__(self) -> int:
         return self.num_samples
@@ -242,7 +242,13 @@ class PreparedSource:
     def _locate(self, i: int) -> tuple[_Shard, int]:
         if not 0 <= i < self.num_samples:
             raise IndexError(f"sample {i} of {self.num_samples}")
-        return self._shards[i // self.shard_size], i % self.shard_size
+        k = i // self.shard_size
+        if self._shards[k] is None:  # memory-mapped on first use
+            import pyarrow as pa
+
+            table = pa.ipc.open_file(pa.memory_map(str(shard_path(self.path, k)))).read_all()
+            self._shards[k] = _Shard(table, table.column("where").to_pylist())
+        return self._shards[k], i % self.shard_size
 
     def __getitem__(self, i: int) -> Record:
         shard, r = self._locate(i)

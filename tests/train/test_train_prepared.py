@@ -101,6 +101,8 @@ def test_images_as_bytes_are_kept_in_the_prepared_folder(data, tmp_path):
         for c in record["messages"][0]["content"]:
             if c["type"] == "image":
                 images.append({"bytes": (jsonl.parent / c.pop("image")).read_bytes(), "path": None})
+            elif c["type"] == "video":
+                c["video"] = str(jsonl.parent / c["video"])
         rows.append({"messages": record["messages"], "images": images})
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
     prepare_dataset(str(ckpt), str(tmp_path / "train.parquet"), tmp_path / "p", workers=1)
