@@ -12,24 +12,38 @@ batch-size x grad-accum x dp samples. Writes Trainer's trainer_state.json and, a
 """
 
 import argparse
+import os
 
 import torch
-from transformers import Trainer, TrainingArguments  # noqa: F401  (the script's usual imports)
+from transformers import Trainer, TrainingArguments, set_seed  # noqa: F401  (the usual imports)
 
 from cpvlm.integrations.hf import SampleSpec, build_model, synthetic_batch
 from cpvlm.integrations.hf.trainer import ContextParallelTrainer  # cpvlm
 
 VISION_KEYS = ("pixel_values", "image_grid_thw")
+ANSWER = 3
 
 
-def synthetic_samples(config, count: int, dtype: torch.dtype) -> list[dict]:
+def synthetic_samples(config, count: int, dtype: torch.dtype, text_lens=None, seed=0) -> list[dict]:
     """``count`` one-row samples of different lengths, two of every three with an image."""
     samples = []
     for i in range(count):
         images = (((4, 4),), ((8, 4),), ())[i % 3]
-        spec = SampleSpec(images=images, text_len=10 + (7 * i) % 13)
-        batch = synthetic_batch(config, [spec], seed=i, dtype=dtype)
+        text_len = 10 + (7 * i) % 13 if text_lens is None else text_lens[i]
+        batch = synthetic_batch(
+            config, [SampleSpec(images, (), text_len)], seed=seed + i, dtype=dtype
+        )
         samples.append({k: v[0] if k not in VISION_KEYS else v for k, v in batch.items()})
+    return samples
+
+
+def eval_samples(config, dtype: torch.dtype) -> list[dict]:
+    """Two samples of different lengths scored on their answers, the last ``ANSWER`` tokens (so a
+    batch of both has padding, and at cp 2 the middle half of the sequence, one CP rank's share,
+    holds no label)."""
+    samples = synthetic_samples(config, 2, dtype, text_lens=(30, 27), seed=1000)
+    for s in samples:
+        s["labels"][: len(s["labels"]) - ANSWER] = -100
     return samples
 
 
@@ -69,6 +83,7 @@ def main() -> None:
     parser.add_argument("--lora-r", type=int, default=0, help="train a LoRA adapter of this rank")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--pack", action="store_true", help="pack each batch into one row")
+    parser.add_argument("--eval", action="store_true", help="evaluate before training")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
 
@@ -82,21 +97,26 @@ def main() -> None:
         save_strategy="no",
         report_to=[],
         remove_unused_columns=False,
+        per_device_eval_batch_size=max(1, 2 * args.cp // int(os.environ.get("WORLD_SIZE", 1))),
         seed=0,
         use_cpu=not torch.cuda.is_available(),  # gloo on CPU
     )
     model = build_model(args.model, dtype=dtype)
     if args.lora_r:
+        set_seed(training_args.seed)  # the adapter's random init, the same in every run
         model = lora(model, args.lora_r)
     pad_id = model.config.text_config.pad_token_id or 0
     trainer = ContextParallelTrainer(  # cpvlm (was: Trainer()
         model=model,
         args=training_args,
         train_dataset=synthetic_samples(model.config, args.samples, dtype),
+        eval_dataset=eval_samples(model.config, dtype) if args.eval else None,
         data_collator=lambda features: collate(features, pad_id),
         cp_size=args.cp,  # cpvlm
         pack=args.pack,
     )
+    if args.eval:
+        trainer.evaluate()  # eval_loss: the answers' token mean, in trainer_state.json
     trainer.train()
     trainer.save_state()  # trainer_state.json
     trainer.save_model()
