@@ -50,6 +50,15 @@ def conversations(count: int) -> Dataset:
     return Dataset.from_list(rows)
 
 
+def load_processor(path, model_config):
+    try:
+        return AutoProcessor.from_pretrained(path)
+    except ImportError:  # no torchvision for the video processor; cpvlm's needs none for images
+        from cpvlm.integrations.hf.processor import ChatEncoder
+
+        return ChatEncoder(path, model_config).processor
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="a checkpoint dir (default: a tiny one)")
@@ -96,16 +105,20 @@ def main() -> None:
         targets = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj)"
         peft_config = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules=targets)
     set_seed(config.seed)  # the adapter's random init, the same in every run
+    model = build_model(path, dtype=getattr(torch, args.dtype))
+    processor = load_processor(path, model.config)
     trainer = ContextParallelSFTTrainer(  # cpvlm (was: SFTTrainer()
-        model=build_model(path, dtype=getattr(torch, args.dtype)),
+        model=model,
         args=config,
         train_dataset=conversations(args.samples),
-        processing_class=AutoProcessor.from_pretrained(path),
+        processing_class=processor,
         peft_config=peft_config,
         cp_size=args.cp,  # cpvlm
     )
     trainer.train()
     trainer.save_state()  # trainer_state.json
+    if not hasattr(getattr(processor, "video_processor", processor), "save_pretrained"):
+        trainer.processing_class = processor.tokenizer  # cpvlm's stand-in cannot be saved
     trainer.save_model()
     trainer.accelerator.end_training()  # before exit: destroys the process group
 
