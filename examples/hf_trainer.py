@@ -83,7 +83,9 @@ def main() -> None:
     parser.add_argument("--lora-r", type=int, default=0, help="train a LoRA adapter of this rank")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--pack", action="store_true", help="pack each batch into one row")
-    parser.add_argument("--eval", action="store_true", help="evaluate before training")
+    parser.add_argument("--eval", action="store_true", help="evaluate after training")
+    parser.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps")
+    parser.add_argument("--resume", action="store_true", help="from the last checkpoint")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
 
@@ -94,7 +96,8 @@ def main() -> None:
         gradient_accumulation_steps=args.grad_accum,
         learning_rate=args.lr,
         logging_steps=1,
-        save_strategy="no",
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
         report_to=[],
         remove_unused_columns=False,
         per_device_eval_batch_size=max(1, 2 * args.cp // int(os.environ.get("WORLD_SIZE", 1))),
@@ -115,9 +118,9 @@ def main() -> None:
         cp_size=args.cp,  # cpvlm
         pack=args.pack,
     )
+    trainer.train(resume_from_checkpoint=args.resume or None)
     if args.eval:
         trainer.evaluate()  # eval_loss: the answers' token mean, in trainer_state.json
-    trainer.train()
     trainer.save_state()  # trainer_state.json
     trainer.save_model()
     trainer.accelerator.end_training()  # before exit: destroys the process group

@@ -4,14 +4,15 @@ through the examples a user copies, under torchrun on CPU (gloo), float64, tiny 
 Each configuration is one torchrun launch of an example, reused by every check on it. A run at
 cp 2 (dp 1) and at dp 2 x cp 2 (gradient accumulation halved: the same global batch of 4 rows)
 must log the same 3 losses in trainer_state.json and end with the same weights as the one-process
-run (cp 1); the evaluation before training (a padded batch whose middle half, CP rank 1's share,
-holds no label) must give the loss of the model's own forward (cpvlm.verify's reference).
+run (cp 1); the evaluation after training (a padded batch whose middle half, CP rank 1's share,
+holds no label) must give the loss of the saved model's own forward (cpvlm.verify's reference).
 Tolerance 1e-10 relative (DESIGN section 6): the runs add the same float64 terms in other orders
 (~1e-15 seen for the losses, ~1e-12 for weights after 3 Adam steps).
 """
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -38,10 +39,10 @@ def launch(tmp_path_factory):
     """``launch(example, nproc, *args)`` -> the output dir of that run (each run once)."""
     done = {}
 
-    def run(example: str, nproc: int, *args: str) -> Path:
-        key = (example, nproc, *args)
+    def run(example: str, nproc: int, *args: str, out: Path | None = None) -> Path:
+        key = (example, nproc, *args, out)
         if key not in done:
-            out = tmp_path_factory.mktemp(example.split(".")[0])
+            out = out or tmp_path_factory.mktemp(example.split(".")[0])
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
             cmd += [str(EXAMPLES / example), "--output-dir", str(out), "--dtype", "float64", *args]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -84,11 +85,11 @@ def _example_module():
 
 @pytest.mark.parametrize("family", ["qwen3-vl-tiny", "qwen2.5-vl-tiny"])
 def test_trainer_example_at_cp2_and_dp2_x_cp2_is_the_one_process_run(family, launch):
-    common = ("--model", family, "--eval")
+    common = ("--model", family, "--eval", "--save-steps", "2")
     ref = launch("hf_trainer.py", 1, "--cp", "1", "--grad-accum", "4", *common)
-    # The eval before training: its loss is the model's own token mean on the same batch.
+    # The eval after training: the loss of the saved model's own forward (from_pretrained).
     example = _example_module()
-    model = build_model(family, dtype=torch.float64)
+    model = build_model(str(ref), dtype=torch.float64)
     batch = example.collate(example.eval_samples(model.config, torch.float64))
     labels = shift_labels(batch["labels"])
     plan = ShardPlan(labels.shape[1], 2)
@@ -102,6 +103,16 @@ def test_trainer_example_at_cp2_and_dp2_x_cp2_is_the_one_process_run(family, lau
         assert rel_err(eval_loss, want) <= TOL, (nproc, cp, eval_loss, want)
         if nproc > 1:
             _assert_same_run(out, ref)
+
+
+def test_resume_from_checkpoint_continues_exactly(launch, tmp_path):
+    """Step 3 resumed from checkpoint-2 (weights, optimizer, scheduler, data position) at cp 2
+    ends where the uninterrupted run ends."""
+    common = ("--model", "qwen3-vl-tiny", "--eval", "--save-steps", "2")
+    whole = launch("hf_trainer.py", 2, "--cp", "2", "--grad-accum", "4", *common)
+    shutil.copytree(whole / "checkpoint-2", tmp_path / "checkpoint-2")
+    launch("hf_trainer.py", 2, "--cp", "2", "--grad-accum", "4", *common, "--resume", out=tmp_path)
+    _assert_same_run(tmp_path, whole)
 
 
 @pytest.mark.parametrize("lora", [(), ("--lora-r", "4")], ids=["full", "lora4"])
