@@ -1,0 +1,257 @@
+"""transformers.Trainer (and TRL's SFTTrainer) under cpvlm's context parallelism.
+
+A user's Trainer script gains CP by changing its trainer class and passing ``cp_size``::
+
+    from cpvlm.integrations.hf.trainer import ContextParallelTrainer
+    trainer = ContextParallelTrainer(model=model, args=args, ..., cp_size=2)
+
+(or ``class MyTrainer(ContextParallelMixin, SFTTrainer)`` for any Trainer subclass), launched
+with ``torchrun`` on ``dp x cp`` ranks, CP groups of ``cp`` consecutive ranks as in ``cpvlm
+train``. What changes inside the Trainer, and why:
+
+- The model runs as ``ContextParallelVLM`` (the HF model stays ``trainer.model``, so
+  ``save_model``, checkpoints and PEFT adapters are written as usual), wrapped in DDP over every
+  rank: the gradient of each CP rank's share is summed over CP, and DDP's mean over the world
+  becomes the Trainer's usual average because each share is multiplied by the world size, as
+  Trainer does with ``average_tokens_across_devices``.
+- Batches are sharded by DP rank, not by process: every CP rank of a replica loads the same one.
+- ``num_items_in_batch`` is N, the step's count of valid *shifted* labels (per packed document)
+  over every microbatch and DP replica (``cpvlm.loss.count_valid_labels``), so the loss of every
+  microbatch on every rank is its share of the one global token mean; the logged loss, the mean
+  of the ranks' ``share * world``, is that token mean.
+- ``pack=True``: each collated batch becomes one packed row with ``doc_lens`` (the rows' real
+  lengths), so documents attend only within themselves (``cp_attention``'s document mask).
+
+Evaluation runs under CP too, loss only (the logits are sharded over the CP ranks).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cpvlm.constants import IGNORE_INDEX
+from cpvlm.loss import count_valid_labels, shift_labels
+from cpvlm.options import CPOptions
+
+_SEQ_KEYS = ("input_ids", "labels", "mm_token_type_ids", "token_type_ids")
+
+
+def _fail(message: str):
+    raise ValueError(f"ContextParallelTrainer: {message}")
+
+
+def check_trainer_args(args, cp_size: int, world_size: int, compute_loss_func=None) -> None:
+    """Raise a ValueError naming the Trainer option that cannot work under cpvlm's CP."""
+    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
+        _fail(f"cp_size must be an int >= 1, got {cp_size!r}")
+    if world_size % cp_size:
+        _fail(
+            f"the world size {world_size} is not divisible by cp_size={cp_size}; launch "
+            f"dp x {cp_size} processes (torchrun --nproc-per-node), or choose a cp_size that "
+            f"divides {world_size}"
+        )
+    pc = getattr(args, "parallelism_config", None)
+    if pc is not None and any(getattr(pc, f"{k}_size", 1) > 1 for k in ("cp", "sp", "tp")):
+        _fail(
+            "TrainingArguments.parallelism_config sets accelerate's own cp/sp/tp size; cpvlm "
+            "does the context parallelism (cp_size=...): leave parallelism_config=None"
+        )
+    problems = {
+        "label_smoothing_factor": getattr(args, "label_smoothing_factor", 0) > 0,
+        "deepspeed": bool(getattr(args, "deepspeed", None)),
+        "fsdp": bool(getattr(args, "fsdp", None)),
+        "n_gpu > 1 (torch DataParallel; launch with torchrun instead)": args.n_gpu > 1,
+        "accelerator_config.dispatch_batches": bool(args.accelerator_config.dispatch_batches),
+        "accelerator_config.split_batches": bool(args.accelerator_config.split_batches),
+        "average_tokens_across_devices=False": not args.average_tokens_across_devices,
+    }
+    bad = [name for name, hit in problems.items() if hit]
+    if compute_loss_func is not None:
+        bad.append("compute_loss_func")
+    if bad:
+        _fail(
+            f"{', '.join(bad)} cannot be used under cpvlm's CP: the loss is cpvlm's global token "
+            "mean over sharded sequences (no label smoothing or custom loss), batches are "
+            "sharded by DP rank in the data loader, and the data parallelism is DDP over "
+            "dp x cp (drop the option)"
+        )
+
+
+def pack_rows(batch: dict) -> dict:
+    """One packed row from a right-padded ``[B, S]`` batch: the rows' real tokens (its
+    ``attention_mask``) in order, with ``doc_lens`` their lengths; vision inputs unchanged (their
+    order is the rows' order)."""
+    mask = batch.get("attention_mask")
+    ids = batch["input_ids"]
+    mask = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+    lens = mask.sum(1)
+    if not torch.equal(mask, torch.arange(ids.shape[1]) < lens[:, None]):
+        _fail("pack=True needs right-padded batches (padding_side='right')")
+    out = {k: v for k, v in batch.items() if k not in ("attention_mask", "position_ids")}
+    for key in _SEQ_KEYS:
+        if key in batch:
+            out[key] = batch[key][mask].unsqueeze(0)
+    out["doc_lens"] = lens[lens > 0]
+    return out
+
+
+class _PackingCollator:
+    def __init__(self, collator):
+        self.collator = collator
+
+    def __call__(self, features):
+        return pack_rows(self.collator(features))
+
+
+def _float64_loss_sum(trainer):
+    """A callback that sums the logged loss in float64 (Trainer's float32 sum would round the
+    token mean to ~1e-7, hiding whether the CP loss is the one-process loss)."""
+    from transformers import TrainerCallback
+
+    class Float64LossSum(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            old = trainer._tr_loss
+            trainer._tr_loss = old.to(torch.promote_types(old.dtype, torch.float64))
+
+    return Float64LossSum()
+
+
+class ContextParallelMixin:
+    """Put before a ``transformers.Trainer`` class (``Trainer``, TRL's ``SFTTrainer``, ...).
+
+    Keywords (besides the Trainer's own): ``cp_size`` (ranks per sequence; the world must be a
+    multiple), ``cp_options`` (``cpvlm.options.CPOptions``: attention, vision mode, layout) and
+    ``pack`` (train on each collated batch packed into one row with per-document masks).
+    """
+
+    def __init__(
+        self, *args, cp_size: int = 1, cp_options: CPOptions | None = None, pack=False, **kw
+    ):
+        training_args = kw.get("args", args[1] if len(args) > 1 else None)
+        if training_args is not None:
+            check_trainer_args(
+                training_args, cp_size, training_args.world_size, kw.get("compute_loss_func")
+            )
+        self.cp_size, self.cp_options, self.cp_pack = cp_size, cp_options, pack
+        self._cp_runner = None
+        super().__init__(*args, **kw)
+        check_trainer_args(self.args, cp_size, self.args.world_size, self.compute_loss_func)
+        if pack:
+            self.data_collator = _PackingCollator(self.data_collator)
+        self.loss_is_scaled_for_ga = True  # each share is divided by the step's global N
+        self.add_callback(_float64_loss_sum(self))
+        self._cp_setup_groups()
+
+    def _cp_setup_groups(self) -> None:
+        from cpvlm.parallelize import build_mesh, mesh_groups
+
+        if not dist.is_initialized():  # one process: a group of one for the CP wrapper
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        world = dist.get_world_size()
+        device = self.args.device.type
+        mesh = build_mesh(dp_shard=world // self.cp_size, cp=self.cp_size, device_type=device)
+        self.cp_groups = mesh_groups(mesh)
+
+    # ---- model ----------------------------------------------------------------------------
+
+    def _cp_model(self) -> nn.Module:
+        """``ContextParallelVLM`` around the HF model (a PEFT model's base, LoRA layers in it),
+        in DDP over every rank; built once."""
+        if self._cp_runner is None:
+            from cpvlm.integrations.hf.context_parallel import ContextParallelVLM
+
+            model = self.model
+            if hasattr(model, "get_base_model"):  # peft.PeftModel
+                model = model.get_base_model()
+            groups = self.cp_groups
+            runner = ContextParallelVLM(model, groups.cp_group, options=self.cp_options)
+            if groups.sizes.world > 1:
+                runner = nn.parallel.DistributedDataParallel(
+                    runner,
+                    process_group=groups.grad_sync_group,
+                    find_unused_parameters=bool(self.args.ddp_find_unused_parameters),
+                    broadcast_buffers=False,
+                )
+            self._cp_runner = runner
+        return self._cp_runner
+
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        return self._cp_model()
+
+    # ---- data -----------------------------------------------------------------------------
+
+    def _get_dataloader(self, *args, **kwargs):
+        """The Trainer's (accelerate's) loader, sharded over the DP replicas instead of over
+        the processes: every CP rank of a replica gets its batches."""
+        from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
+
+        loader = super()._get_dataloader(*args, **kwargs)
+        dp, dp_rank = self.cp_groups.sizes.dp, self.cp_groups.dp_rank
+        shard = getattr(loader, "batch_sampler", None)
+        if not isinstance(shard, BatchSamplerShard):
+            shard = getattr(loader, "dataset", None)
+        if isinstance(shard, (BatchSamplerShard, IterableDatasetShard)):
+            shard.num_processes, shard.process_index = dp, dp_rank
+        elif dist.get_world_size() > 1:
+            _fail(
+                f"the data loader is a {type(loader).__name__} that accelerate did not shard "
+                "by batches; cpvlm shards BatchSamplerShard / IterableDatasetShard loaders"
+            )
+        return loader
+
+    def _cp_count(self, batches: list) -> int:
+        """N over the step's microbatches and DP replicas, shifted per packed document."""
+        labels = [shift_labels(b["labels"], doc_lens=b.get("doc_lens")) for b in batches]
+        group = self.cp_groups.dp_group if self.cp_groups.sizes.dp > 1 else None
+        if not labels:  # a replica without batches still joins the count
+            labels = [torch.full((1, 1), IGNORE_INDEX)]
+        return count_valid_labels(labels, group)
+
+    def _get_num_items_in_batch(self, batch_samples: list, device):
+        return torch.tensor(self._cp_count(batch_samples), device=device)
+
+    # ---- loss -----------------------------------------------------------------------------
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """This rank's share of the global token mean, times the world size (DDP averages the
+        gradients over the world; the Trainer averages the logged losses over it)."""
+        inputs = dict(inputs)
+        for key in ("shift_labels", "position_ids", "seq_lengths", "num_items_in_batch"):
+            inputs.pop(key, None)
+        if num_items_in_batch is None:  # evaluation: this batch over the DP replicas
+            num_items_in_batch = self._cp_count([inputs])
+            batches = 1
+        else:
+            batches = self.current_gradient_accumulation_steps
+        out = model(
+            **inputs,
+            num_valid=int(num_items_in_batch),
+            num_batches=batches * self.cp_groups.sizes.dp,
+        )
+        loss = out.loss * self.cp_groups.sizes.world
+        return (loss, {"loss": loss}) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+
+def _trainer_class():
+    from transformers import Trainer
+
+    class ContextParallelTrainer(ContextParallelMixin, Trainer):
+        """``transformers.Trainer`` under cpvlm's CP: ``ContextParallelTrainer(..., cp_size=C)``."""
+
+    return ContextParallelTrainer
+
+
+def __getattr__(name: str):
+    if name == "ContextParallelTrainer":  # transformers imported on first use only
+        cls = _trainer_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)
