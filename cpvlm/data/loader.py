@@ -30,6 +30,7 @@ from cpvlm.data.errors import DataError
 from cpvlm.data.packing import dp_split
 from cpvlm.data.rows import PackedPlan, RowStream
 from cpvlm.data.sample import LazyPixels, TokenIds, VisionItem
+from cpvlm.distributed import compat
 from cpvlm.vision.assign import assign_vision_units
 from cpvlm.vision.units import VisionUnits, vision_units
 
@@ -240,6 +241,7 @@ def _worker_init(_: int) -> None:
     # finishes its step and checkpoints, and ends them; torch's default handler would kill them.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
+    compat.die_with_parent()  # a killed rank's workers go too, without exit-time noise
 
 
 class RankLoader:

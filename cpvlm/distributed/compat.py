@@ -693,3 +693,15 @@ def is_collective_timeout(err: BaseException) -> bool:
     waiting ... for recv"; NCCL's watchdog: "collective operation timeout")."""
     text = str(err)
     return "Timed out waiting" in text or "operation timeout" in text or "timed out" in text
+
+
+def die_with_parent() -> None:
+    """Have this process killed (SIGKILL) when its parent dies (Linux ``PR_SET_PDEATHSIG``,
+    through torch's private helper; elsewhere nothing)."""
+    import signal
+
+    import torch.multiprocessing as tmp
+
+    set_pdeathsig = getattr(tmp, "_prctl_pr_set_pdeathsig", None)
+    if set_pdeathsig is not None:
+        set_pdeathsig(signal.SIGKILL)

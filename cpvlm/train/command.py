@@ -1,7 +1,9 @@
 """``cpvlm train``: flags -> TrainConfig -> launch. Flag defaults are the dataclass defaults.
 
-Exit codes: 0 done; 1 a rank failed or a step was not finite; 2 a bad configuration (nothing
-started); 128 + N stopped by signal N (SIGTERM: 143, SIGINT: 130) after checkpointing.
+Exit codes: 0 done; 1 a rank failed, stalled (``--dist-timeout``) or a step was not finite, or a
+checkpoint could not be written (``--on-save-error stop``, or the last one); 2 a bad
+configuration (nothing started); 128 + N stopped by signal N (SIGTERM: 143, SIGINT: 130) after
+checkpointing, or killed by a second one.
 """
 
 from __future__ import annotations

@@ -8,9 +8,15 @@ Without a launcher, ``launch`` validates everything it can first (flags, world, 
 whether the data fits the sequence length, the output directory, which checkpoint to resume),
 prints the output directory, then starts dp * cp processes on this machine, joined by a file
 store (gloo on CPU). SIGTERM or SIGINT to this process is passed on to the ranks, which finish
-their step, checkpoint and stop (a second signal kills them). If any rank fails, the others are
-stopped (SIGTERM after a 1 s grace period, then SIGKILL) and ``TrainingFailed`` carries that
-rank's traceback; if the launcher itself dies, its ranks notice within a second and exit.
+their step, checkpoint and stop (a second signal kills them); sent to the whole process group
+(Slurm, a terminal's Ctrl-C), the fork server and the DataLoader workers ignore it and the ranks
+count it once. If any rank fails, the others are stopped (SIGTERM after a 1 s grace period, then
+SIGKILL) and ``TrainingFailed`` carries that rank's traceback, or the signal that killed it, or
+the one line of a rank that timed out waiting for a stalled one (``--dist-timeout``); if the
+launcher itself dies, its ranks notice within a second and exit.
+
+Under torchrun, a restarted job (``--max-restarts``, ``TORCHELASTIC_RESTART_COUNT`` > 0) with an
+``--out`` resumes as ``--resume auto`` does: from the newest intact checkpoint, if any.
 
 A run that stops early on every rank (a non-finite step, a stop signal) ends in ``RunStopped``
 with its exit code and one line; the local ranks hand it to the launcher through a file.
@@ -421,6 +427,8 @@ def launch_local(config: TrainConfig, resume_from: str | None = None) -> None:
                 message = _trim(err.msg, err.error_index, world)
             else:
                 message = f"rank {err.error_index} of {world} died: {err.msg}"
+                if err.exit_code == 255 and method == "forkserver":  # not the rank's own code
+                    message += " (multiprocessing's code when the fork server died: killed?)"
             raise TrainingFailed(err.error_index, message) from None
         except BaseException:
             for proc in context.processes:

@@ -18,6 +18,12 @@ Every rank ends every backward with the same set of gradients: ContextParallelVL
 vision tower on every rank, on a dummy frame (kept out of the result) where a rank or a whole row
 has no image, so the tower gets zero gradients rather than none. FSDP2 and DDP need that when the
 DP replicas' rows differ (one has images, another not).
+
+Faults: each rank keeps its step and phase in the process group's store; when a collective times
+out (``--dist-timeout``) the ranks that timed out name the one that did not (``RankStalled``).
+With ``--async-save`` a checkpoint is written in the background, one at a time, and finished at
+the first step boundary where every rank's write is done; a save that fails warns or stops
+(``--on-save-error``), keeping the previous checkpoint.
 """
 
 from __future__ import annotations
@@ -85,7 +91,7 @@ class RankStalled(RuntimeError):
 
 _PHASE_KEY = "cpvlm/phase/"
 _TIMED_OUT_KEY = "cpvlm/timed-out/"
-_AGREE_S = 5.0  # how long the ranks that timed out wait to hear of each other
+_AGREE_S = 2.0  # how long the ranks that timed out wait to hear of each other
 
 
 class _Phases:

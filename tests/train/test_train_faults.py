@@ -21,13 +21,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from cpvlm.train.checkpoint import newest_intact, problem
 from cpvlm.train.command import main as train_main
 
 FLAGS = ["--cp", "2", "--seq-len", "160", "--ckpt-every", "2"]
-STEPS = 8
+STEPS = 6
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups")
 
 
@@ -92,16 +93,17 @@ def _finish(proc, timeout):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _session_alive(sid):
-    alive = []
+def _session(sid):
+    """``{pid: state}`` of the live (non-zombie) processes of session ``sid``."""
+    found = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             with contextlib.suppress(OSError):
                 stat = (entry / "stat").read_text()
                 fields = stat[stat.rindex(")") + 2 :].split()
                 if int(fields[3]) == sid and fields[0] != "Z":
-                    alive.append(int(entry.name))
-    return alive
+                    found[int(entry.name)] = fields[0]
+    return found
 
 
 @linux_only
@@ -134,17 +136,20 @@ def test_a_stopped_rank_is_named_and_every_rank_ends(tmp_path):
     """Rank 1 stops itself (SIGSTOP) at the start of step 3; rank 0 waits in a collective until
     --dist-timeout, names rank 1 with its step and phase, and the launcher ends every rank."""
     out = tmp_path / "run"
-    cmd = _train_cmd(out, "--steps", "6", "--dist-timeout", "20")
+    cmd = _train_cmd(out, "--steps", "4", "--dist-timeout", "20")
     proc = _start(cmd, fault="stop@3:1")
     try:
         _wait_for_steps(proc, out, 2)
+        deadline = time.monotonic() + 120
+        while "T" not in _session(proc.pid).values():  # rank 1 has stopped
+            assert proc.poll() is None and time.monotonic() < deadline, "rank 1 did not stop"
+            time.sleep(0.05)
         start = time.monotonic()
-        _, stderr = proc.communicate(timeout=120)
-        elapsed = time.monotonic() - start
-        deadline = time.monotonic() + 15
-        while _session_alive(proc.pid) and time.monotonic() < deadline:
+        while _session(proc.pid) and time.monotonic() - start < 90:
             time.sleep(0.1)
-        assert _session_alive(proc.pid) == [], "a rank outlived the run"
+        elapsed = time.monotonic() - start
+        assert _session(proc.pid) == {}, "a rank outlived the run"
+        _, stderr = proc.communicate(timeout=30)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -154,7 +159,7 @@ def test_a_stopped_rank_is_named_and_every_rank_ends(tmp_path):
     assert lines[-1].startswith(f"cpvlm train: {named}"), stderr[-3000:]
     assert f"newest intact checkpoint in {out} is kept" in lines[-1]
     assert any(line.startswith(f"cpvlm train: rank 0: {named}") for line in lines), stderr
-    assert elapsed < 60, elapsed  # 20 s timeout, 5 s to agree, 1 s grace, then SIGKILL
+    assert elapsed < 60, elapsed  # 20 s timeout, 2 s to agree, 1 s grace, then SIGKILL
     assert newest_intact(out)[0].name == "step_00000002"
 
 
@@ -172,6 +177,7 @@ def test_a_crash_under_torchrun_restarts_and_continues_exactly(tmp_path, referen
     assert proc.returncode == 0, stderr[-3000:]
     assert "CPVLM_FAULT: injected crash at step 5 on rank 1" in stderr  # with its traceback
     assert "resuming from checkpoint step_00000004 (step 4)" in stdout, stdout
+    assert [r["step"] for r in _metrics(out)] == list(range(1, STEPS + 1))
     _same(_metrics(out), reference[1])
 
 
@@ -198,8 +204,9 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path):
 @linux_only
 def test_async_saves_equal_sync_saves_bit_for_bit_and_resume_exactly(tmp_path, reference):
     """--async-save with a full disk at step 4 (--on-save-error continue: a warning, the next
-    interval saves): the same losses, the same checkpoint files as the synchronous reference,
-    and a resume from an asynchronous checkpoint equals the uninterrupted run."""
+    interval saves): the same losses and the same checkpoint as the synchronous reference, and
+    a resume from the checkpoint before the failed one (step 2, written asynchronously) equals
+    the uninterrupted run."""
     ref_out, ref_records = reference
     out = tmp_path / "run"
     proc = _start(_train_cmd(out, "--steps", str(STEPS), "--async-save"), fault="enospc@4:0")
@@ -210,18 +217,53 @@ def test_async_saves_equal_sync_saves_bit_for_bit_and_resume_exactly(tmp_path, r
         "[Errno 28] No space left on device"
     ) in stderr, stderr[-3000:]
     _same(_metrics(out), ref_records)
-    for step in (6, 8):
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "step_00000002",
+        f"step_{STEPS:08d}",
+    ]
+    for step in (STEPS,):
         mine, theirs = (o / "checkpoints" / f"step_{step:08d}" for o in (out, ref_out))
         assert problem(mine) is None
         names = sorted(p.name for p in mine.iterdir())
         assert names == sorted(p.name for p in theirs.iterdir())
-        for name in names:
-            if name != "meta.json":
-                assert (mine / name).read_bytes() == (theirs / name).read_bytes(), name
+        shards = [n for n in names if n.endswith(".distcp")]
+        assert shards
+        for name in shards:
+            assert (mine / name).read_bytes() == (theirs / name).read_bytes(), name
+        # .metadata holds the directory's path and a random save id; what it maps must agree
+        md, ref_md = (FileSystemReader(str(d)).read_metadata() for d in (mine, theirs))
+        assert md.state_dict_metadata == ref_md.state_dict_metadata
+        assert md.storage_data == ref_md.storage_data
         meta, ref_meta = (json.loads((d / "meta.json").read_text()) for d in (mine, theirs))
         assert meta["config"]["run"].pop("async_save") is True
         ref_meta["config"]["run"].pop("async_save")
         meta["config"]["run"].pop("out"), ref_meta["config"]["run"].pop("out")
         assert meta == ref_meta
-    shutil.rmtree(out / "checkpoints" / "step_00000008")
+    shutil.rmtree(out / "checkpoints" / f"step_{STEPS:08d}")
     _same(_resume(out), ref_records)
+
+
+def test_resume_auto_resumes_or_starts_anew(tmp_path, reference):
+    """--resume auto (a requeued job's flags): the newest intact checkpoint if there is one, else
+    a new run, replacing what a run killed before its first checkpoint left."""
+    from cpvlm.train import launcher
+    from cpvlm.train.command import build_parser, config_from_args
+    from cpvlm.train.config import RunConfig
+
+    def prepare(out):
+        flags = ["--out", str(out), *FLAGS, "--steps", "10", "--resume", "auto"]
+        return launcher.prepare(config_from_args(build_parser().parse_args(flags)))
+
+    _, resume_from, lines = prepare(reference[0])
+    assert resume_from == str(reference[0] / "checkpoints" / f"step_{STEPS:08d}"), lines
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "metrics.jsonl").write_text('{"step": 1}\n')
+    config, resume_from, lines = prepare(partial)
+    assert resume_from is None and not config.run.resume
+    assert lines == ["--resume auto: no intact checkpoint yet, starting anew"]
+    assert not (partial / "metrics.jsonl").exists()
+    with pytest.raises(ValueError, match=r"run.dist_timeout = 0 \(--dist-timeout\)"):
+        RunConfig(dist_timeout=0)
+    with pytest.raises(ValueError, match=r"--on-save-error\): must be one of continue, stop"):
+        RunConfig(on_save_error="retry")
