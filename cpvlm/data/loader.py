@@ -19,6 +19,7 @@ them runs the row. ``state_dict()`` is the stream position after the last step h
 from __future__ import annotations
 
 import multiprocessing
+import signal
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ from cpvlm.data.errors import DataError
 from cpvlm.data.packing import dp_split
 from cpvlm.data.rows import PackedPlan, RowStream
 from cpvlm.data.sample import LazyPixels, TokenIds, VisionItem
+from cpvlm.distributed import compat
 from cpvlm.vision.assign import assign_vision_units
 from cpvlm.vision.units import VisionUnits, vision_units
 
@@ -235,6 +237,11 @@ def _worker_context():
 
 def _worker_init(_: int) -> None:
     torch.set_num_threads(1)  # decoding is per-image work; ranks already use the cores
+    # A stop signal to the process group (Slurm, Ctrl-C) reaches the workers too: their rank
+    # finishes its step and checkpoints, and ends them; torch's default handler would kill them.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    compat.die_with_parent()  # a killed rank's workers go too, without exit-time noise
 
 
 class RankLoader:

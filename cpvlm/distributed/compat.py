@@ -641,3 +641,67 @@ def dcp_file_extents(path) -> dict[str, int]:
         name = str(info.relative_path)
         needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
     return needed
+
+
+def async_save(state: dict, writer, group):
+    """Start DCP's asynchronous save of ``state`` on ``group`` (gloo: its collectives run in a
+    background thread, so not on the training group); the future of the write.
+
+    The state is staged (copied to host memory) before this returns, so training may change it.
+    torch 2.11-2.15 return a Future, or an ``AsyncSaveResponse`` (staging and upload futures)
+    when the stager stages in the background.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    response = dcp.async_save(state, storage_writer=writer, process_group=group)
+    staging = getattr(response, "staging_completion", None)
+    if staging is not None:
+        staging.result()
+    return getattr(response, "upload_completion", response)
+
+
+def checkpoint_error_types() -> tuple[type[BaseException], ...]:
+    """What a failed DCP save raises: ``CheckpointException`` (a BaseException) or OSError."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (CheckpointException, OSError)
+
+
+def checkpoint_failure(err: BaseException) -> str:
+    """One line for a failed DCP save: the first rank's error (``CheckpointException.failures``
+    maps rank -> (exception, traceback))."""
+    failures = getattr(err, "failures", None)
+    if failures:
+        rank = min(failures)
+        exc = failures[rank][0]
+        return f"rank {rank}: {type(exc).__name__}: {exc}"
+    return f"{type(err).__name__}: {err}"
+
+
+# ---- the process group's store, and collective timeouts ----------------------------------------
+
+
+def default_store():
+    """The key-value store the default process group was built on (a private torch API)."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def is_collective_timeout(err: BaseException) -> bool:
+    """A collective that waited longer than the process group's timeout (gloo: "Timed out
+    waiting ... for recv"; NCCL's watchdog: "collective operation timeout")."""
+    text = str(err)
+    return "Timed out waiting" in text or "operation timeout" in text or "timed out" in text
+
+
+def die_with_parent() -> None:
+    """Have this process killed (SIGKILL) when its parent dies (Linux ``PR_SET_PDEATHSIG``,
+    through torch's private helper; elsewhere nothing)."""
+    import signal
+
+    import torch.multiprocessing as tmp
+
+    set_pdeathsig = getattr(tmp, "_prctl_pr_set_pdeathsig", None)
+    if set_pdeathsig is not None:
+        set_pdeathsig(signal.SIGKILL)

@@ -8,7 +8,10 @@ Layout under ``--out DIR``:
 Atomicity: every rank writes its DCP shards into the temporary directory; after a barrier rank 0
 checks what DCP says it wrote (every item of its metadata lies within a file on disk), writes
 ``manifest.json`` (every file and its size) and ``meta.json``, and renames the directory to its
-final name (an atomic rename on one file system). Older checkpoints are deleted only after that
+final name (an atomic rename on one file system). An asynchronous save (``--async-save``) stages
+the state to host memory, writes in the background (one at a time) and is finished the same way
+once every rank's write is done. A save that fails (a full disk, any write error) removes its
+temporary directory and raises ``SaveError`` on every rank. Older checkpoints are deleted only after that
 rename, so a run killed at any moment leaves the last complete checkpoint intact. A checkpoint
 counts only if it is *intact*: its meta.json and manifest.json parse, and every file of the
 manifest is there with its size (a truncated or lost file shows). Every rank must see the same
@@ -29,6 +32,8 @@ import os
 import random
 import re
 import shutil
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,6 +43,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from cpvlm.distributed import compat
+from cpvlm.train import faults
 
 CHECKPOINTS = "checkpoints"
 META = "meta.json"
@@ -145,7 +151,33 @@ def _verify_and_describe(tmp: Path) -> dict:
     return {"files": files}
 
 
-def save_checkpoint(
+class SaveError(OSError):
+    """A checkpoint could not be written; the previous one is intact. Raised alike on every rank."""
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint being written: DCP's save (``future`` when asynchronous), then what rank 0
+    writes once every rank's files are on disk (``finish_save``)."""
+
+    out: Path
+    step: int
+    tmp: Path
+    meta: dict
+    future: Future | None = None
+    error: str | None = None  # the synchronous save failed
+
+    def done(self) -> bool:
+        return self.future is None or self.future.done()
+
+
+def _writer(tmp: Path, step: int, rank: int):
+    if faults.fires("enospc", step, rank):
+        return faults.full_disk_writer(str(tmp), rank)
+    return dcp.FileSystemWriter(str(tmp))
+
+
+def start_save(
     out: str | Path,
     step: int,
     *,
@@ -153,40 +185,78 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     rank_state: dict,
     meta: dict,
-) -> Path:
-    """Save step ``step``. Collective: every rank calls it with its own ``rank_state``.
+    async_group=None,
+) -> PendingSave:
+    """Start saving step ``step``. Collective: every rank calls it with its own ``rank_state``.
 
-    Raises OSError on every rank when the written files do not hold what DCP wrote.
+    With ``async_group`` (a gloo group of every rank, used by nothing else) the state is staged
+    to host memory and written in the background; else written before this returns.
     """
     rank = dist.get_rank()
-    final = step_dir(out, step)
-    tmp = final.with_name(".tmp-" + final.name)
+    tmp = step_dir(out, step).with_name(".tmp-" + step_dir(out, step).name)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving this step
         tmp.mkdir(parents=True)
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, f"rank{rank}": rank_state}
-    dcp.save(state, checkpoint_id=str(tmp))
-    dist.barrier()
-    error = [None]
-    if rank == 0:
+    pending = PendingSave(Path(out), step, tmp, meta)
+    writer = _writer(tmp, step, rank)
+    try:
+        if async_group is None:
+            dcp.save(state, storage_writer=writer)
+        else:
+            pending.future = compat.async_save(state, writer, async_group)
+    except compat.checkpoint_error_types() as err:  # DCP raises alike on every rank
+        pending.error = compat.checkpoint_failure(err)
+    return pending
+
+
+def finish_save(pending: PendingSave) -> Path:
+    """Wait for ``pending``; rank 0 checks the files, writes the manifest and meta.json and
+    renames the directory. Collective. Returns the checkpoint; raises ``SaveError`` on every
+    rank when any rank's write failed or the files do not hold what DCP wrote (the temporary
+    directory is then removed, the previous checkpoint kept)."""
+    error = pending.error
+    if pending.future is not None:
         try:
-            _write_json(tmp / MANIFEST, _verify_and_describe(tmp))
-            _write_json(tmp / META, {**meta, "step": step})
-            _fsync_dir(tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            _fsync_dir(final.parent)
-            for _, old in complete_checkpoints(out)[:-KEEP]:
-                shutil.rmtree(old, ignore_errors=True)
-        except OSError as err:
-            error = [str(err)]
-    dist.broadcast_object_list(error, src=0)
-    if error[0] is not None:
-        raise OSError(error[0])
+            pending.future.result()
+        except compat.checkpoint_error_types() as err:
+            error = compat.checkpoint_failure(err)
+    dist.barrier()
+    final = step_dir(pending.out, pending.step)
+    errors = [error]
+    if dist.get_rank() == 0:
+        errors = [error or _publish(pending, final)]
+        if errors[0] is not None:
+            shutil.rmtree(pending.tmp, ignore_errors=True)
+    dist.broadcast_object_list(errors, src=0)
+    if errors[0] is not None:
+        raise SaveError(f"checkpoint {final.name} was not written: {errors[0]}")
     return final
+
+
+def _publish(pending: PendingSave, final: Path) -> str | None:
+    """Rank 0: manifest, meta.json, rename, delete old checkpoints; the error, or None."""
+    tmp = pending.tmp
+    try:
+        _write_json(tmp / MANIFEST, _verify_and_describe(tmp))
+        _write_json(tmp / META, {**pending.meta, "step": pending.step})
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(final.parent)
+        for _, old in complete_checkpoints(pending.out)[:-KEEP]:
+            shutil.rmtree(old, ignore_errors=True)
+    except OSError as err:
+        return str(err)
+    return None
+
+
+def save_checkpoint(out: str | Path, step: int, **state) -> Path:
+    """Save step ``step`` and wait for it (``start_save`` then ``finish_save``). Collective."""
+    return finish_save(start_save(out, step, **state))
 
 
 def load_checkpoint(

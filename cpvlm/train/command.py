@@ -1,7 +1,9 @@
 """``cpvlm train``: flags -> TrainConfig -> launch. Flag defaults are the dataclass defaults.
 
-Exit codes: 0 done; 1 a rank failed or a step was not finite; 2 a bad configuration (nothing
-started); 128 + N stopped by signal N (SIGTERM: 143, SIGINT: 130) after checkpointing.
+Exit codes: 0 done; 1 a rank failed, stalled (``--dist-timeout``) or a step was not finite, or a
+checkpoint could not be written (``--on-save-error stop``, or the last one); 2 a bad
+configuration (nothing started); 128 + N stopped by signal N (SIGTERM: 143, SIGINT: 130) after
+checkpointing, or killed by a second one.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from cpvlm.cli import HelpFormatter
 from cpvlm.constants import DECODE_MODES, DTYPES, TRAIN_ON
 from cpvlm.train.config import (
     DEVICES,
+    ON_SAVE_ERROR,
     TRAIN_DATA_PARALLEL,
     DataConfig,
     ModelConfig,
@@ -203,8 +206,13 @@ def _run_flags(g, r: RunConfig) -> None:
     )
     g.add_argument(
         "--resume",
-        action="store_true",
-        help="continue the run in --out from its newest intact checkpoint (dp and cp may change)",
+        nargs="?",
+        const=True,
+        default=r.resume,
+        choices=(True, "auto"),
+        metavar="auto",
+        help="continue the run in --out from its newest intact checkpoint (dp and cp may "
+        "change); --resume auto: that, or start anew when there is none (requeued jobs)",
     )
     g.add_argument(
         "--overwrite", action="store_true", help="replace the run already in --out, if any"
@@ -220,6 +228,26 @@ def _run_flags(g, r: RunConfig) -> None:
         default=r.device,
         choices=DEVICES,
         help="auto: cuda under torchrun if available, else cpu",
+    )
+    g.add_argument(
+        "--dist-timeout",
+        type=int,
+        default=r.dist_timeout,
+        metavar="SECONDS",
+        help="how long a collective waits for a rank; a rank that makes no progress for that "
+        "long is named (its step and phase) and the run stops",
+    )
+    g.add_argument(
+        "--async-save",
+        action="store_true",
+        help="stage checkpoints to host memory and write them in the background (one at a time)",
+    )
+    g.add_argument(
+        "--on-save-error",
+        default=r.on_save_error,
+        choices=ON_SAVE_ERROR,
+        help="a checkpoint that cannot be written (full disk): warn and retry at the next "
+        "interval, or stop; the previous checkpoint is kept either way",
     )
 
 
@@ -276,6 +304,9 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
             overwrite=a.overwrite,
             skip_nonfinite=a.skip_nonfinite,
             device=a.device,
+            dist_timeout=a.dist_timeout,
+            async_save=a.async_save,
+            on_save_error=a.on_save_error,
         ),
     )
 

@@ -259,6 +259,9 @@ class OptimConfig:
         return self.lr
 
 
+ON_SAVE_ERROR = ("continue", "stop")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """How long, where the outputs go, checkpoints, guards, and the device."""
@@ -267,10 +270,13 @@ class RunConfig:
     seed: int = 0
     out: str = ""  # "" -> runs/train-<date>-<time> (see TrainConfig.with_default_out)
     ckpt_every: int = 50  # save every N steps (0: only at the end); the last step always saves
-    resume: bool = False
+    resume: bool | str = False  # True: the newest intact checkpoint; "auto": that, or start anew
     overwrite: bool = False  # replace the run in --out instead of refusing to
     skip_nonfinite: int = 0  # steps with a non-finite loss or gradient norm skipped, at most
     device: str = "auto"  # auto: cuda under torchrun when available, else cpu
+    dist_timeout: int = 600  # seconds a collective waits for a rank before naming it stalled
+    async_save: bool = False  # stage checkpoints to host memory, write them in the background
+    on_save_error: str = "continue"  # a checkpoint that cannot be written: warn, or stop
 
     def __post_init__(self):
         _positive_int("run.steps", "--steps", self.steps)
@@ -283,6 +289,10 @@ class RunConfig:
         _positive_int("run.ckpt_every", "--ckpt-every", self.ckpt_every, zero_ok=True)
         _positive_int("run.skip_nonfinite", "--skip-nonfinite", self.skip_nonfinite, zero_ok=True)
         _choice("run.device", "--device", self.device, DEVICES)
+        _positive_int("run.dist_timeout", "--dist-timeout", self.dist_timeout)
+        _choice("run.on_save_error", "--on-save-error", self.on_save_error, ON_SAVE_ERROR)
+        if self.resume not in (False, True, "auto"):
+            _fail("run.resume", "--resume", self.resume, "pass --resume, or --resume auto")
         if self.resume and not self.out:
             _fail("run.out", "--out", self.out, "--resume continues the run in --out DIR; pass it")
         if self.resume and self.overwrite:
@@ -305,6 +315,9 @@ RESUMABLE_CHANGES = (
     "run.skip_nonfinite",
     "run.out",
     "run.device",
+    "run.dist_timeout",
+    "run.async_save",
+    "run.on_save_error",
     "parallel.cp",
     "parallel.dp",
     "parallel.attn",

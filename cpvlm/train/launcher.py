@@ -8,9 +8,15 @@ Without a launcher, ``launch`` validates everything it can first (flags, world, 
 whether the data fits the sequence length, the output directory, which checkpoint to resume),
 prints the output directory, then starts dp * cp processes on this machine, joined by a file
 store (gloo on CPU). SIGTERM or SIGINT to this process is passed on to the ranks, which finish
-their step, checkpoint and stop (a second signal kills them). If any rank fails, the others are
-stopped (SIGTERM after a 1 s grace period, then SIGKILL) and ``TrainingFailed`` carries that
-rank's traceback; if the launcher itself dies, its ranks notice within a second and exit.
+their step, checkpoint and stop (a second signal kills them); sent to the whole process group
+(Slurm, a terminal's Ctrl-C), the fork server and the DataLoader workers ignore it and the ranks
+count it once. If any rank fails, the others are stopped (SIGTERM after a 1 s grace period, then
+SIGKILL) and ``TrainingFailed`` carries that rank's traceback, or the signal that killed it, or
+the one line of a rank that timed out waiting for a stalled one (``--dist-timeout``); if the
+launcher itself dies, its ranks notice within a second and exit.
+
+Under torchrun, a restarted job (``--max-restarts``, ``TORCHELASTIC_RESTART_COUNT`` > 0) with an
+``--out`` resumes as ``--resume auto`` does: from the newest intact checkpoint, if any.
 
 A run that stops early on every rank (a non-finite step, a stop signal) ends in ``RunStopped``
 with its exit code and one line; the local ranks hand it to the launcher through a file.
@@ -23,9 +29,11 @@ import multiprocessing
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 from cpvlm.train.config import TrainConfig, resolve_batch, resolve_world
@@ -33,6 +41,7 @@ from cpvlm.train.config import TrainConfig, resolve_batch, resolve_world
 GRACE_S = 1.0
 _PRELOAD = ["cpvlm.train.loop"]  # imported once by the fork server, not once per rank
 _STATUS = "status.json"
+_STALLED = "stalled-rank"  # + the rank that found a stalled rank: its one line
 RUN_FILES = ("metrics.jsonl", "summary.json", "data_errors.jsonl", "checkpoints")
 """What makes a directory a run's (``--overwrite`` removes exactly these)."""
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -52,6 +61,11 @@ class TrainingFailed(RuntimeError):
 
 def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def restart_count() -> int:
+    """How often torchrun (``--max-restarts``) restarted this job; 0 outside torchrun."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def _lead() -> bool:
@@ -114,6 +128,10 @@ def _resume_point(config: TrainConfig) -> tuple[TrainConfig, str, list[str]]:
 
     out = config.run.out
     path, skipped = newest_intact(out)
+    if path is None and config.run.resume == "auto":  # a requeued job that saved nothing yet
+        config = resolve_batch(config.replace(run={"resume": False, "overwrite": True}), None)
+        _check_new_run(config)
+        return config, None, [*skipped, "--resume auto: no intact checkpoint yet, starting anew"]
     if path is None:
         detail = "; ".join(skipped) if skipped else "none"
         raise ValueError(
@@ -212,6 +230,8 @@ def prepare(
             f"GPUs, this machine has {torch.cuda.device_count()}"
         )
     _check_data(config, model_config(config.model.name))
+    if restart_count() and config.run.out:  # torchrun restarted the job: continue it
+        config = config.replace(run={"resume": "auto", "overwrite": False})
     if config.run.resume:
         return _resume_point(config)
     config = resolve_batch(config, None)
@@ -244,6 +264,13 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def _exit_now() -> None:
+    """Exit 1 at once, with the DataLoader workers: no teardown that could wait for a rank."""
+    for child in multiprocessing.active_children():
+        child.kill()
+    os._exit(1)
+
+
 def _exit_when_orphaned(launcher_pid: int) -> None:
     """If the launcher dies, exit, even in the middle of a collective.
 
@@ -254,9 +281,7 @@ def _exit_when_orphaned(launcher_pid: int) -> None:
     def watch():
         while _alive(launcher_pid):
             time.sleep(0.5)
-        for child in multiprocessing.active_children():  # DataLoader workers go with the rank
-            child.kill()
-        os._exit(1)
+        _exit_now()  # DataLoader workers go with the rank
 
     threading.Thread(target=watch, daemon=True, name="cpvlm-launcher-watch").start()
 
@@ -272,7 +297,7 @@ def _local_worker(
     import torch
     import torch.distributed as dist
 
-    from cpvlm.train.loop import RunStopped, train_rank
+    from cpvlm.train.loop import RankStalled, RunStopped, train_rank
 
     _exit_when_orphaned(launcher_pid)
     torch.set_num_threads(threads)
@@ -280,13 +305,18 @@ def _local_worker(
     device = _device(config, index, launched=False)
     backend = "nccl" if device.type == "cuda" else "gloo"
     store = dist.FileStore(os.path.join(tmpdir, "store"), world)
-    dist.init_process_group(backend, store=store, rank=index, world_size=world)
+    timeout = timedelta(seconds=config.run.dist_timeout)
+    dist.init_process_group(backend, store=store, rank=index, world_size=world, timeout=timeout)
     try:
         train_rank(config, device, resume_from)
     except RunStopped as stop:  # raised alike on every rank; rank 0 tells the launcher
         if index == 0:
             status = {"message": str(stop), "exit_code": stop.exit_code}
             Path(tmpdir, _STATUS).write_text(json.dumps(status))
+    except RankStalled as stalled:  # the stalled rank never joins again: leave at once
+        Path(tmpdir, f"{_STALLED}{index}").write_text(str(stalled))
+        print(f"cpvlm train: rank {index}: {stalled}", file=sys.stderr, flush=True)
+        _exit_now()
     _destroy_process_group()
 
 
@@ -312,10 +342,14 @@ def _cpu_count() -> int:
 
 
 class _PassOnSignals:
-    """While the ranks run: SIGTERM / SIGINT go on to them; a second one kills them."""
+    """While the ranks run: SIGTERM / SIGINT go on to them; a second one kills them.
+
+    The ranks may have had the signal already (sent to the whole process group, as Slurm and a
+    terminal do); a rank counts it once either way.
+    """
 
     def __init__(self, processes):
-        self.processes, self.count = processes, 0
+        self.processes, self.count, self.signum = processes, 0, 0
 
     def __enter__(self):
         self._previous = {
@@ -325,6 +359,7 @@ class _PassOnSignals:
 
     def _handle(self, signum, frame):
         self.count += 1
+        self.signum = self.signum or signum
         for proc in self.processes:
             if not proc.is_alive():
                 continue
@@ -338,6 +373,25 @@ class _PassOnSignals:
             signal.signal(sig, handler)
 
 
+def _start_forkserver() -> None:
+    """Start the fork server that starts the ranks, with SIGTERM and SIGINT ignored.
+
+    A stop signal to the whole process group would kill it otherwise, and multiprocessing then
+    reads every rank it started as exited with code 255 while the ranks still run (the launcher
+    stopped them, or read their half-written error files): the "exit 255, no traceback" deaths.
+    Ignored signals survive its exec; the ranks set their own handlers (cpvlm.train.loop).
+    """
+    from multiprocessing import forkserver
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        forkserver.ensure_running()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def launch_local(config: TrainConfig, resume_from: str | None = None) -> None:
     """Run ``config`` (already ``prepare``d) on dp * cp processes of this machine."""
     import torch.multiprocessing as tmp
@@ -348,7 +402,7 @@ def launch_local(config: TrainConfig, resume_from: str | None = None) -> None:
     threads = max(1, _cpu_count() // world)
     method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     if method == "forkserver":
-        multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+        _start_forkserver()
     with tempfile.TemporaryDirectory(prefix="cpvlm-train-") as tmpdir:
         context = tmp.start_processes(
             _local_worker,
@@ -357,16 +411,29 @@ def launch_local(config: TrainConfig, resume_from: str | None = None) -> None:
             join=False,
             start_method=method,
         )
+        signals = _PassOnSignals(context.processes)
         try:
-            with _PassOnSignals(context.processes):
+            with signals:
                 while not context.join(grace_period=GRACE_S):
                     pass
-        except tmp.ProcessRaisedException as err:
-            raise TrainingFailed(err.error_index, _trim(err.msg, err.error_index, world)) from None
-        except tmp.ProcessExitedException as err:
-            raise TrainingFailed(
-                err.error_index, f"rank {err.error_index} of {world} died: {err.msg}"
-            ) from None
+        except (tmp.ProcessRaisedException, tmp.ProcessExitedException) as err:
+            if signals.count > 1:
+                name = signal.Signals(signals.signum).name
+                raise RunStopped(
+                    f"killed by a second {name}: the ranks did not finish their step; the "
+                    f"newest intact checkpoint in {config.run.out} is kept",
+                    128 + signals.signum,
+                ) from None
+            stalled = sorted(Path(tmpdir).glob(_STALLED + "*"))
+            if stalled:
+                raise TrainingFailed(err.error_index, stalled[0].read_text()) from None
+            if isinstance(err, tmp.ProcessRaisedException):
+                message = _trim(err.msg, err.error_index, world)
+            else:
+                message = f"rank {err.error_index} of {world} died: {err.msg}"
+                if err.exit_code == 255 and method == "forkserver":  # not the rank's own code
+                    message += " (multiprocessing's code when the fork server died: killed?)"
+            raise TrainingFailed(err.error_index, message) from None
         except BaseException:
             for proc in context.processes:
                 if proc.is_alive():
@@ -413,11 +480,12 @@ def launch(config: TrainConfig) -> None:
         return
     import torch.distributed as dist
 
-    from cpvlm.train.loop import RunStopped, train_rank
+    from cpvlm.train.loop import RankStalled, RunStopped, train_rank
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = _device(config, local_rank, launched=True)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    timeout = timedelta(seconds=config.run.dist_timeout)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
     if not config.run.out:  # one default directory for all ranks, chosen by rank 0
         chosen = [config.with_default_out().run.out]
         dist.broadcast_object_list(chosen, src=0)
@@ -429,4 +497,7 @@ def launch(config: TrainConfig) -> None:
     except RunStopped:
         _destroy_process_group()
         raise
+    except RankStalled as stalled:  # the stalled rank never joins again: leave at once
+        print(f"cpvlm train: rank {dist.get_rank()}: {stalled}", file=sys.stderr, flush=True)
+        _exit_now()
     _destroy_process_group()

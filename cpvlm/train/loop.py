@@ -18,14 +18,23 @@ Every rank ends every backward with the same set of gradients: ContextParallelVL
 vision tower on every rank, on a dummy frame (kept out of the result) where a rank or a whole row
 has no image, so the tower gets zero gradients rather than none. FSDP2 and DDP need that when the
 DP replicas' rows differ (one has images, another not).
+
+Faults: each rank keeps its step and phase in the process group's store; when a collective times
+out (``--dist-timeout``) the ranks that timed out name the one that did not (``RankStalled``).
+With ``--async-save`` a checkpoint is written in the background, one at a time, and finished at
+the first step boundary where every rank's write is done; a save that fails warns or stops
+(``--on-save-error``), keeping the previous checkpoint.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -34,15 +43,20 @@ from torch import nn
 from torch.profiler import record_function
 
 from cpvlm.data import ErrorLog, RankLoader
+from cpvlm.distributed import compat
 from cpvlm.integrations.hf import ContextParallelVLM, adapter_for, build_model
 from cpvlm.loss import count_valid_labels, shift_labels
 from cpvlm.parallelize import MeshGroups, build_mesh, mesh_groups, parallelize, sync_gradients
+from cpvlm.train import faults
 from cpvlm.train.checkpoint import (
+    PendingSave,
+    SaveError,
+    finish_save,
     load_checkpoint,
     read_meta,
     rng_state,
-    save_checkpoint,
     set_rng_state,
+    start_save,
     step_dir,
 )
 from cpvlm.train.config import TrainConfig
@@ -69,6 +83,52 @@ class RunStopped(Exception):
     def __init__(self, message: str, exit_code: int):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class RankStalled(RuntimeError):
+    """A collective timed out (``--dist-timeout``) waiting for a rank: one line naming it."""
+
+
+_PHASE_KEY = "cpvlm/phase/"
+_TIMED_OUT_KEY = "cpvlm/timed-out/"
+_AGREE_S = 2.0  # how long the ranks that timed out wait to hear of each other
+
+
+class _Phases:
+    """Each rank's step and phase (data, forward, backward, optimizer, checkpoint) in the process
+    group's store, so that the ranks a collective timed out on can name the one they waited for:
+    the ranks that did not time out too are not in the collective (stopped, hung, dead)."""
+
+    def __init__(self, timeout_s: int):
+        self.store = compat.default_store()
+        self.rank, self.world, self.timeout_s = dist.get_rank(), dist.get_world_size(), timeout_s
+
+    def enter(self, step: int, phase: str) -> None:
+        self.store.set(f"{_PHASE_KEY}{self.rank}", json.dumps([step, phase]))
+
+    def stalled(self, out: str) -> RankStalled:
+        self.store.set(f"{_TIMED_OUT_KEY}{self.rank}", "1")
+        deadline = time.monotonic() + _AGREE_S
+        while True:
+            waiting = [r for r in range(self.world) if self.store.check([f"{_TIMED_OUT_KEY}{r}"])]
+            if len(waiting) == self.world or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        stalled = [r for r in range(self.world) if r not in waiting] or list(range(self.world))
+        where = []
+        for r in stalled:
+            if not self.store.check([f"{_PHASE_KEY}{r}"]):
+                where.append(f"rank {r} of {self.world} never started training")
+                continue
+            step, phase = json.loads(self.store.get(f"{_PHASE_KEY}{r}"))
+            where.append(
+                f"rank {r} of {self.world} made no progress for {self.timeout_s} s: in step "
+                f"{step}, {phase} (last step done: {step - 1})"
+            )
+        return RankStalled(
+            "; ".join(where) + f" (--dist-timeout {self.timeout_s}); every rank stops; the "
+            f"newest intact checkpoint in {out} is kept"
+        )
 
 
 def freeze_vision_encoder(model: nn.Module) -> None:
@@ -123,6 +183,9 @@ class _Run:
     records: list[dict] = field(default_factory=list)
     skipped: int = 0
     last_checkpoint: Path | None = None
+    phases: _Phases | None = None
+    save_group: dist.ProcessGroup | None = None  # --async-save: the background writes' group
+    pending: PendingSave | None = None  # the checkpoint being written in the background
 
     @property
     def lead(self) -> bool:
@@ -174,6 +237,11 @@ def _setup(config: TrainConfig, device: torch.device, resume_from: str | None) -
     if config.parallel.vision in ("replicate", "split"):  # every rank encodes every unit, or
         config = config.replace(data={"decode": "all"})  # sharded units' patches on several
     run = _Run(config, device, groups, cp_model, runner, params, optimizer, None)
+    run.phases = _Phases(config.run.dist_timeout)
+    run.phases.enter(run.start_step + 1, "data")
+    if config.run.async_save:
+        timeout = timedelta(seconds=config.run.dist_timeout)
+        run.save_group = dist.new_group(backend="gloo", timeout=timeout)
     data_state = None
     if resume_from is not None:
         data_state = _restore(run, Path(resume_from))
@@ -204,8 +272,8 @@ def _restore(run: _Run, path: Path) -> dict:
     return meta["data"]
 
 
-def _forward_backward(run: _Run, rows) -> tuple[torch.Tensor, int, int, int, set[str]]:
-    """Every row of the step through the CP model: ``(loss sum, valid labels, units encoded,
+def _forward_backward(run: _Run, step: int, rows) -> tuple[torch.Tensor, int, int, int, set[str]]:
+    """Every row of step ``step`` (1-based) through the CP model: ``(loss sum, valid labels, units encoded,
     visual tokens held, the CP attention the rows ran)`` on this rank (``--attn auto`` picks per
     row). The ``record_function`` ranges name the phases in a torch.profiler trace
     (benchmarks/train.py --part profile); without a profiler they cost nothing measurable."""
@@ -216,6 +284,7 @@ def _forward_backward(run: _Run, rows) -> tuple[torch.Tensor, int, int, int, set
     units = visual_tokens = 0
     ran = set()
     for row in rows:
+        run.phases.enter(step, "forward")
         with record_function("cpvlm.forward"):
             out = run.runner(
                 **row.batch(run.device),
@@ -223,6 +292,7 @@ def _forward_backward(run: _Run, rows) -> tuple[torch.Tensor, int, int, int, set
                 num_valid=num_valid,
                 num_batches=len(rows) * run.config.parallel.dp,  # per-row losses average
             )
+        run.phases.enter(step, "backward")
         with record_function("cpvlm.backward"):
             out.loss.backward()
         loss_sum += out.loss.detach().double().cpu()
@@ -274,11 +344,15 @@ def _optimizer_step(run: _Run, step: int, grad_norm: torch.Tensor, num_valid: in
     return lr
 
 
-def _train_step(run: _Run, step: int, memory: StepMemory, stops: _StopRequests) -> tuple[dict, int]:
-    """Step ``step`` (0-based): its metrics record and the stop signal any rank received."""
+def _train_step(
+    run: _Run, step: int, memory: StepMemory, stops: _StopRequests
+) -> tuple[dict, int, bool]:
+    """Step ``step`` (0-based): its metrics record, the stop signal any rank received, and
+    whether any rank is still writing a checkpoint in the background."""
     config = run.config
     mem_start = memory.start()
     t0 = time.perf_counter()
+    run.phases.enter(step + 1, "data")
     with record_function("cpvlm.data"):
         rows = run.loader.next_step()
         bad = report_planning_errors(rows, run.errors, step + 1)
@@ -286,7 +360,10 @@ def _train_step(run: _Run, step: int, memory: StepMemory, stops: _StopRequests) 
             rows, run.groups, config.parallel.dp, run.device, run.errors, step + 1
         )
     data_s = time.perf_counter() - t0  # waiting for rows: what the loader did not hide
-    loss_sum, num_valid, units, visual_tokens, ran = _forward_backward(run, rows)
+    run.phases.enter(step + 1, "forward")
+    faults.inject(step + 1, dist.get_rank())
+    loss_sum, num_valid, units, visual_tokens, ran = _forward_backward(run, step + 1, rows)
+    run.phases.enter(step + 1, "optimizer")
     with record_function("cpvlm.optimizer"):
         grad_norm = global_grad_norm(run.params)
     with record_function("cpvlm.stats"):
@@ -303,11 +380,13 @@ def _train_step(run: _Run, step: int, memory: StepMemory, stops: _StopRequests) 
             lr = _optimizer_step(run, step, grad_norm, num_valid)
     run.optimizer.zero_grad(set_to_none=True)
     seconds = time.perf_counter() - t0
-    # Max over ranks of the memory figures and of the stop request: the same on every rank.
-    maxed = [mem_start, memory.peak(), float(stops.signum)]
+    # Max over ranks of the memory figures, the stop request and a background write still
+    # going: the same on every rank.
+    writing = float(run.pending is not None and not run.pending.done())
+    maxed = [mem_start, memory.peak(), float(stops.signum), writing]
     maxed = torch.tensor(maxed, dtype=torch.float64, device=run.device)
     dist.all_reduce(maxed, op=dist.ReduceOp.MAX)
-    mem_start, mem_peak, signum = maxed.cpu().tolist()
+    mem_start, mem_peak, signum, writing = maxed.cpu().tolist()
     record = {
         "step": step + 1,
         "loss": stats["loss"],
@@ -331,7 +410,7 @@ def _train_step(run: _Run, step: int, memory: StepMemory, stops: _StopRequests) 
         "skipped_nonfinite": skipped,
         "attn_impl": ",".join(sorted(ran)),
     }
-    return record, int(signum)
+    return record, int(signum), bool(writing)
 
 
 def _nonfinite_message(run: _Run, step: int, problem: str) -> str:
@@ -349,21 +428,52 @@ def _nonfinite_message(run: _Run, step: int, problem: str) -> str:
     )
 
 
-def _save(run: _Run, step: int) -> None:
-    """Checkpoint after ``step`` steps (collective)."""
+def _save(run: _Run, step: int, *, wait: bool) -> None:
+    """Checkpoint after ``step`` steps (collective): in the background with --async-save (after
+    the one in flight is finished), unless ``wait`` (the last checkpoint of the run)."""
+    run.phases.enter(step, "checkpoint")
+    if run.pending is not None:
+        _finish(run, must=False)
     meta = {
         "config": run.config.to_dict(),
         "world_size": run.config.parallel.world_size,
         "data": run.loader.state_dict(),
     }
-    run.last_checkpoint = save_checkpoint(
+    run.pending = start_save(
         run.config.run.out,
         step,
         model=run.cp_model,
         optimizer=run.optimizer,
         rank_state={"rng": rng_state(run.device)},
         meta=meta,
+        async_group=run.save_group,
     )
+    if wait or run.save_group is None:
+        _finish(run, must=wait)
+
+
+def _finish(run: _Run, *, must: bool) -> None:
+    """Finish the pending checkpoint (collective). If it failed: with --on-save-error continue a
+    warning, and the next interval tries again; else (or when ``must``) ``RunStopped``."""
+    pending, run.pending = run.pending, None
+    try:
+        run.last_checkpoint = finish_save(pending)
+    except SaveError as err:
+        last = run.last_checkpoint
+        kept = f"the last checkpoint {last} is intact" if last else "no checkpoint was written"
+        if must or run.config.run.on_save_error == "stop":
+            raise RunStopped(
+                f"stopped after step {pending.step}: {err}; {kept}; free space in --out and "
+                f"continue with --resume --out {run.config.run.out}",
+                1,
+            ) from None
+        if run.lead:
+            print(
+                f"cpvlm train: warning: {err}; {kept}; trying again at the next checkpoint "
+                "(--on-save-error continue)",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def train_rank(
@@ -384,17 +494,23 @@ def train_rank(
         try:
             for step in range(run.start_step, config.run.steps):
                 with record_function("cpvlm.step"):
-                    record, signum = _train_step(run, step, memory, stops)
+                    record, signum, writing = _train_step(run, step, memory, stops)
                 run.records.append(record)
                 if run.lead:
                     log.write(record)
                     progress.update(record)
+                if run.pending is not None and not writing:  # every rank's write is done
+                    _finish(run, must=False)
                 last = step + 1 == config.run.steps
                 every = config.run.ckpt_every
                 if last or signum or (every and (step + 1) % every == 0):
-                    _save(run, step + 1)
+                    _save(run, step + 1, wait=last or bool(signum))
                 if signum and not last:
                     raise RunStopped(_stop_message(step + 1, config, signum), 128 + signum)
+        except RuntimeError as err:
+            if compat.is_collective_timeout(err):
+                raise run.phases.stalled(config.run.out) from err
+            raise
         finally:
             run.loader.close()
             if progress is not None:

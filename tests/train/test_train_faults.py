@@ -1,0 +1,269 @@
+"""What a cluster does to a run, each fault a test (the fault table of the README).
+
+SIGTERM to the whole process group (Slurm's preemption, ``kill %job``, a terminal's Ctrl-C: the
+DataLoader workers get it too); a rank that stops (SIGSTOP) under ``--dist-timeout``; a rank that
+crashes under ``torchrun --max-restarts 1``; a disk that fills up during a save; asynchronous
+saves. Faults other than signals are injected with ``CPVLM_FAULT`` (cpvlm/train/faults.py), so
+those runs are subprocesses (the variable must reach the ranks). Every run is CP=2 on the tiny
+default model and synthetic data, compared with one uninterrupted run: on CPU the losses of an
+interrupted and resumed run equal it bit for bit.
+"""
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from cpvlm.train.checkpoint import newest_intact, problem
+from cpvlm.train.command import main as train_main
+
+FLAGS = ["--cp", "2", "--seq-len", "160", "--ckpt-every", "2"]
+STEPS = 6
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups")
+
+
+def _metrics(out):
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _same(resumed, reference):
+    assert [r["step"] for r in resumed] == [r["step"] for r in reference]
+    for key in ("loss", "grad_norm", "tokens", "valid_labels"):
+        assert [r[key] for r in resumed] == [r[key] for r in reference], key
+
+
+def _resume(out, steps=STEPS):
+    assert train_main(["--out", str(out), *FLAGS, "--steps", str(steps), "--resume"]) == 0
+    return _metrics(out)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference") / "run"
+    assert train_main(["--out", str(out), *FLAGS, "--steps", str(STEPS)]) == 0
+    return out, _metrics(out)
+
+
+def _start(cmd, fault=None, **env):
+    env = {**os.environ, **env}
+    env.pop("CPVLM_FAULT", None)
+    if fault:
+        env["CPVLM_FAULT"] = fault
+    return subprocess.Popen(
+        cmd,
+        env=env,
+        start_new_session=True,  # its own process group, as a job's
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _train_cmd(out, *flags):
+    return [sys.executable, "-m", "cpvlm.train", "--out", str(out), *FLAGS, *flags]
+
+
+def _wait_for_steps(proc, out, steps, timeout=240):
+    deadline = time.monotonic() + timeout
+    while len(_metrics(out)) < steps:
+        if proc.poll() is not None:
+            raise AssertionError(f"exited {proc.returncode}:\n{proc.communicate()[1][-3000:]}")
+        assert time.monotonic() < deadline, f"not {steps} steps within {timeout} s"
+        time.sleep(0.05)
+
+
+def _finish(proc, timeout):
+    try:
+        return proc.communicate(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _session(sid):
+    """``{pid: state}`` of the live (non-zombie) processes of session ``sid``."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                stat = (entry / "stat").read_text()
+                fields = stat[stat.rindex(")") + 2 :].split()
+                if int(fields[3]) == sid and fields[0] != "Z":
+                    found[int(entry.name)] = fields[0]
+    return found
+
+
+@linux_only
+def test_sigterm_to_the_process_group_checkpoints_and_resumes_exactly(tmp_path, reference):
+    """The DataLoader workers (2 per rank) and the fork server get SIGTERM too: they ignore it,
+    the ranks finish the step and checkpoint it, and the run exits 143 with one line."""
+    out = tmp_path / "run"
+    proc = _start(_train_cmd(out, "--steps", "1000"))
+    try:
+        _wait_for_steps(proc, out, 3)
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, stderr[-3000:]
+    stopped = len(_metrics(out))
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == (
+        f"cpvlm train: stopped by SIGTERM after step {stopped} of 1000: checkpoint "
+        f"{out / 'checkpoints' / f'step_{stopped:08d}'} written; continue with --resume --out {out}"
+    )
+    assert 3 <= stopped < STEPS
+    assert newest_intact(out)[0].name == f"step_{stopped:08d}"
+    _same(_resume(out), reference[1])
+
+
+@linux_only
+def test_a_stopped_rank_is_named_and_every_rank_ends(tmp_path):
+    """Rank 1 stops itself (SIGSTOP) at the start of step 3; rank 0 waits in a collective until
+    --dist-timeout, names rank 1 with its step and phase, and the launcher ends every rank."""
+    out = tmp_path / "run"
+    cmd = _train_cmd(out, "--steps", "4", "--dist-timeout", "20")
+    proc = _start(cmd, fault="stop@3:1")
+    try:
+        _wait_for_steps(proc, out, 2)
+        deadline = time.monotonic() + 120
+        while "T" not in _session(proc.pid).values():  # rank 1 has stopped
+            assert proc.poll() is None and time.monotonic() < deadline, "rank 1 did not stop"
+            time.sleep(0.05)
+        start = time.monotonic()
+        while _session(proc.pid) and time.monotonic() - start < 90:
+            time.sleep(0.1)
+        elapsed = time.monotonic() - start
+        assert _session(proc.pid) == {}, "a rank outlived the run"
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, stderr[-3000:]
+    named = "rank 1 of 2 made no progress for 20 s: in step 3, forward (last step done: 2)"
+    lines = stderr.strip().splitlines()
+    assert lines[-1].startswith(f"cpvlm train: {named}"), stderr[-3000:]
+    assert f"newest intact checkpoint in {out} is kept" in lines[-1]
+    assert any(line.startswith(f"cpvlm train: rank 0: {named}") for line in lines), stderr
+    assert elapsed < 60, elapsed  # 20 s timeout, 2 s to agree, 1 s grace, then SIGKILL
+    assert newest_intact(out)[0].name == "step_00000002"
+
+
+@linux_only
+def test_a_crash_under_torchrun_restarts_and_continues_exactly(tmp_path, reference):
+    """Rank 1 raises at step 5; torchrun (--max-restarts 1) restarts both ranks, which resume
+    from the checkpoint of step 4 and finish with the losses of the uninterrupted run."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    cmd += ["--max-restarts", "1", "-m", "cpvlm.train", "--out", str(out), *FLAGS]
+    cmd += ["--steps", str(STEPS)]
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)  # as the local launcher gives each rank
+    proc = _start(cmd, fault="crash@5:1", OMP_NUM_THREADS=str(threads))
+    stdout, stderr = _finish(proc, timeout=600)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "CPVLM_FAULT: injected crash at step 5 on rank 1" in stderr  # with its traceback
+    assert "resuming from checkpoint step_00000004 (step 4)" in stdout, stdout
+    assert [r["step"] for r in _metrics(out)] == list(range(1, STEPS + 1))
+    _same(_metrics(out), reference[1])
+
+
+@linux_only
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path):
+    """Rank 1's files of the step-4 checkpoint come out short with ENOSPC: with --on-save-error
+    stop the run ends there with one line, step 2 stays the newest checkpoint and loads."""
+    out = tmp_path / "run"
+    proc = _start(_train_cmd(out, "--steps", "6", "--on-save-error", "stop"), fault="enospc@4:1")
+    _, stderr = _finish(proc, timeout=300)
+    assert proc.returncode == 1, stderr[-3000:]
+    line = stderr.strip().splitlines()[-1]
+    assert line.startswith(
+        "cpvlm train: stopped after step 4: checkpoint step_00000004 was not written: rank 1: "
+        "OSError: [Errno 28] No space left on device"
+    ), stderr[-3000:]
+    assert f"the last checkpoint {out / 'checkpoints' / 'step_00000002'} is intact" in line
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002"]
+    assert newest_intact(out) == (out / "checkpoints" / "step_00000002", [])
+    dcp_to_torch_save(out / "checkpoints" / "step_00000002", tmp_path / "saved.pt")
+    assert torch.load(tmp_path / "saved.pt", weights_only=False)["model"]
+
+
+@linux_only
+def test_async_saves_equal_sync_saves_bit_for_bit_and_resume_exactly(tmp_path, reference):
+    """--async-save with a full disk at step 4 (--on-save-error continue: a warning, the next
+    interval saves): the same losses and the same checkpoint as the synchronous reference, and
+    a resume from the checkpoint before the failed one (step 2, written asynchronously) equals
+    the uninterrupted run."""
+    ref_out, ref_records = reference
+    out = tmp_path / "run"
+    proc = _start(_train_cmd(out, "--steps", str(STEPS), "--async-save"), fault="enospc@4:0")
+    _, stderr = _finish(proc, timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert (
+        "cpvlm train: warning: checkpoint step_00000004 was not written: rank 0: OSError: "
+        "[Errno 28] No space left on device"
+    ) in stderr, stderr[-3000:]
+    _same(_metrics(out), ref_records)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "step_00000002",
+        f"step_{STEPS:08d}",
+    ]
+    for step in (STEPS,):
+        mine, theirs = (o / "checkpoints" / f"step_{step:08d}" for o in (out, ref_out))
+        assert problem(mine) is None
+        names = sorted(p.name for p in mine.iterdir())
+        assert names == sorted(p.name for p in theirs.iterdir())
+        shards = [n for n in names if n.endswith(".distcp")]
+        assert shards
+        for name in shards:
+            assert (mine / name).read_bytes() == (theirs / name).read_bytes(), name
+        # .metadata holds the directory's path and a random save id; what it maps must agree
+        md, ref_md = (FileSystemReader(str(d)).read_metadata() for d in (mine, theirs))
+        assert md.state_dict_metadata == ref_md.state_dict_metadata
+        assert md.storage_data == ref_md.storage_data
+        meta, ref_meta = (json.loads((d / "meta.json").read_text()) for d in (mine, theirs))
+        assert meta["config"]["run"].pop("async_save") is True
+        ref_meta["config"]["run"].pop("async_save")
+        meta["config"]["run"].pop("out"), ref_meta["config"]["run"].pop("out")
+        assert meta == ref_meta
+    shutil.rmtree(out / "checkpoints" / f"step_{STEPS:08d}")
+    _same(_resume(out), ref_records)
+
+
+def test_resume_auto_resumes_or_starts_anew(tmp_path, reference):
+    """--resume auto (a requeued job's flags): the newest intact checkpoint if there is one, else
+    a new run, replacing what a run killed before its first checkpoint left."""
+    from cpvlm.train import launcher
+    from cpvlm.train.command import build_parser, config_from_args
+    from cpvlm.train.config import RunConfig
+
+    def prepare(out):
+        flags = ["--out", str(out), *FLAGS, "--steps", "10", "--resume", "auto"]
+        return launcher.prepare(config_from_args(build_parser().parse_args(flags)))
+
+    _, resume_from, lines = prepare(reference[0])
+    assert resume_from == str(reference[0] / "checkpoints" / f"step_{STEPS:08d}"), lines
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "metrics.jsonl").write_text('{"step": 1}\n')
+    config, resume_from, lines = prepare(partial)
+    assert resume_from is None and not config.run.resume
+    assert lines == ["--resume auto: no intact checkpoint yet, starting anew"]
+    assert not (partial / "metrics.jsonl").exists()
+    with pytest.raises(ValueError, match=r"run.dist_timeout = 0 \(--dist-timeout\)"):
+        RunConfig(dist_timeout=0)
+    with pytest.raises(ValueError, match=r"--on-save-error\): must be one of continue, stop"):
+        RunConfig(on_save_error="retry")
