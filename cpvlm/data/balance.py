@@ -19,8 +19,10 @@ the same deal, without communicating.
 ``dp_deal``: longest processing time first under the constraint of R rows per rank (each row, by
 cost, to the least loaded rank with room; ties: the lower rank), then pairwise swaps between the
 most loaded rank and another while a swap lowers the larger of the two loads. ``deal_bound`` is
-what whole rows allow: the rank holding the costliest row also holds R - 1 others, at least the
-R - 1 cheapest, and no deal beats the mean.
+what whole rows allow: of the dp (j - 1) + 1 costliest rows some rank holds j (for each j up to R),
+so its load is at least the j cheapest of those plus the R - j cheapest rows left; the q ranks
+that hold the k costliest rows hold q R - k others, at least the cheapest left, and one of them
+at least their mean; and no deal beats the mean.
 """
 
 from __future__ import annotations
@@ -95,9 +97,21 @@ def deal_bound(costs: Sequence[int], dp: int) -> float:
     if dp < 1 or len(costs) % dp or not costs:
         raise ValueError(f"deal_bound: {len(costs)} rows do not split over {dp} DP ranks")
     per_rank = len(costs) // dp
-    ordered = sorted(costs)
+    top = sorted(costs, reverse=True)
     mean = sum(costs) / dp
-    heaviest = ordered[-1] + sum(ordered[: per_rank - 1])
+    heaviest = 0
+    for j in range(1, per_rank + 1):
+        m = dp * (j - 1) + 1  # of the m costliest rows some rank holds j (pigeonhole) ...
+        rest = top[m:]
+        load = sum(top[m - j : m]) + sum(rest[len(rest) - (per_rank - j) :] if per_rank > j else [])
+        heaviest = max(heaviest, load)  # ... at least the j cheapest of them, and R - j others
+    for k in range(1, dp + 1):  # the q ranks holding the k costliest rows: their mean load
+        rest = top[k:][::-1]
+        lowest = min(
+            (sum(top[:k]) + sum(rest[: q * per_rank - k])) / q
+            for q in range(-(-k // per_rank), k + 1)
+        )
+        heaviest = max(heaviest, lowest)
     return max(heaviest, mean) / mean if mean else 1.0
 
 
