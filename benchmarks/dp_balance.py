@@ -1,8 +1,7 @@
 """DP balance: a step's rows dealt to DP ranks by tokens against by modelled cost, at dp 2, 4, 8,
 on a long-tailed mix (a few long videos, many short image chats) and a text-heavy mix.
 
-    python benchmarks/dp_balance.py             # seconds (modelled costs only)
-    python benchmarks/dp_balance.py --measure   # + measured step time, a few minutes on 2 cores
+    python benchmarks/dp_balance.py             # about a minute (modelled costs)
 
 The rows are the stream ``cpvlm train`` makes (``RowStream``: seeded order, windows of 64
 samples packed first-fit decreasing into rows of ``--seq-len`` tokens), from samples whose sizes
@@ -15,10 +14,8 @@ whole rows allow (``deal_bound``: the rank with the costliest row holds R - 1 ot
 means over the steps; "time lost" is sum(max) / sum(mean) - 1, the time the slowest replica makes
 the others wait at the gradient sync, in the model.
 
-``--measure`` also times the steps: the tiny Qwen3-VL model (float32, one process, cp 1) runs
-forward and backward on each DP rank's rows of a step in turn, and a rank's step time is the sum
-over its rows (best of 2); max/mean over ranks, token deal against cost deal, with the cost
-model's coefficients taken from the tiny model (its decoder, attention and tower).
+Measured step time across DP ranks is not here yet: a one-process reference of a packed row
+with per-document attention on the tiny model, timed per DP rank's rows, is left to do.
 """
 
 from __future__ import annotations
@@ -26,7 +23,6 @@ from __future__ import annotations
 import random
 import statistics
 
-from _common import max_over_mean as _mom
 from _common import parser, print_table, write_json
 
 WINDOW = 64
@@ -137,74 +133,7 @@ def modelled(cost, mix, dp, rows, seq_len, steps, samples, seed):
     return out
 
 
-def measured(mix, dp, rows, seq_len, steps, seed):
-    """Step time per DP rank on the tiny model, token deal against cost deal (see the doc)."""
-    import time
-
-    import torch
-
-    from cpvlm.data import TokenIds
-    from cpvlm.data.balance import dp_deal
-    from cpvlm.data.packing import dp_split
-    from cpvlm.integrations.hf import (
-        TINY_MODELS,
-        SampleSpec,
-        build_model,
-        row_cost,
-        synthetic_batch,  # noqa: F401 (the layout below is its)
-    )
-
-    torch.manual_seed(0)
-    config = TINY_MODELS["qwen3-vl-tiny"]()
-    model = build_model(config).float()
-    cost = row_cost(config)
-    ids = TokenIds.from_config(config)
-    rng = random.Random(seed)
-    metas = [MIXES[mix](rng, seq_len) for _ in range(WINDOW * 4)]
-    batches = {}
-
-    def row_time(slot):
-        key = slot.positions
-        if key not in batches:
-            specs = [
-                SampleSpec(
-                    images=tuple((g[1], g[2]) for g in m.image_grids),
-                    videos=tuple(tuple(g) for g in m.video_grids),
-                    text_len=n - sum(ids.item_sizes(g)[1] for g in m.image_grids + m.video_grids),
-                )
-                for m, n in zip(slot.metas, slot.lengths, strict=True)
-            ]
-            batches[key] = specs
-        from cpvlm.integrations.hf import pack_documents
-
-        batch = pack_documents(config, batches[key], seed=0)
-        best = None
-        for _ in range(2):
-            t0 = time.perf_counter()
-            model(**batch).loss.backward()
-            best = min(best or 1e9, time.perf_counter() - t0)
-        return best
-
-    result = {"mix": mix, "dp": dp, "R": rows, "tokens": [], "cost": []}
-    for slots in steps_of(metas, seq_len, rows * dp, steps, seed):
-        times = [row_time(s) for s in slots]
-        costs = [slot_cost(cost, s) for s in slots]
-        for k, shares in (
-            ("tokens", dp_split([s.num_tokens for s in slots], dp)),
-            ("cost", dp_deal(costs, dp)),
-        ):
-            result[k].append(_mom([sum(times[i] for i in s) for s in shares]))
-    return {
-        "mix": mix,
-        "dp": dp,
-        "R": rows,
-        "tokens_time_max_mean": statistics.mean(result["tokens"]),
-        "cost_time_max_mean": statistics.mean(result["cost"]),
-    }
-
-
 def main():
-    from cpvlm.data.balance import RowCost  # noqa: F401
     from cpvlm.integrations.hf import row_cost
 
     p = parser(__doc__)
@@ -213,9 +142,6 @@ def main():
     p.add_argument("--dp", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--samples", type=int, default=20000)
-    p.add_argument("--measure", action="store_true")
-    p.add_argument("--measure-steps", type=int, default=3)
-    p.add_argument("--measure-seq-len", type=int, default=2048)
     args = p.parse_args()
     cost = row_cost(qwen3_vl_8b_config())
     results = [
@@ -233,19 +159,6 @@ def main():
         "cost": {"token": cost.token, "pair": cost.pair, "vision": repr(cost.vision)},
         "modelled": results,
     }
-    if args.measure:
-        timed = [
-            measured(mix, dp, r, args.measure_seq_len, args.measure_steps, seed=0)
-            for mix in MIXES
-            for dp in args.dp
-            for r in (2,)
-        ]
-        print_table(
-            timed,
-            ["mix", "dp", "R", "tokens_time_max_mean", "cost_time_max_mean"],
-            "measured step time across DP ranks (tiny Qwen3-VL, CPU; max/mean)",
-        )
-        payload["measured"] = timed
     write_json(args.out_dir, "dp_balance", payload)
 
 
