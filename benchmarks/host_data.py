@@ -1,8 +1,8 @@
 """Data planning per rank against dp 1 to 16: every rank planning every sample (before) against
 planning split over DP (after), and against a source that knows its samples' sizes.
 
-    python benchmarks/host_data.py               # about 2 minutes on 2 idle CPU cores
-    python benchmarks/host_data.py --samples 32 --steps 2 --dp 1 2 4 --out-dir DIR  # a trial
+    python benchmarks/host_data.py --repeats 1   # about 7 minutes on 2 busy CPU cores
+    python benchmarks/host_data.py --samples 32 --dp 1 2 4 --repeats 1 --out-dir DIR  # a trial
 
 The data of ``benchmarks/data.py`` (JPEG photos of 320x240 to 1920x1080 pixels, videos as
 frame folders, text-only samples) planned by the tiny Qwen3-VL checkpoint's processor (chat
@@ -127,8 +127,8 @@ def main():
     from cpvlm.integrations.hf.tiny_checkpoint import make_tiny_checkpoint
 
     p = parser(__doc__)
-    p.add_argument("--samples", type=int, default=128)
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--samples", type=int, default=48)
+    p.add_argument("--steps", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     args = p.parse_args()
