@@ -40,3 +40,6 @@ TRAIN_ON = ("assistant", "all")
 
 DECODE_MODES = ("local", "all")
 """Which images and frames a rank decodes (``--decode``): only the units it encodes, or all."""
+
+DP_BALANCE = ("tokens", "cost")
+"""How a step's rows are dealt to DP ranks (``--dp-balance``): by tokens, or by modelled cost."""

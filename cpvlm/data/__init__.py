@@ -3,15 +3,18 @@
 Model-agnostic (no ``transformers`` import): a model's processor plugs in as the ``plan`` and
 ``decode`` callables (``cpvlm.integrations.hf.processor`` for Hugging Face checkpoints). Read in
 this order: sources.py (where records come from), sample.py (a planned sample), media.py (image
-headers and decoding), order.py and packing.py (which sample when, rows, DP split), rows.py (the
-global row stream), loader.py (this rank's rows, decoding in DataLoader workers), errors.py.
+headers and decoding), order.py and packing.py (which sample when, rows, DP split), balance.py
+(the deal by cost), rows.py (the global row stream), loader.py (this rank's rows, decoding in
+DataLoader workers), exchange.py (planning split over DP), errors.py.
 """
 
+from cpvlm.data.balance import RowCost, deal_bound, dp_deal
 from cpvlm.data.errors import ERRORS_FILE, REASONS, DataError, ErrorLog
+from cpvlm.data.exchange import DPExchange
 from cpvlm.data.loader import DECODE_MODES, LocalRow, RankLoader, RowJob, decode_row, patch_balanced
 from cpvlm.data.order import SampleOrder
 from cpvlm.data.packing import dp_split, pack_window
-from cpvlm.data.rows import PackedPlan, RowStream
+from cpvlm.data.rows import PackedPlan, RowSlot, RowStream
 from cpvlm.data.sample import (
     LazyPixels,
     SamplePlan,
@@ -26,6 +29,7 @@ __all__ = [
     "DECODE_MODES",
     "ERRORS_FILE",
     "REASONS",
+    "DPExchange",
     "DataError",
     "ErrorLog",
     "LazyPixels",
@@ -33,14 +37,18 @@ __all__ = [
     "PackedPlan",
     "RankLoader",
     "Record",
+    "RowCost",
     "RowJob",
+    "RowSlot",
     "RowStream",
     "SampleOrder",
     "SamplePlan",
     "TokenIds",
     "VisionItem",
     "check_tokens",
+    "deal_bound",
     "decode_row",
+    "dp_deal",
     "dp_split",
     "open_source",
     "pack_window",

@@ -3,16 +3,23 @@
 Legend: R rows per DP rank per step (batch size x grad accumulation), U vision units of a row
 (images, and video temporal patches), C pixel row width.
 
-Per step every rank takes the next R * dp rows of the global ``RowStream``, keeps its DP rank's
-R rows (``dp_split``), and for each row computes which units its CP rank encodes, with the same
-assignment as the model's ``VisionDataParallel`` (``assign``, patch-balanced by default). That
-planning runs in the main process, as the DataLoader's sampler; the decoding runs in DataLoader
-workers (``num_workers``, ``prefetch`` rows ahead each): a worker decodes and processes only the
-images and video frames of this rank's units. ``decode="all"`` decodes every unit on every rank
-(the baseline, and what ``vision="replicate"`` needs).
+Per step every rank takes the next R * dp row slots of the global ``RowStream`` (rows as
+sample positions and sizes), deals them to DP ranks (``balance``: by tokens, ``dp_split``, or by
+modelled cost, ``dp_deal`` with a ``RowCost``), plans in full only its DP rank's R rows, and for
+each row computes which units its CP rank encodes, with the same assignment as the model's
+``VisionDataParallel`` (``assign``, patch-balanced by default). Sizing a window needs every
+sample's ``SampleMeta``: from the source where it has ``meta``; else, with an ``exchange``
+(``DPExchange`` over the DP ranks of this CP rank), DP rank d plans window positions d, d + dp,
+..., the metas are gathered, and after the deal each plan is sent to the rank whose row holds it,
+so every sample of a step is planned once per CP slice, not once per rank. Without either, every
+rank plans every sample (one process that plays several ranks). That planning runs in the main
+process, as the DataLoader's sampler (every DP rank advances it alike, so the exchanges pair up);
+the decoding runs in DataLoader workers (``num_workers``, ``prefetch`` rows ahead each): a worker
+decodes and processes only the images and video frames of this rank's units. ``decode="all"``
+decodes every unit on every rank (the baseline, and what ``vision="replicate"`` needs).
 
-A unit that fails to decode does not raise in the worker: the row comes back with ``error`` set,
-and the trainer agrees on it with the other CP ranks (they decoded other units) before any of
+A unit that fails to decode does not raise in the worker (nor a sample of a source with metas
+that fails to plan): the row comes back with ``error`` set, and the trainer agrees on it with the other CP ranks (they decoded other units) before any of
 them runs the row. ``state_dict()`` is the stream position after the last step handed out.
 """
 
@@ -25,11 +32,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cpvlm.constants import DECODE_MODES, IGNORE_INDEX
+from cpvlm.constants import DECODE_MODES, DP_BALANCE, IGNORE_INDEX
+from cpvlm.data.balance import RowCost, dp_deal
 from cpvlm.data.errors import DataError
 from cpvlm.data.packing import dp_split
-from cpvlm.data.rows import PackedPlan, RowStream
-from cpvlm.data.sample import LazyPixels, TokenIds, VisionItem
+from cpvlm.data.rows import PackedPlan, RowSlot, RowStream
+from cpvlm.data.sample import LazyPixels, SamplePlan, TokenIds, VisionItem
 from cpvlm.distributed import compat
 from cpvlm.vision.assign import assign_vision_units
 from cpvlm.vision.units import VisionUnits, vision_units
@@ -59,6 +67,7 @@ class RowJob:
     state_after: dict  # the stream position after this row's step
     errors: list[DataError] = field(default_factory=list)
     truncated: int = 0
+    error: DataError | None = None  # a sample of the row failed to plan (a source with metas)
 
 
 @dataclass
@@ -170,6 +179,9 @@ def decode_row(job: RowJob, decode: Decoder, temporal_patch: int = 2) -> LocalRo
         job.step, row.input_ids, row.labels, row.doc_lens, job.ids, vision, job.units is not None,
         mine, job.state_after, job.errors, job.truncated,
     )  # fmt: skip
+    if job.error is not None:
+        out.error = job.error
+        return out
     # Units of one item are consecutive: decode each item once, with the temporal patches asked.
     wanted: dict[int, list[int]] = {}
     first_unit = {}
@@ -264,6 +276,9 @@ class RankLoader:
         prefetch: int = 2,
         temporal_patch: int = 2,
         state: dict | None = None,
+        balance: str = "tokens",
+        row_cost: RowCost | None = None,
+        exchange=None,
     ):
         if decode_mode not in DECODE_MODES:
             raise ValueError(f"decode_mode must be one of {DECODE_MODES}, got {decode_mode!r}")
@@ -271,6 +286,15 @@ class RankLoader:
             raise ValueError(
                 f"rank (dp {dp_rank}, cp {cp_rank}) outside dp {dp_size} x cp {cp_size}"
             )
+        if balance not in DP_BALANCE:
+            raise ValueError(f"balance must be one of {DP_BALANCE}, got {balance!r}")
+        if balance == "cost" and row_cost is None:
+            raise ValueError("balance='cost' needs row_cost (cpvlm.integrations.hf.row_cost)")
+        if exchange is not None and exchange.size != dp_size:
+            raise ValueError(f"the exchange has {exchange.size} ranks, dp is {dp_size}")
+        self.balance, self.row_cost = balance, row_cost
+        self.split = exchange is not None and dp_size > 1 and not stream.has_meta
+        self.exchange = exchange
         self.stream, self.ids = stream, ids
         self.rows_per_step = rows_per_step
         self.dp_rank, self.dp_size, self.cp_rank = dp_rank, dp_size, cp_rank
@@ -299,19 +323,64 @@ class RankLoader:
         units = vision_units(grids, self.ids.merge, **_unit_layout(self.ids))
         return sorted(self.assign(units)[self.cp_rank])
 
+    def deal(self, slots: list[RowSlot]) -> list[list[int]]:
+        """Indices into ``slots`` (one step's) for every DP rank; the same on every rank."""
+        if self.balance == "tokens":
+            return dp_split([s.num_tokens for s in slots], self.dp_size)
+        cost = self.row_cost
+        costs = [
+            sum(cost.sample(m, n) for m, n in zip(s.metas, s.lengths, strict=True)) for s in slots
+        ]
+        return dp_deal(costs, self.dp_size)
+
+    def _measure(self, kept: dict[int, SamplePlan]):
+        if not self.split:
+            return lambda positions: self.stream.measure_here(positions, kept)
+
+        def measure(positions):
+            mine = self.stream.measure_here(positions[self.dp_rank :: self.dp_size], kept)
+            return {p: m for part in self.exchange.gather(mine) for p, m in part.items()}
+
+        return measure
+
+    def _plan_mine(self, slots, shares, kept) -> list[tuple[PackedPlan, DataError | None]]:
+        if self.split:  # each plan to the rank whose row holds it
+            outgoing = [
+                {p: kept.pop(p) for i in share for p in slots[i].positions if p in kept}
+                if d != self.dp_rank else None
+                for d, share in enumerate(shares)
+            ]  # fmt: skip
+            for part in self.exchange.swap(outgoing):
+                kept.update(part or {})
+        out = []
+        for i in shares[self.dp_rank]:
+            try:
+                out.append((self.stream.plan_rows(slots[i], kept), None))
+            except DataError as err:  # only a source's meta can promise what planning refuses
+                blank = SamplePlan(-1, err.where, torch.zeros(BLANK_TOKENS, dtype=torch.long),
+                                   torch.full((BLANK_TOKENS,), IGNORE_INDEX))  # fmt: skip
+                out.append((PackedPlan([blank]), err))
+        return out
+
     def _jobs(self) -> Iterator[RowJob]:
-        rows = self.stream.rows(self._start)
+        kept: dict[int, SamplePlan] = {}  # plans made here, not yet in a row
+        rows = self.stream.slots(self._start, self._measure(kept))
         step, per_step = 0, self.rows_per_step * self.dp_size
+        window = self.stream.window
         while True:
             batch = [next(rows) for _ in range(per_step)]
             errors = [e for b in batch for e in b.errors]
             truncated = sum(b.truncated for b in batch)
-            mine = dp_split([b.row.num_tokens for b in batch], self.dp_size)[self.dp_rank]
-            for n, i in enumerate(mine):
-                row = batch[i].row
+            slots = [b.slot for b in batch]
+            shares = self.deal(slots)
+            planned = self._plan_mine(slots, shares, kept)
+            done = batch[-1].slot.positions[0] // window * window  # earlier windows: all dealt
+            for p in [p for p in kept if p < done]:
+                del kept[p]  # plans of rows before a resumed position
+            for n, (row, error) in enumerate(planned):
                 yield RowJob(
                     step, row, self.ids, self._units(row), batch[-1].state_after,
-                    errors if n == 0 else [], truncated if n == 0 else 0,
+                    errors if n == 0 else [], truncated if n == 0 else 0, error,
                 )  # fmt: skip
             step += 1
 

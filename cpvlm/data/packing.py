@@ -10,7 +10,8 @@ without communicating.
   DP ranks longest first, each to the rank with the fewest tokens that still has room for a row
   (ties: the lower rank), R rows each, every rank's rows in stream order.
 
-This is the one DP rule of ``cpvlm train``, for synthetic, function and file sources alike. It
+This is the DP rule of ``cpvlm train --dp-balance tokens`` (``--dp-balance cost``, the default,
+deals the same rows by modelled cost: ``cpvlm.data.balance``), for every source alike. It
 keeps resume exact and the step the same at any dp x cp because a step is defined by its rows,
 not by who trains them: the set of the step's rows is the next ``R * dp`` of the stream whatever
 dp is (a resumed run with another dp keeps ``R * dp`` by its grad accumulation), the loss is the

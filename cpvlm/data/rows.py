@@ -1,12 +1,17 @@
-"""The global row stream: samples in seeded order, planned, packed window by window.
+"""The global row stream: samples in seeded order, sized, packed window by window.
 
 Legend: K samples per packing window, R rows per DP rank per step, S tokens of a row.
 
-Every rank builds the same stream: it plans every sample (token ids, labels, grids from image
-headers; no pixels), packs each window of K stream positions with ``pack_window``, and emits the
-rows in order. The position in the stream, ``{"window": w, "row": j}`` (the next row is row j of
-window w), is the data state a checkpoint keeps: re-planning window w gives the same rows, so a
-resumed run continues with exactly the next row, at any DP x CP size.
+Every rank builds the same stream: packing a window of K stream positions (``pack_window``)
+needs only each sample's ``SampleMeta`` (its token count and grids), so the stream is first one
+of ``RowSlot``s, rows as stream positions and sizes, and a rank plans in full (token ids,
+labels, grids from image headers; no pixels) only the samples of the rows it trains
+(``plan_rows``). The metas come from the source where it knows them (``source.meta(index)``, a
+prepared cache), else from planning: ``measure`` says who plans what (by default this rank
+plans every sample; ``RankLoader`` splits it over DP ranks and exchanges the metas). The position
+in the stream, ``{"window": w, "row": j}`` (the next row is row j of window w), is the data state
+a checkpoint keeps: re-sizing window w gives the same rows, so a resumed run continues with
+exactly the next row, at any DP x CP size.
 
 Bad samples (``DataError`` while planning) are dropped from their window and handed, with the
 next emitted row, to whoever reports them; a text-only sample longer than ``seq_len`` is cut to
@@ -21,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cpvlm.data.errors import DataError
+from cpvlm.data.meta import SampleMeta
 from cpvlm.data.order import SampleOrder
 from cpvlm.data.packing import pack_window
 from cpvlm.data.sample import SamplePlan, VisionItem
@@ -62,12 +68,47 @@ class PackedPlan:
         return torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
 
 
+@dataclass(frozen=True)
+class RowSlot:
+    """One row of the stream before planning: its samples' stream positions and sizes."""
+
+    positions: tuple[int, ...]  # in row order
+    metas: tuple[SampleMeta, ...]
+    lengths: tuple[int, ...]  # tokens of each document in the row (text cut to seq_len)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+
 @dataclass
 class StreamRow:
-    row: PackedPlan
+    row: PackedPlan | None  # None from ``slots``: plan it with ``plan_rows``
     state_after: dict[str, int]  # the stream position after this row
     errors: list[DataError] = field(default_factory=list)  # found since the previous row
     truncated: int = 0  # text-only samples cut to seq_len since the previous row
+    slot: RowSlot | None = None
+
+
+Measure = Callable[[list[int]], dict[int, "SampleMeta | DataError"]]
+"""``measure(positions)``: every position's meta, or the error that makes it unusable."""
+
+
+def meta_of(sample: SamplePlan) -> SampleMeta:
+    """The sizes of a planned sample."""
+    return SampleMeta(
+        len(sample),
+        tuple(tuple(it.grid) for it in sample.images),
+        tuple(tuple(it.grid) for it in sample.videos),
+    )
+
+
+def _same(a: SampleMeta, b: SampleMeta) -> bool:
+    def key(m):
+        grids = (m.image_grids, m.video_grids)
+        return int(m.tokens), tuple(tuple(tuple(int(v) for v in g) for g in gs) for gs in grids)
+
+    return key(a) == key(b)
 
 
 class RowStream:
@@ -87,46 +128,89 @@ class RowStream:
         self.source, self.plan = source, plan
         self.seq_len, self.window = seq_len, window
         self.order = SampleOrder(None if endless else len(source), seed=seed, shuffle=shuffle)
+        self.has_meta = callable(getattr(source, "meta", None))
+        self.plan_calls = 0  # samples this stream planned (what DP splitting divides)
 
-    def _plan(self, position: int) -> SamplePlan:
+    def _fits(self, meta: SampleMeta, where: str) -> SampleMeta:
+        if meta.tokens > self.seq_len and meta.has_vision:
+            raise DataError(
+                "too_long",
+                f"{meta.tokens} tokens with images or videos, more than --seq-len "
+                f"{self.seq_len} (an image is never cut); raise --seq-len or lower "
+                "--max-pixels",
+                where,
+            )
+        return meta
+
+    def plan_full(self, position: int) -> SamplePlan:
+        """The sample at ``position``, planned, not yet cut to ``seq_len``."""
         index = self.order[position]
         try:
             record = self.source[index]
         except DataError as err:
             raise err if err.where else err.at(f"sample {index}") from None
+        self.plan_calls += 1
         try:
             sample = self.plan(record)
         except DataError as err:
             raise err.at(record.where) from None
-        if len(sample) > self.seq_len:
-            if sample.has_vision:
-                raise DataError(
-                    "too_long",
-                    f"{len(sample)} tokens with images or videos, more than --seq-len "
-                    f"{self.seq_len} (an image is never cut); raise --seq-len or lower "
-                    "--max-pixels",
-                    record.where,
-                )
-            sample = sample.truncate(self.seq_len)
+        self._fits(meta_of(sample), record.where)
         return sample
 
-    def window_rows(self, w: int) -> tuple[list[PackedPlan], list[DataError], int]:
-        """The rows of window ``w``, the errors found while planning it, the truncated count."""
-        samples, errors = [], []
-        for p in range(w * self.window, (w + 1) * self.window):
-            try:
-                samples.append(self._plan(p))
-            except DataError as err:
-                errors.append(err)
-        rows = pack_window([len(s) for s in samples], self.seq_len) if samples else []
-        truncated = sum(s.truncated for s in samples)
-        return [PackedPlan([samples[i] for i in r]) for r in rows], errors, truncated
+    def cut(self, sample: SamplePlan) -> SamplePlan:
+        return sample.truncate(self.seq_len) if len(sample) > self.seq_len else sample
 
-    def rows(self, state: dict[str, int] | None = None) -> Iterator[StreamRow]:
+    def source_meta(self, position: int) -> SampleMeta:
+        """The sizes of the sample at ``position`` from ``source.meta`` (no planning)."""
+        index = self.order[position]
+        try:
+            meta = self.source.meta(index)
+        except DataError as err:
+            raise err if err.where else err.at(f"sample {index}") from None
+        return self._fits(meta, f"sample {index}")
+
+    def measure_here(self, positions: list[int], keep: dict[int, SamplePlan] | None = None):
+        """Every position's meta (or error), found on this rank: from the source's metas, or by
+        planning (the plans go into ``keep``)."""
+        out: dict[int, SampleMeta | DataError] = {}
+        for p in positions:
+            try:
+                if self.has_meta:
+                    out[p] = self.source_meta(p)
+                else:
+                    sample = self.plan_full(p)
+                    out[p] = meta_of(sample)
+                    if keep is not None:
+                        keep[p] = sample
+            except DataError as err:
+                out[p] = err
+        return out
+
+    def window_slots(self, w: int, measure: Measure) -> tuple[list[RowSlot], list[DataError], int]:
+        """The rows of window ``w``, the errors found while sizing it, the truncated count."""
+        positions = list(range(w * self.window, (w + 1) * self.window))
+        found = measure(positions)
+        good = [p for p in positions if isinstance(found[p], SampleMeta)]
+        errors = [found[p] for p in positions if not isinstance(found[p], SampleMeta)]
+        metas = [found[p] for p in good]
+        lengths = [min(m.tokens, self.seq_len) for m in metas]
+        rows = pack_window(lengths, self.seq_len) if good else []
+        truncated = sum(m.tokens > self.seq_len for m in metas)
+        slots = [
+            RowSlot(
+                tuple(good[i] for i in r), tuple(metas[i] for i in r), tuple(lengths[i] for i in r)
+            )
+            for r in rows
+        ]
+        return slots, errors, truncated
+
+    def slots(self, state: dict[str, int] | None = None, measure: Measure | None = None):
+        """``StreamRow``s with ``slot`` set and ``row`` None, from ``state`` on."""
+        measure = measure or self.measure_here
         w, j = (0, 0) if state is None else (int(state["window"]), int(state["row"]))
         errors, truncated, empty = [], 0, 0
         while True:
-            rows, found, cut = self.window_rows(w)
+            rows, found, cut = self.window_slots(w, measure)
             if j == 0:  # a resumed window reported its errors with its first row, earlier
                 errors += found
                 truncated += cut
@@ -139,6 +223,35 @@ class RowStream:
             for k in range(j, len(rows)):
                 last = k + 1 == len(rows)
                 state_after = {"window": w + 1, "row": 0} if last else {"window": w, "row": k + 1}
-                yield StreamRow(rows[k], state_after, errors, truncated)
+                yield StreamRow(None, state_after, errors, truncated, rows[k])
                 errors, truncated = [], 0
             w, j = w + 1, 0
+
+    def plan_rows(self, slot: RowSlot, have: dict[int, SamplePlan] | None = None) -> PackedPlan:
+        """The planned row of ``slot``: its samples from ``have`` (taken out), else planned here.
+
+        A sample whose meta promised a size its plan does not have raises ``DataError``.
+        """
+        docs = []
+        for p, meta in zip(slot.positions, slot.metas, strict=True):
+            sample = have.pop(p, None) if have is not None else None
+            sample = sample if sample is not None else self.plan_full(p)
+            if not _same(meta_of(sample), meta):
+                raise DataError(
+                    "vision_token_mismatch",
+                    f"planned as {len(sample)} tokens and grids {meta_of(sample).image_grids}"
+                    f"{meta_of(sample).video_grids}; the source's meta said {meta} (a prepared "
+                    "cache made from other data or flags?)",
+                    sample.where,
+                )
+            docs.append(self.cut(sample))
+        return PackedPlan(docs)
+
+    def rows(self, state: dict[str, int] | None = None) -> Iterator[StreamRow]:
+        """The rows in full, every sample planned on this rank."""
+        kept: dict[int, SamplePlan] = {}
+        for r in self.slots(state, lambda positions: self.measure_here(positions, kept)):
+            r.row = self.plan_rows(r.slot, kept)
+            for p in [p for p in kept if p < r.slot.positions[0] - self.window]:
+                del kept[p]  # rows skipped on resume
+            yield r

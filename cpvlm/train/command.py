@@ -14,7 +14,7 @@ import sys
 
 from cpvlm import options
 from cpvlm.cli import HelpFormatter
-from cpvlm.constants import DECODE_MODES, DTYPES, TRAIN_ON
+from cpvlm.constants import DECODE_MODES, DP_BALANCE, DTYPES, TRAIN_ON
 from cpvlm.train.config import (
     DEVICES,
     ON_SAVE_ERROR,
@@ -172,6 +172,13 @@ def _data_flags(g, d: DataConfig) -> None:
         help="local: each rank decodes only the images/frames it encodes; all: every rank all",
     )
     g.add_argument(
+        "--dp-balance",
+        default=d.dp_balance,
+        choices=DP_BALANCE,
+        help="deal a step's rows to DP ranks by modelled cost (decoder, attention, vision) or "
+        "by tokens",
+    )
+    g.add_argument(
         "--strict",
         action="store_true",
         help="stop at the first bad sample (default: skip it, logged in data_errors.jsonl)",
@@ -287,6 +294,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
             num_workers=a.num_workers,
             prefetch=a.prefetch,
             decode=a.decode,
+            dp_balance=a.dp_balance,
             strict=a.strict,
         ),
         optim=OptimConfig(

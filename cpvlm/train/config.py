@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cpvlm.constants import DATA_PARALLEL, DECODE_MODES, DTYPES, TRAIN_ON
+from cpvlm.constants import DATA_PARALLEL, DECODE_MODES, DP_BALANCE, DTYPES, TRAIN_ON
 from cpvlm.options import DEFAULTS, CPOptions
 
 TRAIN_DATA_PARALLEL = tuple(m for m in DATA_PARALLEL if m != "hsdp")  # a mesh without replicas
@@ -187,6 +187,7 @@ class DataConfig:
     num_workers: int = 2  # DataLoader workers per rank that decode images and frames
     prefetch: int = 2  # rows each worker prepares ahead
     decode: str = "local"  # local: a rank decodes only the units it encodes; all: every unit
+    dp_balance: str = "cost"  # a step's rows dealt to DP ranks by modelled cost, or by tokens
     strict: bool = False  # stop at the first bad sample instead of skipping it
 
     def __post_init__(self):
@@ -219,6 +220,7 @@ class DataConfig:
         _positive_int("data.num_workers", "--num-workers", self.num_workers, zero_ok=True)
         _positive_int("data.prefetch", "--prefetch", self.prefetch)
         _choice("data.decode", "--decode", self.decode, DECODE_MODES)
+        _choice("data.dp_balance", "--dp-balance", self.dp_balance, DP_BALANCE)
 
     def rows_per_rank(self) -> int:
         """Packed rows per DP rank per step (``grad_accum`` must be resolved)."""
@@ -329,6 +331,7 @@ RESUMABLE_CHANGES = (
     "data.num_workers",  # where pixels are made, not which
     "data.prefetch",
     "data.decode",
+    "data.dp_balance",  # which DP rank trains a row, not which rows a step has
 )
 
 

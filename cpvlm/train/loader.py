@@ -3,7 +3,8 @@
 Per step (see ``cpvlm.data.loader``) every rank gets its DP replica's rows, the pixels of the
 units its CP rank encodes only. Two things need all ranks before a row runs:
 
-- bad samples found while planning are the same on every rank (every rank plans every sample);
+- bad samples found while planning are the same on every rank (the DP ranks of a CP slice split
+  the planning and exchange what they found, on a gloo group of their own: ``dp_exchange``);
   rank 0 writes them to ``data_errors.jsonl``, and under ``--strict`` every rank stops at once
   with the same line;
 - a unit that failed to decode is known only to the rank that decoded it. One small all-reduce
@@ -30,6 +31,7 @@ from cpvlm.data import (
     parse_data_args,
     plan_tokenized,
 )
+from cpvlm.data.exchange import DPExchange
 from cpvlm.data.prepared import PreparedSource
 from cpvlm.data.sources import ObjectSource
 from cpvlm.train.config import TrainConfig
@@ -107,7 +109,19 @@ def build_encoder(config: TrainConfig, model_config, source=None):
     return plan, encoder.decode, encoder.video.temporal_patch_size
 
 
+def dp_exchange(groups, dp: int, cp: int) -> DPExchange | None:
+    """A gloo group over the DP ranks of this rank's CP slice (collective: every rank builds
+    every slice's group, in the same order)."""
+    if dp == 1:
+        return None
+    ranks = groups.mesh.mesh.reshape(dp, cp)
+    slices = [dist.new_group(ranks[:, c].tolist(), backend="gloo") for c in range(cp)]
+    return DPExchange(slices[groups.cp_rank])
+
+
 def build_loader(config: TrainConfig, model_config, groups, *, assign, state=None) -> RankLoader:
+    from cpvlm.integrations.hf.row_cost import row_cost
+
     d = config.data
     source = build_source(config, model_config)
     plan, decode, temporal_patch = build_encoder(config, model_config, source)
@@ -134,6 +148,11 @@ def build_loader(config: TrainConfig, model_config, groups, *, assign, state=Non
         prefetch=d.prefetch,
         temporal_patch=temporal_patch,
         state=state,
+        balance=d.dp_balance,
+        row_cost=row_cost(model_config) if d.dp_balance == "cost" else None,
+        exchange=None
+        if stream.has_meta
+        else dp_exchange(groups, config.parallel.dp, config.parallel.cp),
     )
 
 

@@ -17,6 +17,7 @@ from cpvlm.integrations.hf.inputs import PreparedBatch, prepare_batch
 from cpvlm.integrations.hf.kit import FamilyKit
 from cpvlm.integrations.hf.models import TINY_MODELS, build_model, model_family
 from cpvlm.integrations.hf.registry import adapter_for, kit_for, register, supported
+from cpvlm.integrations.hf.row_cost import row_cost
 from cpvlm.integrations.hf.synthetic import SampleSpec, pack_documents, synthetic_batch
 from cpvlm.integrations.hf.vision_cost import vision_cost
 from cpvlm.loss import IGNORE_INDEX
@@ -42,6 +43,7 @@ __all__ = [
     "pack_documents",
     "prepare_batch",
     "register",
+    "row_cost",
     "supported",
     "synthetic_batch",
     "vision_cost",
