@@ -96,7 +96,7 @@ def build_encoder(config: TrainConfig, model_config):
         video_min_pixels=d.video_min_pixels,
         video_max_pixels=d.video_max_pixels,
     )
-    return encoder.plan, encoder.decode, encoder.video.temporal_patch_size
+    return encoder.plan, encoder.decode, encoder.temporal_patch
 
 
 def build_loader(config: TrainConfig, model_config, groups, *, assign, state=None) -> RankLoader:

@@ -102,6 +102,10 @@ def make_tiny_checkpoint(
         image_processor.save_pretrained(path)  # preprocessor_config.json
         (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=1))
         (path / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+        settings = tiny.processor_settings(config)
+        if settings:  # the processor's own settings stay in processor_config.json
+            settings = {"processor_class": tiny.processor_class, **settings}
+            (path / "processor_config.json").write_text(json.dumps(settings, indent=1))
     return path
 
 
