@@ -55,6 +55,11 @@ def tiny_tokenizer(family: str, vocab_size: int = 320):
     return PreTrainedTokenizerFast(tokenizer_object=tok, **tiny.tokenizer_kwargs)
 
 
+def takes_example_videos(family: str) -> bool:
+    """Whether the family's tiny checkpoint has a video processor (its example data videos)."""
+    return _kit_class(family).tiny_processor.video_processor is not None
+
+
 def tiny_model_config(family: str, tokenizer):
     """The family's tiny config with the tokenizer's special token ids."""
     kit = _kit_class(family)

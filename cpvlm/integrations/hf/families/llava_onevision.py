@@ -123,18 +123,18 @@ def llava_onevision_vision_cost(config) -> CropCost:
 # ---- a tiny processor (LLaVA-OneVision's tokens and template, its anyres image processor) --------
 
 _SPECIAL = {"image_token": "<image>", "video_token": "<video>"}
-# LLaVA-OneVision's template, reduced: chatml turns; a turn's images, then its videos, then its
-# texts (each after a newline), as the published template orders them.
+# LLaVA-OneVision's published template without its generation markers: a turn is its role and a
+# space, its images, its videos, then each text after a newline, and <|im_end|>.
 _TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }} "
-    "{% if message['content'] is string %}\n{{ message['content'] }}{% else %}"
-    "{% for item in message['content'] | selectattr('type', 'equalto', 'image') %}<image>"
-    "{% endfor %}"
-    "{% for item in message['content'] | selectattr('type', 'equalto', 'video') %}<video>"
-    "{% endfor %}"
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + ' ' }}"
+    "{% if message['content'] is string %}{{ '\\n' + message['content'] }}{% else %}"
+    "{% for item in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>' }}{% endfor %}"
+    "{% for item in message['content'] | selectattr('type', 'equalto', 'video') %}"
+    "{{ '<video>' }}{% endfor %}"
     "{% for item in message['content'] | selectattr('type', 'equalto', 'text') %}"
-    "\n{{ item['text'] }}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{{ '\\n' + item['text'] }}{% endfor %}{% endif %}{{ '<|im_end|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
 
@@ -152,14 +152,6 @@ def _image_processor(config):
     return LlavaOnevisionImageProcessorPil(
         size={"height": side, "width": side}, image_grid_pinpoints=config.image_grid_pinpoints
     )
-
-
-def _video_processor(config) -> dict:
-    side = config.vision_config.image_size
-    return {
-        "video_processor_type": "LlavaOnevisionVideoProcessor",
-        "size": {"height": side, "width": side},
-    }
 
 
 def _processor_settings(config) -> dict:
@@ -185,8 +177,7 @@ class Kit(FamilyKit):
         processor_class="LlavaOnevisionProcessor",
         config_ids=_config_ids,
         image_processor=_image_processor,
-        video_processor=_video_processor,
-        processor_settings=_processor_settings,
+        processor_settings=_processor_settings,  # no video processor: cpvlm takes no videos here
     )
     zero_gradients = (r"model\.vision_tower\..*self_attn\.k_proj\.bias",)
     unused_parameters = r"model\.vision_tower\.post_layernorm\."  # SigLIP's, at feature layer -1
