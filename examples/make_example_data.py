@@ -1,6 +1,6 @@
 """Make a small training set of conversations with images and a video, and a local checkpoint.
 
-    python examples/make_example_data.py runs/example
+    python examples/make_example_data.py runs/example [--model internvl-tiny]
     cpvlm train --model runs/example/ckpt --data runs/example/data/train.jsonl --cp 2 --steps 20
 
 ``runs/example/data/`` gets PNG images of several sizes, frame folders for videos, and
@@ -11,25 +11,39 @@ with paths relative to the file:
                                                {"type": "text", "text": "Describe the image."}]},
                   {"role": "assistant", "content": [{"type": "text", "text": "two cats"}]}]}
 
-``runs/example/ckpt/`` stands in for a downloaded Qwen3-VL checkpoint directory: a tiny model
-with random weights, its tokenizer, chat template, image and video processor configs (what
-``save_pretrained`` writes). With a real checkpoint, pass its directory to ``--model`` instead.
+``runs/example/ckpt/`` stands in for a downloaded checkpoint directory of the family of
+``--model`` (default Qwen3-VL): a tiny model with random weights, its tokenizer, chat template,
+image and video processor configs (what ``save_pretrained`` writes). The data has videos where
+the family's processor takes them (not Gemma 3 or LLaVA-OneVision). With a real checkpoint, pass
+its directory to ``cpvlm train --model`` instead.
 """
 
 import argparse
 from pathlib import Path
 
-from cpvlm.integrations.hf.tiny_checkpoint import example_records, make_tiny_checkpoint, write_jsonl
+from cpvlm.integrations.hf.registry import default_model, tiny_adapters
+from cpvlm.integrations.hf.tiny_checkpoint import (
+    example_records,
+    make_tiny_checkpoint,
+    takes_example_videos,
+    write_jsonl,
+)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", nargs="?", default="runs/example", help="folder to write")
     parser.add_argument("--samples", type=int, default=60, help="conversations to write")
+    with_processor = [n for n, a in tiny_adapters().items() if a.kit.tiny_processor is not None]
+    parser.add_argument(
+        "--model", default=default_model(), choices=with_processor, help="tiny model family"
+    )
     args = parser.parse_args()
     out = Path(args.out)
-    ckpt = make_tiny_checkpoint(out / "ckpt", "qwen3_vl")
-    jsonl = write_jsonl(out / "data" / "train.jsonl", example_records(out / "data", args.samples))
+    family = tiny_adapters()[args.model].family
+    ckpt = make_tiny_checkpoint(out / "ckpt", family)
+    records = example_records(out / "data", args.samples, videos=takes_example_videos(family))
+    jsonl = write_jsonl(out / "data" / "train.jsonl", records)
     print(f"checkpoint: {ckpt}\ndata:       {jsonl}")
     print(f"train:      cpvlm train --model {ckpt} --data {jsonl} --cp 2 --steps 20")
 

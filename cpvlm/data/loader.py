@@ -128,7 +128,9 @@ def _unit_layout(ids) -> dict:
     return {"split_frames": ids.split_frames, "sizes": ids.sizes}
 
 
-def _item_rows(decode: Decoder, item: VisionItem, temporal: list[int] | None) -> torch.Tensor:
+def _item_rows(
+    decode: Decoder, item: VisionItem, temporal: list[int] | None, ids: TokenIds | None = None
+) -> torch.Tensor:
     if item.pixels is not None:  # tokenized samples: the rows are made (or LazyPixels)
         pixels, n = item.pixels, item.patches_per_frame
         if isinstance(pixels, LazyPixels):
@@ -139,12 +141,17 @@ def _item_rows(decode: Decoder, item: VisionItem, temporal: list[int] | None) ->
             return pixels
         return torch.cat([pixels[j * n : (j + 1) * n] for j in temporal])
     rows = decode(item, temporal)
-    t = item.grid[0] if temporal is None else len(temporal)
-    if rows.dim() != 2 or rows.shape[0] != t * item.patches_per_frame:
+    # the family's rows per item (LLaVA-OneVision: t crops of s*s rows, whatever its h, w)
+    sizes = ids.item_sizes if ids is not None else lambda g: (g[0] * g[1] * g[2], 0)
+    if temporal is None:
+        need = sizes(item.grid)[0]
+    else:
+        need = len(temporal) * sizes((1, *item.grid[1:]))[0]
+    if rows.dim() != 2 or rows.shape[0] != need:
         raise DataError(
             "vision_token_mismatch",
             f"the processor made pixel rows of shape {tuple(rows.shape)} for a {item.kind} whose "
-            f"grid {list(item.grid)} needs {t * item.patches_per_frame} rows",
+            f"grid {list(item.grid)} needs {need} rows",
         )
     return rows
 
@@ -152,7 +159,7 @@ def _item_rows(decode: Decoder, item: VisionItem, temporal: list[int] | None) ->
 def _names(item: VisionItem, temporal: list[int] | None, temporal_patch: int) -> list[str]:
     if item.pixels is not None:
         return []
-    if item.kind == "image":
+    if item.image is not None:
         return [item.image.name]
     frames = range(len(item.frames)) if temporal is None else [
         f for j in temporal for f in range(j * temporal_patch, (j + 1) * temporal_patch)
@@ -197,7 +204,7 @@ def decode_row(job: RowJob, decode: Decoder, temporal_patch: int = 2) -> LocalRo
         if not job.ids.split_frames or len(temporal) == item.grid[0]:
             temporal = None
         try:
-            rows = _item_rows(decode, item, temporal)
+            rows = _item_rows(decode, item, temporal, job.ids)
         except DataError as err:
             out.error = err.at(doc.where)
             return out

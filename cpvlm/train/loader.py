@@ -106,7 +106,7 @@ def build_encoder(config: TrainConfig, model_config, source=None):
 
         check_prepared(source, encoder, model_config, d)
         plan = source.plan
-    return plan, encoder.decode, encoder.video.temporal_patch_size
+    return plan, encoder.decode, encoder.temporal_patch
 
 
 def dp_exchange(groups, dp: int, cp: int) -> DPExchange | None:

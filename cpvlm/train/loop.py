@@ -45,6 +45,7 @@ from torch.profiler import record_function
 from cpvlm.data import ErrorLog, RankLoader
 from cpvlm.distributed import compat
 from cpvlm.integrations.hf import ContextParallelVLM, adapter_for, build_model
+from cpvlm.integrations.hf.registry import kit_for
 from cpvlm.loss import count_valid_labels, shift_labels
 from cpvlm.parallelize import MeshGroups, build_mesh, mesh_groups, parallelize, sync_gradients
 from cpvlm.train import faults
@@ -195,6 +196,11 @@ class _Run:
 def _setup_model(config: TrainConfig, device: torch.device, groups, mesh):
     m, p = config.model, config.parallel
     model = build_model(m.name, dtype=m.torch_master_dtype, seed=config.run.seed)
+    if m.torch_master_dtype == torch.float64:
+        # A float64 run is a check: the parts transformers computes in float32 whatever the dtype
+        # (Gemma's RMSNorm) are computed in float64, as cpvlm verify does, so that CP matches
+        # CP=1 to float64 round-off.
+        kit_for(model).float64_islands(model)
     if m.freeze_vision:
         freeze_vision_encoder(model)
     if m.activation_checkpointing:

@@ -14,7 +14,7 @@ hook declared on ``VLMAdapter`` below, with its contract; nothing else is read f
   ``takes_videos``, ``from_model_batch`` / ``to_model_batch`` (the model's own batch <-> the
   core's pixel rows with grids);
 - the processor (data path): ``processor_image_grid``, ``processor_image_inputs``,
-  ``video_processing``;
+  ``video_processing``, or a ``chat_media`` class;
 - modules: ``text_model``, ``decoder_layers``, ``embed_tokens``, ``lm_head``, ``vision_tower``
   (the tower's own parameters), ``projector``, ``fsdp_units``, ``freeze_vision_encoder``,
   ``install_context_parallel`` (sequence mixers other than attention);
@@ -200,6 +200,11 @@ class VLMAdapter:
         return batch
 
     # ---- the processor (the data path) ----------------------------------------------------------
+
+    chat_media: ClassVar[type | None] = None
+    """A ``cpvlm.integrations.hf.families.chat_media.ChatMedia`` class: the data path's items,
+    placeholder inputs and pixel rows of the family's processor, where the Qwen-VL rules below
+    (``processor_image_grid``, ``processor_image_inputs``, ``video_processing``) do not fit."""
 
     def processor_image_grid(self, image_processor, height: int, width: int):
         """``(1, h, w)``: the grid the checkpoint's image processor gives an image of ``height x

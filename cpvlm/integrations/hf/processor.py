@@ -21,8 +21,14 @@ the conversation up to it is rendered with the generation prompt; what the full 
 after that prefix, up to the end of the rendering of messages[:i+1] (trailing whitespace off),
 is the turn. A template for which those renderings are not prefixes of each other is reported.
 
-``AutoProcessor`` needs torchvision for processors with a video processor; where it fails, the processor class is built around the image processor with a stand-in for the video
-processor, so that its token-replacement code still runs.
+A family whose processor the Qwen-VL rules do not describe (LLaVA-OneVision's anyres crops,
+InternVL's tiles, Gemma 4's patch budget) gives its adapter a ``chat_media`` class
+(``cpvlm.integrations.hf.families.chat_media``): the items' grids, what the replacement code
+reads, the items in the model's order and the pixel rows; the rest above is shared.
+
+``AutoProcessor`` needs torchvision for processors with a video processor; where it fails, the
+processor class is built around the image processor with a stand-in for the video processor, so
+that its token-replacement code still runs.
 """
 
 from __future__ import annotations
@@ -83,8 +89,7 @@ def video_settings(model_dir: Path, adapter, image_processor):
     """The video pipeline (the adapter's ``video_processing``) of the video processor's config
     file (either layout) over the class defaults; patch, merge and temporal sizes default to the
     image processor's."""
-    config = _read_json(model_dir / "video_preprocessor_config.json")
-    config = config or _read_json(model_dir / "processor_config.json").get("video_processor", {})
+    config = video_config(model_dir)
     for key in ("patch_size", "merge_size", "temporal_patch_size"):
         config.setdefault(key, getattr(image_processor, key))
     return adapter.video_processing(config)
@@ -102,26 +107,52 @@ def _processor_class(model_dir: Path, model_type: str):
     return getattr(transformers, name)
 
 
-def build_processor(model_dir: Path, model_type: str, tokenizer, image_processor, video, template):
+def build_processor(
+    model_dir: Path,
+    model_type: str,
+    tokenizer,
+    image_processor,
+    video,
+    template,
+    *,
+    stand_in=None,
+    **parts,
+):
     """The checkpoint's processor class around these parts, without its video processor.
 
     Its ``__init__`` type-checks every part, and the video processor class cannot be built without
-    torchvision; only its ``merge_size`` / ``temporal_patch_size`` are read by the methods used.
+    torchvision; only its ``merge_size`` / ``temporal_patch_size`` are read by the methods used
+    (or what ``stand_in`` holds). ``parts``: further keywords (processor settings, parts).
     """
     cls = _processor_class(model_dir, model_type)
     lenient = type(cls.__name__, (cls,), {"check_argument_for_proper_class": lambda *a: None})
-    stand_in = SimpleNamespace(
-        merge_size=video.merge_size,
-        temporal_patch_size=video.temporal_patch_size,
-        patch_size=video.patch_size,
-        model_input_names=["pixel_values_videos", "video_grid_thw"],
-    )
+    if stand_in is None:
+        stand_in = SimpleNamespace(
+            merge_size=video.merge_size,
+            temporal_patch_size=video.temporal_patch_size,
+            patch_size=video.patch_size,
+            model_input_names=["pixel_values_videos", "video_grid_thw"],
+        )
     return lenient(
         image_processor=image_processor,
         tokenizer=tokenizer,
         video_processor=stand_in,
         chat_template=template,
+        **parts,
     )
+
+
+def video_config(model_dir: Path) -> dict:
+    """The video processor's config file entries (either layout; ``{}`` when none)."""
+    config = _read_json(model_dir / "video_preprocessor_config.json")
+    return config or _read_json(model_dir / "processor_config.json").get("video_processor", {})
+
+
+def processor_settings(model_dir: Path) -> dict:
+    """The processor's own settings in ``processor_config.json`` (``image_seq_length``, ...)."""
+    parts = ("processor_class", "image_processor", "video_processor", "chat_template")
+    config = _read_json(model_dir / "processor_config.json")
+    return {k: v for k, v in config.items() if k not in parts}
 
 
 def _clean(value):
@@ -168,6 +199,10 @@ class ChatEncoder:
         self.image_processor = AutoImageProcessor.from_pretrained(
             self.model_dir, local_files_only=True
         )
+        self.media = None
+        if self.adapter.chat_media is not None:
+            self._init_media(model_type)
+            return
         if not self.adapter.takes_videos:
             self._init_images_only(model_type)
             return
@@ -196,15 +231,41 @@ class ChatEncoder:
                 f"model {self.ids.merge}x{self.ids.merge}"
             )
 
+    def _init_media(self, model_type: str) -> None:
+        """A family with its own ``chat_media``: the processor class around the tokenizer, the
+        image processor and the media's video stand-in, with its settings."""
+        self.media = self.adapter.chat_media(
+            self.adapter, self.image_processor, video_config(self.model_dir)
+        )
+        template = load_chat_template(self.model_dir, self.tokenizer)
+        self.processor = build_processor(
+            self.model_dir,
+            model_type,
+            self.tokenizer,
+            self.image_processor,
+            None,
+            template,
+            stand_in=self.media.video_stand_in(),
+            **self.media.processor_parts,
+            **processor_settings(self.model_dir),
+        )
+        self.media.bind(self.processor)
+        self.chat_template = template
+        self.video = None
+        self._seconds = False
+
+    @property
+    def temporal_patch(self) -> int:
+        """Frames per temporal unit of a video (what the loader names a unit's frames by)."""
+        if self.media is not None:
+            return self.media.temporal_patch_size
+        return self.video.temporal_patch_size if self.video is not None else 1
+
     def _init_images_only(self, model_type: str) -> None:
         """A processor without videos: its own class around the tokenizer and image processor,
         with its settings (``image_seq_length``) from ``processor_config.json``."""
         template = load_chat_template(self.model_dir, self.tokenizer)
-        settings = {
-            k: v
-            for k, v in _read_json(self.model_dir / "processor_config.json").items()
-            if k not in ("processor_class", "image_processor", "chat_template")
-        }
+        settings = processor_settings(self.model_dir)
         cls = _processor_class(self.model_dir, model_type)
         self.processor = cls(
             image_processor=self.image_processor,
@@ -233,7 +294,8 @@ class ChatEncoder:
         if not isinstance(messages, list) or not messages:
             raise DataError("bad_record", "no 'messages' list (or 'input_ids') in the record")
         messages, images, videos = self._vision_items(_clean(messages), data, record.base_dir)
-        text = self._expand(self._render(messages), images, videos)
+        rendered = self._render(messages)
+        text = self._expand(rendered, images, videos)
         enc = self.tokenizer(
             text,
             add_special_tokens=not self._starts_with_bos(text),
@@ -250,6 +312,8 @@ class ChatEncoder:
         else:
             labels = input_ids.clone()
         vision = (input_ids == self.ids.image) | (input_ids == self.ids.video)
+        if self.media is not None:
+            images, videos = self.media.model_items(images, videos, rendered)
         plan = SamplePlan(
             record.index,
             record.where,
@@ -264,7 +328,7 @@ class ChatEncoder:
     def _vision_items(self, messages, data, base_dir):
         """Messages with every image/video item resolved; the items in order, with grids."""
         pools = {kind: list(data.get(kind + "s") or []) for kind in ("image", "video")}
-        images, videos = [], []
+        images, videos = [], []  # image refs (sized together below), video items
         for message in messages:
             if not isinstance(message, Mapping) or "role" not in message:
                 raise DataError("bad_record", f"a message must have a role, got {message!r}")
@@ -282,13 +346,14 @@ class ChatEncoder:
                     value = pools[kind].pop(0)
                     item[kind] = "<from column>"
                 if kind == "image":
-                    images.append(self._image_item(value, base_dir))
+                    images.append(image_ref(value, base_dir))
                 else:
                     videos.append(self._video_item(value, item.get("fps"), base_dir))
-        return messages, images, videos
+        if self.media is not None:
+            return messages, self.media.image_items(images), videos
+        return messages, [self._image_item(ref) for ref in images], videos
 
-    def _image_item(self, value, base_dir) -> VisionItem:
-        ref = image_ref(value, base_dir)
+    def _image_item(self, ref) -> VisionItem:
         height, width = ref.size()
         try:
             grid = self.adapter.processor_image_grid(self.image_processor, height, width)
@@ -299,6 +364,8 @@ class ChatEncoder:
     def _video_item(self, value, fps, base_dir) -> VisionItem:
         fps = float(fps) if fps is not None else None
         frames, fps = video_frames(value, base_dir, fps)
+        if self.media is not None:
+            return self.media.video_item(frames, fps)
         height, width = frames[0].size()
         try:
             grid = self.video.grid(len(frames), height, width)
@@ -320,6 +387,16 @@ class ChatEncoder:
 
     def _expand(self, text: str, images, videos) -> str:
         """The processor's own placeholder expansion, for the planned grids."""
+        p = self.processor
+        if self.media is not None:
+            m = self.media
+            image_repl = [
+                p.replace_image_token(*m.image_inputs(images, i)) for i in range(len(images))
+            ]
+            video_repl = [
+                p.replace_video_token(*m.video_inputs(videos, i)) for i in range(len(videos))
+            ]
+            return self._replace(text, images, videos, image_repl, video_repl)
         from transformers.video_utils import VideoMetadata
 
         image_inputs = self.adapter.processor_image_inputs([it.grid for it in images])
@@ -334,9 +411,12 @@ class ChatEncoder:
                 for it in videos
             ],
         }
-        p = self.processor
         image_repl = [p.replace_image_token(image_inputs, image_idx=i) for i in range(len(images))]
         video_repl = [p.replace_video_token(video_inputs, video_idx=i) for i in range(len(videos))]
+        return self._replace(text, images, videos, image_repl, video_repl)
+
+    def _replace(self, text: str, images, videos, image_repl, video_repl) -> str:
+        p = self.processor
         n_video = text.count(p.video_token) if getattr(p, "video_token", None) else 0
         n_image = text.count(p.image_token)
         if (n_image, n_video) != (len(images), len(videos)):
@@ -390,6 +470,8 @@ class ChatEncoder:
     # ---- decoding (only the rank that encodes the unit) ---------------------------------------
 
     def decode(self, item: VisionItem, temporal) -> torch.Tensor:
+        if self.media is not None:
+            return self.media.decode(item, temporal)
         if item.kind == "image":
             out = self.image_processor(images=[item.image.load()], return_tensors="pt")
             out = self.adapter.from_model_batch(dict(out))  # the core's pixel rows and grid

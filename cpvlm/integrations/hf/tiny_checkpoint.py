@@ -55,6 +55,11 @@ def tiny_tokenizer(family: str, vocab_size: int = 320):
     return PreTrainedTokenizerFast(tokenizer_object=tok, **tiny.tokenizer_kwargs)
 
 
+def takes_example_videos(family: str) -> bool:
+    """Whether the family's tiny checkpoint has a video processor (its example data videos)."""
+    return _kit_class(family).tiny_processor.video_processor is not None
+
+
 def tiny_model_config(family: str, tokenizer):
     """The family's tiny config with the tokenizer's special token ids."""
     kit = _kit_class(family)
@@ -102,6 +107,10 @@ def make_tiny_checkpoint(
         image_processor.save_pretrained(path)  # preprocessor_config.json
         (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=1))
         (path / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+        settings = tiny.processor_settings(config)
+        if settings:  # the processor's own settings stay in processor_config.json
+            settings = {"processor_class": tiny.processor_class, **settings}
+            (path / "processor_config.json").write_text(json.dumps(settings, indent=1))
     return path
 
 

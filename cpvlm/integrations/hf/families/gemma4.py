@@ -31,10 +31,11 @@ from transformers import Gemma4Config
 from cpvlm.vision.cost import VisionCost
 
 from ..adapter import VLMAdapter
-from ..kit import FamilyKit, with_float64_forward
+from ..kit import FamilyKit, TinyProcessor, with_float64_forward
 from ..registry import register
 from ..tiny import IMAGE_TOKEN_ID, TEXT, VIDEO_TOKEN_ID, split_overrides, with_overrides
 from .gemma3 import untied_lm_head
+from .gemma4_processing import Gemma4Media
 
 BOI_TOKEN_ID = 500
 EOI_TOKEN_ID = 501
@@ -141,9 +142,89 @@ def _pool_in_dtype(self, hidden_states, pixel_position_ids, padding_positions, o
     return hidden_states * self.root_hidden_size, padding_positions
 
 
+# ---- a tiny processor (Gemma 4's tokens, a reduced template, its patch image processor) ----------
+
+_SPECIAL = {
+    "boi_token": "<start_of_image>",
+    "eoi_token": "<end_of_image>",
+    "image_token": "<image_soft_token>",
+    "audio_token": "<audio_soft_token>",
+    "boa_token": "<start_of_audio>",
+    "eoa_token": "<end_of_audio>",
+}
+_VIDEO_TOKEN = "<|video|>"  # Gemma4Processor adds it to the tokenizer itself
+# Gemma's template, reduced to what matters here: turns, the image token per image and the video
+# token per video (the processor expands both, a video into timestamped frames).
+_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<start_of_turn>"
+    "{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'image' %}<image_soft_token>"
+    "{% elif item['type'] == 'video' %}<|video|>"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+TINY_SOFT_TOKENS = 70
+"""The processor's ``max_soft_tokens`` of the tiny checkpoint (the smallest it allows)."""
+
+
+def _config_ids(tokenizer) -> dict:
+    t = tokenizer.convert_tokens_to_ids
+    return {
+        "boi_token_id": t(_SPECIAL["boi_token"]),
+        "eoi_token_id": t(_SPECIAL["eoi_token"]),
+        "image_token_id": t(_SPECIAL["image_token"]),
+        "video_token_id": t(_VIDEO_TOKEN),
+        "audio_token_id": t(_SPECIAL["audio_token"]),
+        "text_config": {
+            "pad_token_id": t("<pad>"),
+            "bos_token_id": t("<bos>"),
+            "eos_token_id": t("<eos>"),
+        },
+    }
+
+
+def _image_processor(config):
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    vc = config.vision_config
+    return Gemma4ImageProcessorPil(
+        patch_size=vc.patch_size,
+        pooling_kernel_size=vc.pooling_kernel_size,
+        max_soft_tokens=TINY_SOFT_TOKENS,
+    )
+
+
+def _video_processor(config) -> dict:
+    vc = config.vision_config
+    return {
+        "video_processor_type": "Gemma4VideoProcessor",
+        "patch_size": vc.patch_size,
+        "pooling_kernel_size": vc.pooling_kernel_size,
+        "max_soft_tokens": TINY_SOFT_TOKENS,
+        "do_sample_frames": False,  # cpvlm samples a video file's frames itself
+    }
+
+
 class Kit(FamilyKit):
     tiny_configs = {"gemma4-tiny": tiny_gemma4_config}
     traits = frozenset({"image_spans"})
+    tiny_processor = TinyProcessor(
+        special_tokens=("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>")
+        + (*_SPECIAL.values(), _VIDEO_TOKEN),
+        tokenizer_kwargs={
+            "bos_token": "<bos>",
+            "eos_token": "<eos>",
+            "pad_token": "<pad>",
+            "extra_special_tokens": _SPECIAL,
+        },
+        chat_template=_TEMPLATE,
+        processor_class="Gemma4Processor",
+        config_ids=_config_ids,
+        image_processor=_image_processor,
+        video_processor=_video_processor,
+        processor_settings=lambda config: {"image_seq_length": TINY_SOFT_TOKENS},
+    )
 
     def item_tokens(self, kind, grid, text):
         t, h, w = grid
@@ -188,6 +269,7 @@ class Gemma4Adapter(VLMAdapter):
     model_classes = ("Gemma4ForConditionalGeneration",)
     model_types = ("gemma4",)
     kit = Kit
+    chat_media = Gemma4Media  # the data path's processor hooks
     model_batch_keys = (
         "image_position_ids",
         "video_position_ids",

@@ -34,7 +34,7 @@ from transformers import InternVLConfig
 from cpvlm.vision.cost import VisionCost, block_linear_macs
 
 from ..adapter import VLMAdapter
-from ..kit import FamilyKit
+from ..kit import FamilyKit, TinyProcessor
 from ..registry import register
 from ..tiny import (
     IMAGE_TOKEN_ID,
@@ -45,6 +45,7 @@ from ..tiny import (
     split_overrides,
     with_overrides,
 )
+from .internvl_processing import InternVLMedia
 
 TILE = 32
 """Tile side of the tiny config in pixels: 4 x 4 patches of 8, 4 context tokens per tile."""
@@ -104,9 +105,71 @@ def internvl_vision_cost(config) -> VisionCost:
     return VisionCost(linear_per_patch=linear, pair=2 * w, full_blocks=vc.num_hidden_layers)
 
 
+# ---- a tiny processor (InternVL-hf's tokens, a chatml template, GotOcr2's tiling) ----------------
+
+_SPECIAL = {
+    "start_image_token": "<img>",
+    "end_image_token": "</img>",
+    "context_image_token": "<IMG_CONTEXT>",
+    "video_token": "<video>",
+}
+# InternVL's template, reduced to what matters here: chatml turns, "<IMG_CONTEXT>\n" per image and
+# "<video>\n" per video (the processor expands both).
+_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'image' %}<IMG_CONTEXT>\n"
+    "{% elif item['type'] == 'video' %}<video>\n{% elif item['type'] == 'text' %}{{ item['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _config_ids(tokenizer) -> dict:
+    t = tokenizer.convert_tokens_to_ids
+    return {
+        "image_token_id": t(_SPECIAL["context_image_token"]),
+        "start_image_token_id": t(_SPECIAL["start_image_token"]),
+        "end_image_token_id": t(_SPECIAL["end_image_token"]),
+    }
+
+
+def _image_processor(config):
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    side = config.vision_config.image_size
+    side = side[0] if isinstance(side, (list, tuple)) else side
+    return GotOcr2ImageProcessorPil(
+        size={"height": side, "width": side}, crop_to_patches=True, max_patches=6
+    )
+
+
+def _video_processor(config) -> dict:
+    side = config.vision_config.image_size
+    side = side[0] if isinstance(side, (list, tuple)) else side
+    return {
+        "video_processor_type": "InternVLVideoProcessor",
+        "size": {"height": side, "width": side},
+    }
+
+
 class Kit(FamilyKit):
     tiny_configs = {"internvl-tiny": tiny_internvl_config}
     traits = frozenset({"tiled"})
+    tiny_processor = TinyProcessor(
+        special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>", *_SPECIAL.values()),
+        tokenizer_kwargs={
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "extra_special_tokens": _SPECIAL,
+        },
+        chat_template=_TEMPLATE,
+        processor_class="InternVLProcessor",
+        config_ids=_config_ids,
+        image_processor=_image_processor,
+        video_processor=_video_processor,
+        processor_settings=lambda config: {"image_seq_length": config.image_seq_length},
+    )
 
     def synthetic_items(self, kind, grid, *, images_in_sample=1):
         t, h, w = grid
@@ -142,6 +205,7 @@ class InternVLAdapter(VLMAdapter):
     model_classes = ("InternVLForConditionalGeneration",)
     model_types = ("internvl",)
     kit = Kit
+    chat_media = InternVLMedia  # the data path's processor hooks
 
     def __init__(self, config):
         self.config = config

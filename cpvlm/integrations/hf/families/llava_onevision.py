@@ -43,9 +43,10 @@ from transformers.image_processing_utils import select_best_resolution
 from cpvlm.vision.cost import VisionCost, block_linear_macs
 
 from ..adapter import VLMAdapter
-from ..kit import FamilyKit
+from ..kit import FamilyKit, TinyProcessor
 from ..registry import register
 from ..tiny import IMAGE_TOKEN_ID, TEXT, VIDEO_TOKEN_ID, VISION, split_overrides, with_overrides
+from .llava_onevision_processing import LlavaOnevisionMedia
 
 CROP = 32
 """Crop side of the tiny config in pixels: 4 x 4 patches of 8, 16 rows per crop."""
@@ -119,9 +120,65 @@ def llava_onevision_vision_cost(config) -> CropCost:
     )
 
 
+# ---- a tiny processor (LLaVA-OneVision's tokens and template, its anyres image processor) --------
+
+_SPECIAL = {"image_token": "<image>", "video_token": "<video>"}
+# LLaVA-OneVision's published template without its generation markers: a turn is its role and a
+# space, its images, its videos, then each text after a newline, and <|im_end|>.
+_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + ' ' }}"
+    "{% if message['content'] is string %}{{ '\\n' + message['content'] }}{% else %}"
+    "{% for item in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>' }}{% endfor %}"
+    "{% for item in message['content'] | selectattr('type', 'equalto', 'video') %}"
+    "{{ '<video>' }}{% endfor %}"
+    "{% for item in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ '\\n' + item['text'] }}{% endfor %}{% endif %}{{ '<|im_end|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def _config_ids(tokenizer) -> dict:
+    t = tokenizer.convert_tokens_to_ids
+    return {"image_token_index": t("<image>"), "video_token_index": t("<video>")}
+
+
+def _image_processor(config):
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+        LlavaOnevisionImageProcessorPil,
+    )
+
+    side = config.vision_config.image_size
+    return LlavaOnevisionImageProcessorPil(
+        size={"height": side, "width": side}, image_grid_pinpoints=config.image_grid_pinpoints
+    )
+
+
+def _processor_settings(config) -> dict:
+    vc = config.vision_config
+    return {
+        "num_image_tokens": (vc.image_size // vc.patch_size) ** 2,
+        "vision_feature_select_strategy": config.vision_feature_select_strategy,
+        "vision_aspect_ratio": config.vision_aspect_ratio,
+    }
+
+
 class Kit(FamilyKit):
     tiny_configs = {"llava-onevision-tiny": tiny_llava_onevision_config}
     traits = frozenset({"tiled"})
+    tiny_processor = TinyProcessor(
+        special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>", *_SPECIAL.values()),
+        tokenizer_kwargs={
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "extra_special_tokens": _SPECIAL,
+        },
+        chat_template=_TEMPLATE,
+        processor_class="LlavaOnevisionProcessor",
+        config_ids=_config_ids,
+        image_processor=_image_processor,
+        processor_settings=_processor_settings,  # no video processor: cpvlm takes no videos here
+    )
     zero_gradients = (r"model\.vision_tower\..*self_attn\.k_proj\.bias",)
     unused_parameters = r"model\.vision_tower\.post_layernorm\."  # SigLIP's, at feature layer -1
 
@@ -157,6 +214,7 @@ class LlavaOnevisionAdapter(VLMAdapter):
     model_classes = ("LlavaOnevisionForConditionalGeneration",)
     model_types = ("llava_onevision",)
     kit = Kit
+    chat_media = LlavaOnevisionMedia  # the data path's processor hooks
     split_frames = False
 
     def __init__(self, config):

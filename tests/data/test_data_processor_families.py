@@ -1,0 +1,213 @@
+"""The processor path of LLaVA-OneVision, InternVL and Gemma 4 against their own processors.
+
+The reference is the checkpoint's processor class running its own ``apply_chat_template(...,
+tokenize=True, return_dict=True)`` around the PIL image processor (AutoProcessor where
+torchvision works; their video processors need it, so without it the reference takes images
+only). The data path reads grids from headers, expands the text itself and decodes each image
+alone. Ids and pixels must be equal exactly (the same float32 operations on the same pixels);
+labels are checked against their definition: each run of labelled tokens decodes to one
+assistant answer and its end-of-turn token. Video frames (processed as the video processors do,
+written out without torchvision) are checked against the image processor on the same frames at
+the tower's size (no resize on either side), to float32 round-off (1e-6: the video processors
+rescale and normalise in one fused step, the image processors in two).
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+
+from cpvlm.data import Record
+from cpvlm.integrations.hf.processor import ChatEncoder
+from cpvlm.integrations.hf.tiny_checkpoint import make_tiny_checkpoint, write_frames, write_images
+
+FAMILIES = ["llava_onevision", "internvl", "gemma4"]
+SIZES = [(20, 30), (50, 70), (100, 40), (12, 90), (64, 64)]
+END = {"llava_onevision": "<|im_end|>", "internvl": "<|im_end|>", "gemma4": "<end_of_turn>"}
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    root = tmp_path_factory.mktemp("media")
+    write_images(root, SIZES, seed=1)
+    return root
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def checkpoint(request, tmp_path_factory):
+    family = request.param
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp(family), family)
+    return family, path, ChatEncoder(path, AutoConfig.from_pretrained(path))
+
+
+def _reference(family: str, path: Path):
+    """The processor class itself, around a freshly loaded tokenizer and PIL image processor."""
+    try:
+        return transformers.AutoProcessor.from_pretrained(path)
+    except Exception:  # torchvision missing: the video processor cannot be built
+        pass
+    config = json.loads((path / "processor_config.json").read_text())
+    cls = getattr(transformers, config.pop("processor_class"))
+    config.pop("image_processor"), config.pop("video_processor", None)
+    lenient = type(cls.__name__, (cls,), {"check_argument_for_proper_class": lambda *a: None})
+    parts = {"feature_extractor": None} if family == "gemma4" else {}
+    return lenient(
+        image_processor=AutoImageProcessor.from_pretrained(path),
+        tokenizer=AutoTokenizer.from_pretrained(path),
+        video_processor=None,
+        chat_template=(path / "chat_template.jinja").read_text(),
+        **parts,
+        **config,
+    )
+
+
+def _conversations(media: Path):
+    img = lambda i: {"type": "image", "image": str(media / f"img{i}.png")}  # noqa: E731
+    text = lambda t: {"type": "text", "text": t}  # noqa: E731
+    return [
+        [{"role": "user", "content": [text("Count the shapes")]},
+         {"role": "assistant", "content": [text("one, two")]}],
+        [{"role": "user", "content": [img(0), text("Describe the image.")]},
+         {"role": "assistant", "content": [text("A red square.")]}],
+        [{"role": "user", "content": [img(3), text("What is in the picture?")]},
+         {"role": "assistant", "content": [text("two cats")]},
+         {"role": "user", "content": [text("And then?")]},
+         {"role": "assistant", "content": [text("yes")]}],
+        [{"role": "user", "content": [img(1), img(2), img(4), text("What is in the picture?")]},
+         {"role": "assistant", "content": [text("The answer is yes.")]}],
+    ]  # fmt: skip
+
+
+def _processor_rows(family, adapter, out, grids) -> torch.Tensor:
+    """The reference's pixels in cpvlm's layout: each tile's or crop's [C, S, S] values as rows
+    (LLaVA-OneVision: an image's crops without the batch's padding), Gemma 4's real patches."""
+    pixels = out["pixel_values"]
+    if family == "llava_onevision":
+        return torch.cat([pixels[i, : g[0]].reshape(-1, adapter.pixel_width)
+                          for i, g in enumerate(grids)])  # fmt: skip
+    if family == "internvl":
+        return pixels.reshape(-1, adapter.pixel_width)
+    return adapter.from_model_batch(dict(out))["pixel_values"]
+
+
+def _answers(labels, ids, tokenizer) -> list[str]:
+    runs, run = [], []
+    for label, token in zip(labels.tolist(), ids.tolist(), strict=True):
+        if label != -100:
+            assert label == token
+            run.append(token)
+        elif run:
+            runs, run = [*runs, run], []
+    return [tokenizer.decode(r).strip() for r in [*runs, run] if r]
+
+
+def test_ids_grids_pixels_and_labels_equal_the_processor(checkpoint, media):
+    family, path, encoder = checkpoint
+    reference, adapter = _reference(family, path), encoder.adapter
+    for messages in _conversations(media):
+        out = reference.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_tensors="pt"
+        )
+        plan = encoder.plan(Record(0, "test", {"messages": messages}, None))
+        assert torch.equal(plan.input_ids, out["input_ids"][0])
+        answers = [m["content"][0]["text"] for m in messages if m["role"] == "assistant"]
+        want = [a + END[family] for a in answers]
+        assert _answers(plan.labels, plan.input_ids, encoder.tokenizer) == want
+        if not plan.images:
+            assert "pixel_values" not in out
+            continue
+        grids = [it.grid for it in plan.images]
+        if family == "llava_onevision":  # (crops, H, W): the sizes, and crops per image
+            assert out["image_sizes"].tolist() == [[h, w] for _, h, w in grids]
+            assert [t for t, _, _ in grids] == (
+                [1] * len(grids) if len(grids) > 1 else [out["pixel_values"].shape[1]]
+            )
+        elif family == "internvl":  # (tiles, s, s)
+            assert sum(t for t, _, _ in grids) == out["pixel_values"].shape[0] > len(grids)
+        else:
+            core = adapter.from_model_batch(dict(out))
+            assert core["image_grid_thw"].tolist() == [list(g) for g in grids]
+        rows = torch.cat([encoder.decode(item, None) for item in plan.images])
+        assert torch.equal(rows, _processor_rows(family, adapter, out, grids))
+        if family == "internvl":  # each tile decoded alone gives its rows
+            item = plan.images[0]
+            tiles = [encoder.decode(item, [j]) for j in range(item.grid[0])]
+            assert torch.equal(torch.cat(tiles), encoder.decode(item, None))
+
+
+def test_video_tokens_and_frames(checkpoint, tmp_path):
+    """Videos: InternVL's frames are one-tile images among the images in text order, Gemma 4's a
+    video of frames; each frame decoded alone gives its rows; at the tower's size a frame's rows
+    are the image processor's of the same picture. LLaVA-OneVision's are a clear data error."""
+    family, _, encoder = checkpoint
+    size = {"internvl": (32, 32), "gemma4": (96, 160), "llava_onevision": (32, 32)}[family]
+    clip = write_frames(tmp_path / "clip", 3, *size, seed=2)
+    names = write_images(tmp_path, [(40, 70)], seed=3)
+    content = [
+        {"type": "image", "image": str(tmp_path / names[0])},
+        {"type": "video", "video": str(clip), "fps": 2.0},
+        {"type": "text", "text": "Describe the video."},
+    ]
+    messages = [
+        {"role": "user", "content": content},
+        {"role": "assistant", "content": [{"type": "text", "text": "a ball"}]},
+    ]
+    record = Record(0, "test", {"messages": messages}, None)
+    if family == "llava_onevision":
+        with pytest.raises(Exception, match="videos are not taken") as err:
+            encoder.plan(record)
+        assert err.value.reason == "bad_record"
+        return
+    plan = encoder.plan(record)
+    types = encoder.ids.mm_token_type_ids(plan.input_ids)
+    if family == "internvl":
+        assert not plan.videos and len(plan.images) == 2
+        video = plan.images[1]
+        assert video.grid == (3, 4, 4) and video.frames
+        text = encoder.tokenizer.decode(plan.input_ids)
+        assert [f"Frame{i}: <img>" in text for i in (1, 2, 3, 4)] == [True] * 3 + [False]
+        assert int((types == 1).sum()) == (plan.images[0].grid[0] + 3) * 4
+    else:
+        (video,) = plan.videos
+        assert video.grid == (3, 12, 20)
+        text = encoder.tokenizer.decode(plan.input_ids)
+        assert text.count("00:00 <start_of_image>") == 2 and "00:01 <start_of_image>" in text
+        assert int((types == 2).sum()) == 3 * 12 * 20 // 4
+    whole = encoder.decode(video, None)
+    frames = [encoder.decode(video, [j]) for j in range(3)]
+    assert torch.equal(torch.cat(frames), whole)
+    first = encoder.image_processor(images=[video.frames[0].load()], return_tensors="pt")
+    if family == "internvl":
+        expect = first["pixel_values"].reshape(-1, encoder.adapter.pixel_width)
+    else:
+        expect = encoder.adapter.from_model_batch(dict(first))["pixel_values"]
+    torch.testing.assert_close(frames[0], expect, rtol=0, atol=1e-6)
+
+
+def test_video_pixels_equal_the_video_processor(checkpoint, tmp_path):
+    pytest.importorskip("torchvision", exc_type=ImportError)
+    family, path, encoder = checkpoint
+    if family == "llava_onevision":
+        pytest.skip("cpvlm takes no LLaVA-OneVision videos")
+    processor = transformers.AutoProcessor.from_pretrained(path)
+    clip = write_frames(tmp_path / "clip", 3, 30, 40, seed=2)
+    frames = sorted(str(p) for p in clip.iterdir())
+    messages = [
+        {"role": "user", "content": [{"type": "video", "video": frames}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "a ball"}]},
+    ]
+    ref = processor.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_tensors="pt",
+        processor_kwargs={"do_sample_frames": False},
+    )  # fmt: skip
+    plan = encoder.plan(Record(0, "test", {"messages": messages}, None))
+    assert torch.equal(plan.input_ids, ref["input_ids"][0])
+    item = (plan.images + plan.videos)[0]
+    rows = encoder.decode(item, None)
+    if family == "internvl":
+        assert torch.equal(rows, ref["pixel_values"].reshape(rows.shape))
+    else:
+        assert torch.equal(rows, encoder.adapter.from_model_batch(dict(ref))["pixel_values_videos"])
