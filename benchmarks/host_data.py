@@ -1,7 +1,7 @@
 """Data planning per rank against dp 1 to 16: every rank planning every sample (before) against
 planning split over DP (after), and against a source that knows its samples' sizes.
 
-    python benchmarks/host_data.py --repeats 1   # about 7 minutes on 2 busy CPU cores
+    python benchmarks/host_data.py   # the committed run (best of 2): ~12 minutes on 2 busy cores
     python benchmarks/host_data.py --samples 32 --dp 1 2 4 --repeats 1 --out-dir DIR  # a trial
 
 The data of ``benchmarks/data.py`` (JPEG photos of 320x240 to 1920x1080 pixels, videos as
