@@ -171,8 +171,8 @@ def _setup(config: TrainConfig, device: torch.device, resume_from: str | None) -
     optimizer = torch.optim.AdamW(
         params, lr=config.optim.lr, weight_decay=config.optim.weight_decay
     )
-    if config.parallel.vision in ("replicate", "split"):  # every rank encodes every unit, or
-        config = config.replace(data={"decode": "all"})  # sharded units' patches on several
+    if config.parallel.vision == "replicate":  # every rank encodes every unit
+        config = config.replace(data={"decode": "all"})
     run = _Run(config, device, groups, cp_model, runner, params, optimizer, None)
     data_state = None
     if resume_from is not None:

@@ -16,7 +16,8 @@ tile, its CLS token and position table are per tile), and pixel shuffle and the 
 one tile's features: so a tile's rows depend on that tile's pixels only, and the tiles of one image
 may be encoded on different CP ranks exactly (tests/hf/test_tiled_families.py). In cpvlm's batch
 an image of k tiles has the grid (k, s, s) and its pixels are the tiles' values viewed as k*s*s
-rows of C*p*p values (``to_model_batch`` gives the model its ``[tiles, C, H, W]`` back): the tiles of
+rows of C*p*p values (``to_model_batch`` gives the model its ``[tiles, C, H, W]`` back, and
+``from_model_batch`` takes the processor's, the grids read from the ids): the tiles of
 an image are the "frames" of the Qwen layout, units of s*s pixel rows and s*s/m**2 output rows.
 
 Positions are 1D (the model has no ``get_rope_index``): the core gives every packed document

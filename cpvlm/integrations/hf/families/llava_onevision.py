@@ -21,7 +21,8 @@ crop alone. (InternVL's tile is finer: its pixel shuffle and projector act on on
 batch an image has the grid (t, H, W) (the original size, from which the processor's token count
 and the unpadding follow) and t*s*s pixel rows of C*p*p values, each crop's values viewed as s*s
 rows (``to_model_batch`` gives the model its ``[images, crops, C, S, S]``, ``image_sizes`` and
-``batch_num_images`` back); ``item_sizes`` gives its pixel and packed rows.
+``batch_num_images`` back; ``from_model_batch`` takes the processor's output, so the CP step takes
+either); ``item_sizes`` gives its pixel and packed rows.
 
 Videos are not taken: the model pools each frame and adds one newline row per video, which the
 per-item sizes could express, but a video's grid cannot be told from an image's in the core's
