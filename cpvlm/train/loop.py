@@ -240,8 +240,8 @@ def _setup(config: TrainConfig, device: torch.device, resume_from: str | None) -
     optimizer = torch.optim.AdamW(
         params, lr=config.optim.lr, weight_decay=config.optim.weight_decay
     )
-    if config.parallel.vision in ("replicate", "split"):  # every rank encodes every unit, or
-        config = config.replace(data={"decode": "all"})  # sharded units' patches on several
+    if config.parallel.vision == "replicate":  # every rank encodes every unit
+        config = config.replace(data={"decode": "all"})
     run = _Run(config, device, groups, cp_model, runner, params, optimizer, None)
     run.phases = _Phases(config.run.dist_timeout)
     run.phases.enter(run.start_step + 1, "data")

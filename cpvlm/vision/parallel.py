@@ -24,6 +24,7 @@ ends the step with the same set of gradients, as DDP and FSDP expect.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -58,6 +59,17 @@ def _split_output(out: object) -> tuple[list[torch.Tensor], bool]:
         "VisionDataParallel: the encoder must return a tensor or (tensor, [deepstack tensors]); "
         f"got {type(out).__name__} (wrap HF towers to return pooler_output / deepstack_features)"
     )
+
+
+def _rows_within(units: VisionUnits, mine: list[int], index: torch.Tensor) -> torch.Tensor:
+    """Where the batch's pixel rows ``index`` (rows of units ``mine``) lie in the rows of the
+    units ``mine`` (ascending) one after another: in ``local_pixels``."""
+    offsets = torch.tensor(units.pixel_offsets)
+    unit = torch.searchsorted(offsets, index, right=True) - 1
+    counts = torch.tensor([units.pixel_counts[u] for u in mine], dtype=torch.long)
+    starts = torch.zeros(units.num_units, dtype=torch.long)
+    starts[mine] = torch.cumsum(counts, 0) - counts
+    return starts[unit] + index - offsets[unit]
 
 
 def _join_output(tensors: list[torch.Tensor], has_deepstack: bool):
@@ -171,6 +183,16 @@ class VisionDataParallel(nn.Module):
             self.cost.unit_costs(units), units.row_counts, dist.get_world_size(self.group)
         )
 
+    def pixel_assignment(self, units: VisionUnits) -> list[list[int]]:
+        """The units whose pixel rows each rank reads, ascending: what ``local_pixels`` holds.
+        Modes route and allgather: the units it encodes (``assignment``); split: its whole units
+        and the sharded units it holds pieces of (a piece needs its unit decoded, as a frame
+        decodes whole; the rank encodes only the piece's patches)."""
+        if self.mode != "split":
+            return [sorted(a) for a in self.assignment(units)]
+        sa = self.split_assignment(units)
+        return [sa.units_of(r) for r in range(sa.cp_size)]
+
     def forward(
         self,
         pixel_values: torch.Tensor,
@@ -184,9 +206,9 @@ class VisionDataParallel(nn.Module):
     ):
         """Encode this rank's units and return what the unwrapped tower would.
 
-        ``local_pixels``: ``pixel_values`` holds only this rank's units, their pixel rows in
-        unit order (what a data loader that decodes only these gives); ``grid_thw`` is still
-        every item's.
+        ``local_pixels``: ``pixel_values`` holds only the pixel rows of this rank's units
+        (``pixel_assignment``; split mode: with the units it holds pieces of), in unit order
+        (what a data loader that decodes only these gives); ``grid_thw`` is still every item's.
 
         allgather mode: all R rows in the tower's order (``plan``/``row_positions`` unused).
         route mode: ``plan`` is the batch's ShardPlan and ``row_positions[g]`` the position of
@@ -258,17 +280,15 @@ class VisionDataParallel(nn.Module):
         rank = dist.get_rank(self.group)
         facts, error = {}, None
         try:
-            if local_pixels:
-                raise ValueError(
-                    "VisionDataParallel: mode='split' takes every pixel row (local_pixels=False): "
-                    "a sharded unit's patches are spread over ranks"
-                )
             units = self.units(grid_thw)
-            self._check_pixels(pixel_values, units, None)
             orders = [self.encoder.unit_order(g) for g in units.grids]
             check_orders(units, orders)
             sa = self.split_assignment(units)
+            mine = sa.units_of(rank) if local_pixels else None
+            self._check_pixels(pixel_values, units, mine)
             local = local_split(units, orders, sa, rank)
+            if local_pixels:  # the batch's row indices -> rows of this rank's units
+                local = replace(local, pixel_index=_rows_within(units, mine, local.pixel_index))
             if not isinstance(plan, ShardPlan) or row_positions is None:
                 raise ValueError("VisionDataParallel: mode='split' needs plan= and row_positions=")
             rp = route_plan(local.row_ranks, row_positions, plan, rank)

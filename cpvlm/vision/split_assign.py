@@ -65,6 +65,11 @@ class SplitAssignment:
             start += g
         return out
 
+    def units_of(self, rank: int) -> list[int]:
+        """The units ``rank`` encodes whole or holds pieces of, ascending: those whose pixels it
+        reads."""
+        return sorted({*self.whole[rank], *(u for u, _, _ in self.pieces(rank))})
+
     def rank_costs(self, costs: Sequence[int]) -> list[int]:
         """Modelled cost per rank: whole units plus each piece's share of its unit (rounded
         down, as ``VisionCost.part_cost``)."""

@@ -75,7 +75,7 @@ def _reference(name, grids, seed):
     return outs, {n: p.grad.clone() for n, p in tower.named_parameters()}
 
 
-def _split_rank(rank, world, name, grids, seed, attn="ring"):
+def _split_rank(rank, world, name, grids, seed, attn="ring", local=False):
     adapter, base = _tower(name)
     model = copy.deepcopy(base)
     tower = adapter.vision_tower(model)
@@ -90,7 +90,17 @@ def _split_rank(rank, world, name, grids, seed, attn="ring"):
     )
     plan = ShardPlan(rows, world)
     positions = plan.padded_index
-    outs, encoded = vdp(pixels, grid, plan=plan, row_positions=positions, with_unit_count=True)
+    units = vision_units(grid, adapter.merge_size)
+    if local:  # only the rows of the units this rank reads, as a loader decodes them
+        pixels = pixels[units.pixel_index(vdp.pixel_assignment(units)[rank])]
+    outs, encoded = vdp(
+        pixels,
+        grid,
+        plan=plan,
+        row_positions=positions,
+        local_pixels=local,
+        with_unit_count=True,
+    )
     outs = _as_list(outs)
     owner, local = plan.locate(positions)
     mine = torch.nonzero(owner == rank).squeeze(1)
@@ -102,8 +112,9 @@ def _split_rank(rank, world, name, grids, seed, attn="ring"):
         g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
         dist.all_reduce(g)
         grads[n] = g
-    sa = vdp.split_assignment(vision_units(grid, adapter.merge_size))
+    sa = vdp.split_assignment(units)
     return {
+        "pixel_rows": pixels.shape[0],
         "rows": [o.detach() for o in outs],
         "mine": mine,
         "grads": grads if rank == 0 else None,
@@ -118,12 +129,14 @@ def _cases_rank(rank, world, cases):
 
 
 def _case_list(world):
-    """(family, grids, seed, attn) of every case; ring and all-gather K/V alternate."""
+    """(family, grids, seed, attn, local) of every case; ring and all-gather K/V alternate, and
+    Qwen2.5-VL (windowed, its patches reordered) reads only its units' pixels (local_pixels)."""
     cases = []
     for name in FAMILIES:
         for _, grids in CASES[world]:
             i = len(cases)
-            cases.append((name, grids, i, "allgather" if i % 2 else "ring"))
+            local = name == "qwen2.5-vl-tiny"
+            cases.append((name, grids, i, "allgather" if i % 2 else "ring", local))
     return cases
 
 
@@ -146,6 +159,11 @@ def test_split_tower_matches_one_process_tower(world):
         # What each case is about.
         units = vision_units(torch.tensor(grids), 2)
         split = results[0]["split"]
+        rows = [r["pixel_rows"] for r in results]
+        if case[4]:  # a rank reads its whole units and the units it holds pieces of
+            assert sum(rows) < world * units.pixel_offsets[-1] or split == tuple(range(len(grids)))
+        else:
+            assert rows == [units.pixel_offsets[-1]] * world
         if label == "one image":
             assert split == (0,) and all(r["pieces"] == 1 for r in results)
         elif label == "mix":
@@ -167,18 +185,18 @@ def _bad_inputs_rank(rank, world):
     )
     plan = ShardPlan(rows, world)
     errors = []
-    for case in ("one rank short", "local pixels", "glm"):
+    for case in ("one rank short", "local pixels short", "glm"):
         try:
             if case == "glm":
                 ContextParallelVLM(build_model("glm4v-tiny"), dist.group.WORLD, vision="split")
             else:
-                pix = pixels[:-1] if case == "one rank short" and rank == 1 else pixels
+                pix = pixels[:-1] if case != "glm" and rank == 1 else pixels
                 vdp(
                     pix,
                     grid,
                     plan=plan,
                     row_positions=plan.padded_index,
-                    local_pixels=case == "local pixels",
+                    local_pixels=case == "local pixels short",
                 )
             errors.append(None)
         except ValueError as err:
@@ -191,7 +209,7 @@ def test_bad_input_raises_the_same_error_on_every_rank():
     assert per_rank[0] == per_rank[1]
     short, local, glm = per_rank[0]
     assert "rank 1" in short and "pixel_values has 95 rows but the grids have 96" in short
-    assert "mode='split' takes every pixel row (local_pixels=False)" in local
+    assert "rank 1" in local and "with local_pixels this rank's units [0] have 96" in local
     assert "vision='split' is not supported for glm4v" in glm
     assert "supported vision modes: ['route', 'allgather', 'replicate']" in glm
 

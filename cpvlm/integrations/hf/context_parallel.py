@@ -48,7 +48,7 @@ from cpvlm.vision import VisionDataParallel, VisionUnits
 
 from .adapter import LossContext, VLMAdapter
 from .attention import CP_ATTENTION, CPAttentionContext
-from .inputs import BASE_KEYS, PreparedBatch, prepare_batch
+from .inputs import PreparedBatch, batch_keys, prepare_batch
 from .registry import adapter_for
 from .vision_attention import SplitTower
 
@@ -157,9 +157,10 @@ class ContextParallelVLM(nn.Module):
 
     ``forward(**batch)`` takes the same full batch on every CP rank and returns a
     ``ContextParallelOutput`` whose ``loss`` is this rank's share. With ``local_pixels=True``
-    the pixel values (images, then videos) hold only the rows of the units this rank encodes,
-    ``vision_assignment(units)[cp_rank]``, in unit order: a loader then decodes each image and
-    frame once per CP group (not with ``vision="replicate"``, which encodes every unit).
+    the pixel values (images, then videos; the core's pixel rows) hold only the rows of the
+    units this rank encodes, ``vision_assignment(units)[cp_rank]``, in unit order: a loader then
+    decodes each image and frame once per CP group (``vision="split"``: a sharded unit on each
+    rank that holds a piece of it; not with ``vision="replicate"``, which encodes every unit).
     """
 
     def __init__(
@@ -237,7 +238,7 @@ class ContextParallelVLM(nn.Module):
             unit_sizes=None if vision == "split" else self.adapter.item_sizes,
             **split,
         )
-        self.batch_keys = (*BASE_KEYS, *self.adapter.video_keys, *self.adapter.model_batch_keys)
+        self.batch_keys = batch_keys(self.adapter)
 
     def forward(
         self,
@@ -389,9 +390,11 @@ class ContextParallelVLM(nn.Module):
         self._vision_rows(stand_in, step)
 
     def vision_assignment(self, units: VisionUnits) -> list[list[int]]:
-        """The units each CP rank encodes: ``VisionDataParallel``'s assignment, balanced by the
-        tower's modelled cost (a loader that decodes only this rank's units must use this one)."""
-        return self.vision_dp.assignment(units)
+        """The units whose pixels each CP rank reads, ascending: those it encodes,
+        ``VisionDataParallel``'s assignment balanced by the tower's modelled cost, and under
+        ``vision="split"`` the units it holds pieces of (a loader that decodes only this rank's
+        units must use this one)."""
+        return self.vision_dp.pixel_assignment(units)
 
     def _local_embeddings(self, prep: PreparedBatch, ids_loc, visual_mask_loc, step):
         """``(inputs_embeds [B, L, D], deepstack rows of the local visual positions, units)``.

@@ -37,6 +37,14 @@ BASE_KEYS = (
 OPTIONAL_KEYS = (*BASE_KEYS, "second_per_grid_ts")
 """Every optional batch key of the supported families (kept for callers of the old name)."""
 
+
+def batch_keys(adapter: VLMAdapter) -> tuple[str, ...]:
+    """The batch keys a family's CP step takes besides ``input_ids`` and ``labels``: the core's,
+    its per-video keys, and those of the model's own batch (its processor's output and its
+    forward's keywords, which ``from_model_batch`` converts)."""
+    return (*BASE_KEYS, *adapter.video_keys, *adapter.model_batch_keys)
+
+
 _KINDS = (
     ("image", 1, "pixel_values", "image_grid_thw"),
     ("video", 2, "pixel_values_videos", "video_grid_thw"),

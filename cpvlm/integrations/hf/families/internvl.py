@@ -16,7 +16,8 @@ tile, its CLS token and position table are per tile), and pixel shuffle and the 
 one tile's features: so a tile's rows depend on that tile's pixels only, and the tiles of one image
 may be encoded on different CP ranks exactly (tests/hf/test_tiled_families.py). In cpvlm's batch
 an image of k tiles has the grid (k, s, s) and its pixels are the tiles' values viewed as k*s*s
-rows of C*p*p values (``to_model_batch`` gives the model its ``[tiles, C, H, W]`` back): the tiles of
+rows of C*p*p values (``to_model_batch`` gives the model its ``[tiles, C, H, W]`` back, and
+``from_model_batch`` takes the processor's, the grids read from the ids): the tiles of
 an image are the "frames" of the Qwen layout, units of s*s pixel rows and s*s/m**2 output rows.
 
 Positions are 1D (the model has no ``get_rope_index``): the core gives every packed document
@@ -260,6 +261,45 @@ class InternVLAdapter(VLMAdapter):
         s = self.tile_side
         n = -(-h // s) * -(-w // s)
         return n + 1 if n > 1 else n
+
+    def from_model_batch(self, batch):
+        """The processor's ``[tiles, C, H, W]`` pixels (every image's tiles and video frames, in
+        text order) as pixel rows, with each image's grid (k, s, s) read from ``input_ids``: the
+        processor writes ``image_seq_length`` context tokens per tile inside ``<img> </img>``."""
+        pixels = batch.get("pixel_values")
+        if pixels is None or pixels.dim() != 4:  # text only, or the core's layout already
+            return batch
+        c, p, s = self.config.vision_config.num_channels, self.patch, self.tile_side
+        if tuple(pixels.shape[1:]) != (c, s * p, s * p):
+            raise ValueError(
+                f"InternVL: pixel_values of shape {tuple(pixels.shape)}; the model takes "
+                f"[tiles, {c}, {s * p}, {s * p}]"
+            )
+        batch = dict(batch)
+        batch["pixel_values"] = pixels.reshape(-1, self.pixel_width)  # the view _tiles undoes
+        if batch.get("image_grid_thw") is None:
+            batch["image_grid_thw"] = self._grids_from_ids(batch["input_ids"], batch)
+        return batch
+
+    def _grids_from_ids(self, ids: torch.Tensor, batch) -> torch.Tensor:
+        """``[images, 3]``: (tiles, s, s) per run of context tokens, row-major (the order of the
+        processor's ``pixel_values``)."""
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            raise ValueError("input_ids must be an integer tensor of shape [B, S]")
+        inside = self.mm_token_type_ids(ids, batch.get("attention_mask")).bool()
+        starts = inside.clone()
+        starts[:, 1:] &= ~inside[:, :-1]
+        run = starts.reshape(-1).long().cumsum(0)[inside.reshape(-1)]
+        lengths = torch.bincount(run)[1:] if run.numel() else run
+        per_tile = self.item_sizes((1, self.tile_side, self.tile_side))[1]
+        if bool((lengths % per_tile).any()):
+            raise ValueError(
+                f"InternVL: runs of {lengths.tolist()} image context tokens (id "
+                f"{self.image_token_id}) in input_ids; each image has {per_tile} per tile"
+            )
+        grids = torch.full((len(lengths), 3), self.tile_side, dtype=torch.long)
+        grids[:, 0] = lengths // per_tile
+        return grids
 
     def to_model_batch(self, batch):
         out = {k: v for k, v in batch.items() if k not in ("image_grid_thw", "mm_token_type_ids")}

@@ -21,7 +21,8 @@ crop alone. (InternVL's tile is finer: its pixel shuffle and projector act on on
 batch an image has the grid (t, H, W) (the original size, from which the processor's token count
 and the unpadding follow) and t*s*s pixel rows of C*p*p values, each crop's values viewed as s*s
 rows (``to_model_batch`` gives the model its ``[images, crops, C, S, S]``, ``image_sizes`` and
-``batch_num_images`` back); ``item_sizes`` gives its pixel and packed rows.
+``batch_num_images`` back; ``from_model_batch`` takes the processor's output, so the CP step takes
+either); ``item_sizes`` gives its pixel and packed rows.
 
 Videos are not taken: the model pools each frame and adds one newline row per video, which the
 per-item sizes could express, but a video's grid cannot be told from an image's in the core's
@@ -216,6 +217,7 @@ class LlavaOnevisionAdapter(VLMAdapter):
     kit = Kit
     chat_media = LlavaOnevisionMedia  # the data path's processor hooks
     split_frames = False
+    model_batch_keys = ("image_sizes", "batch_num_images")
 
     def __init__(self, config):
         self.config = config
@@ -281,10 +283,73 @@ class LlavaOnevisionAdapter(VLMAdapter):
         types += 2 * (input_ids == self.video_token_id).long()
         return types if attention_mask is None else types * attention_mask.bool()
 
+    def from_model_batch(self, batch):
+        """The processor's ``[images, crops, C, S, S]`` pixels (crops padded to the most of any
+        image; or ``[crops, C, S, S]``, the images' crops one after another), ``image_sizes``
+        ``[images, 2]`` and ``batch_num_images`` ``[B]`` as pixel rows and ``(t, H, W)`` grids:
+        t = 1 + the crops of ``image_sizes`` for an image alone in its sample, 1 in a
+        multi-image sample (``get_image_features``' rule; without ``batch_num_images``, every
+        image alone)."""
+        pixels = batch.get("pixel_values")
+        if batch.get("pixel_values_videos") is not None:
+            raise ValueError(
+                "LLaVA-OneVision: videos (pixel_values_videos) are not taken by cpvlm yet; pass "
+                "their frames as images"
+            )
+        if pixels is None or pixels.dim() == 2:  # text only, or the core's layout already
+            if batch.get("image_sizes") is not None and batch.get("image_grid_thw") is None:
+                raise ValueError("LLaVA-OneVision: image_sizes were given without pixel_values")
+            return {k: v for k, v in batch.items() if k not in self.model_batch_keys}
+        batch = dict(batch)
+        sizes, per_sample = batch.pop("image_sizes", None), batch.pop("batch_num_images", None)
+        c, side = self.config.vision_config.num_channels, self.crop
+        if pixels.dim() not in (4, 5) or tuple(pixels.shape[-3:]) != (c, side, side):
+            raise ValueError(
+                f"LLaVA-OneVision: pixel_values of shape {tuple(pixels.shape)}; the model takes "
+                f"[images, crops, {c}, {side}, {side}] or [crops, {c}, {side}, {side}]"
+            )
+        if sizes is None:
+            raise ValueError(
+                "LLaVA-OneVision: pixel_values need image_sizes [images, 2] (the processor "
+                "returns them)"
+            )
+        sizes = [tuple(int(v) for v in s) for s in sizes.tolist()]
+        alone = [True] * len(sizes)
+        if per_sample is not None:
+            counts = [int(n) for n in torch.as_tensor(per_sample).reshape(-1).tolist()]
+            if sum(counts) != len(sizes):
+                raise ValueError(
+                    f"LLaVA-OneVision: batch_num_images {counts} counts {sum(counts)} images, "
+                    f"image_sizes {len(sizes)}"
+                )
+            alone = [n == 1 for n in counts for _ in range(n)]
+        grids = []
+        for (h, w), single in zip(sizes, alone, strict=True):
+            rows, cols = self.crop_grid(h, w)
+            grids.append((1 + rows * cols if single else 1, h, w))
+        crops_per_image = [t for t, _, _ in grids]
+        if pixels.dim() == 5:
+            if pixels.shape[0] != len(grids) or pixels.shape[1] < max(crops_per_image):
+                raise ValueError(
+                    f"LLaVA-OneVision: pixel_values of shape {tuple(pixels.shape)} for "
+                    f"{len(grids)} images of {crops_per_image} crops"
+                )
+            crops = torch.cat([p[:t] for p, t in zip(pixels, crops_per_image, strict=True)])
+        else:
+            if pixels.shape[0] != sum(crops_per_image):
+                raise ValueError(
+                    f"LLaVA-OneVision: pixel_values hold {pixels.shape[0]} crops; the images "
+                    f"need {crops_per_image}"
+                )
+            crops = pixels
+        batch["pixel_values"] = crops.reshape(-1, self.pixel_width)  # the view _crops undoes
+        batch["image_grid_thw"] = torch.tensor(grids, dtype=torch.long)
+        return batch
+
     def to_model_batch(self, batch):
+        if batch.get("image_grid_thw") is None:  # text only, or the model's own batch already
+            return {k: v for k, v in batch.items() if k != "mm_token_type_ids"}
         out = {k: v for k, v in batch.items() if k not in ("image_grid_thw", "mm_token_type_ids")}
-        if batch.get("pixel_values") is None:
-            return out
         grids = [tuple(int(v) for v in g) for g in batch["image_grid_thw"].tolist()]
         crops = self._crops(batch["pixel_values"], [t for t, _, _ in grids])
         most = max(c.shape[0] for c in crops)
