@@ -10,7 +10,7 @@ none (the baseline step time), sync (``dcp.save``: training waits for the write)
 (``dcp.async_save``: training waits for the staging copy to host memory; the write runs in a
 background thread, finished at the next step boundary after it is done). The cost of a
 checkpoint is the wall time of the ``--every`` steps that include one minus ``--every`` baseline
-steps: what a run loses per checkpoint. "blocked" is the time the save call itself held the step.
+steps (the median step without checkpoints): what a run loses per checkpoint. "blocked" is the time the save call itself held the step.
 On a CPU-only machine the background write competes with training for the same cores (and the
 staging copy is a memory copy like the write's); on GPUs the staging is a device-to-host copy and
 the write overlaps the GPU's compute.
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from datetime import timedelta
@@ -98,7 +99,7 @@ def main() -> None:
             runs[mode]["checkpoint_mb"] = size / 2 / 1e6  # two checkpoints are kept
             shutil.rmtree(out, ignore_errors=True)
         dist.destroy_process_group()
-    base = sum(runs["none"]["step_s"]) / len(runs["none"]["step_s"])
+    base = statistics.median(runs["none"]["step_s"])  # robust to a busy machine's spikes
     rows = []
     for mode in ("sync", "async"):
         r = runs[mode]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import signal
 import sys
 import time
@@ -232,6 +233,10 @@ def _setup_model(config: TrainConfig, device: torch.device, groups, mesh):
 
 
 def _setup(config: TrainConfig, device: torch.device, resume_from: str | None) -> _Run:
+    # The global RNGs (nothing in a step draws from them) would otherwise hold the fork server's
+    # random seeds: seeded, two runs save the same RNG states, so their checkpoints are identical.
+    torch.manual_seed(config.run.seed + dist.get_rank())
+    random.seed(config.run.seed + dist.get_rank())
     dp, cp = config.parallel.dp, config.parallel.cp
     mesh = build_mesh(dp_replicate=1, dp_shard=dp, cp=cp, device_type=device.type)
     groups = mesh_groups(mesh)
