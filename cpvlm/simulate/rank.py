@@ -72,6 +72,7 @@ class RankMemory:
     peak_fwd_bwd: int  # the peak of forward + backward alone, before the optimizer state exists
     peak_by_category: dict[str, int] = field(default_factory=dict)  # live at ``peak_fwd_bwd``
     local_len: int = 0
+    pixel_bytes: int = 0  # the batch's pixel rows (held before the step; the tower's input)
     seconds: float = 0.0  # simulation time
 
     @property
@@ -219,6 +220,9 @@ def simulate_step(config, spec: SequenceSpec, setup: Setup = Setup()) -> RankMem
             peak_fwd_bwd=fwd_bwd,
             peak_by_category=by_category,
             local_len=out_local_len(batch, setup),
+            pixel_bytes=sum(
+                v.numel() * v.element_size() for k, v in batch.items() if k.startswith("pixel")
+            ),
         )
         if depth is not None:
             _add_left_out(memory, by_layer, depth, config, meta, setup)
