@@ -9,8 +9,6 @@ real run's figure includes what the gloo collectives allocate and the fake group
 
 from __future__ import annotations
 
-import pytest
-
 from cpvlm.cli import main as cli
 from cpvlm.integrations.hf import TINY_MODELS
 from cpvlm.simulate.batch import SequenceSpec
