@@ -28,6 +28,10 @@ SUBCOMMANDS = {
         "cpvlm.export",
         "write a trained run's checkpoint as a Hugging Face model directory",
     ),
+    "plan": (
+        "cpvlm.simulate.command",
+        "which cp/dp/attn/checkpointing fit G GPUs, from the real step simulated on fake tensors",
+    ),
 }
 
 

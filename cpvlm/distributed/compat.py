@@ -705,3 +705,95 @@ def die_with_parent() -> None:
     set_pdeathsig = getattr(tmp, "_prctl_pr_set_pdeathsig", None)
     if set_pdeathsig is not None:
         set_pdeathsig(signal.SIGKILL)
+
+
+# ---- dry runs: fake tensors, a fake process group, torch's memory tracker ----------------------
+#
+# ``cpvlm.simulate`` runs one rank's step on fake tensors (``FakeTensorMode``: shapes, dtypes and
+# storages without data) in a process group that answers every collective without communicating
+# (the "fake" backend of torch.testing), and counts bytes with ``torch.distributed._tools``'
+# MemTracker. All three are private torch APIs (torch 2.11-2.15 have them under these names).
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def fake_tensor_mode():
+    """A FakeTensorMode that takes real tensors as inputs (the batch's integers stay real)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def init_fake_process_group(world_size: int, rank: int = 0) -> None:
+    """``torch.distributed`` as rank ``rank`` of ``world_size`` ranks that never communicate: a
+    collective returns at once with its output buffers as they were."""
+    import torch.testing._internal.distributed.fake_pg as fake_pg  # registers the "fake" backend
+
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank, world_size=world_size)
+
+
+def memory_tracker():
+    """torch's ``MemTracker`` (bytes by PARAM, BUFFER, GRAD, ACT, TEMP, OPT; peaks per device),
+    keeping only the global peak: its per-module peaks cost a pass over every module on every op
+    (minutes for a real model), and cpvlm reads the global ones."""
+    from torch.distributed._tools import mem_tracker
+
+    class GlobalPeakTracker(mem_tracker.MemTracker):
+        def _update_peak_stats(self, peak_state) -> None:
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap[mem_tracker._TOTAL_KEY]:
+                    self._peak_mem[dev] = snap[mem_tracker._TOTAL_KEY]
+                    self._peak_mem_snap[dev] = dict(snap)
+
+    return GlobalPeakTracker()
+
+
+_INDEX_OPS = ("index.Tensor", "index_put.default", "index_put_.default", "_index_put_impl_.default")
+
+
+def _real_mask(t) -> bool:
+    return isinstance(t, torch.Tensor) and not is_fake(t) and t.dtype == torch.bool
+
+
+class HostIntegers(TorchDispatchMode):
+    """Inside a FakeTensorMode: ops whose inputs are all real run for real, so that a batch's
+    integers (positions, grids, plans, masks) keep their values while every float is fake.
+
+    What FakeTensorMode cannot do with real integers is done here: a real boolean mask indexing a
+    fake tensor becomes its real ``nonzero`` indices (the output shape depends on the mask's
+    values), and ``masked_select`` by a real mask gets its real count. Factory ops (no tensor
+    inputs) are fake unless their result is an integer or boolean.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from torch.utils._pytree import tree_leaves
+
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if any(is_fake(t) for t in tensors):
+            name = func.__name__
+            if name in _INDEX_OPS and any(_real_mask(i) for i in args[1]):
+                with unset_fake_temporarily():
+                    idx = [
+                        j
+                        for i in args[1]
+                        for j in (i.nonzero().unbind(1) if _real_mask(i) else [i])
+                    ]
+                args = (args[0], idx, *args[2:])
+            elif name == "masked_select.default" and _real_mask(args[1]):
+                with unset_fake_temporarily():
+                    shape = torch.broadcast_shapes(args[0].shape, args[1].shape)
+                    n = int(args[1].expand(shape).sum())
+                return args[0].new_empty((n,))
+            return func(*args, **kwargs)
+        if not tensors:
+            out = func(*args, **kwargs)
+            if any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tree_leaves(out)):
+                return out
+        with unset_fake_temporarily():
+            return func(*args, **kwargs)

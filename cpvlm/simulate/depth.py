@@ -1,0 +1,135 @@
+"""Fewer layers, then the rest added: how a simulation of a deep model stays fast.
+
+Every decoder layer of one kind (full or sliding or linear attention, with or without deepstack
+inputs) saves the same bytes for backward on a rank, and so does every vision block of one kind.
+So the simulation runs a copy of the model with a few layers, each kind of layer at least once
+in a place that is not the last (whose interval also holds what follows it), measures what each
+layer saves, and adds the layers left out: ``count x the bytes of the simulated layer of their
+kind`` to the activations and to the peak (at which every saved activation is alive: the step's
+peak comes after the forward), and their parameter, gradient and optimizer shards, counted
+exactly from the full config's parameters on the meta device.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Depth:
+    """The reduced model's layers of each tower, and for each kind of layer: the index of its
+    typical layer in the reduced model and how many of that kind the full model has beyond the
+    reduced one."""
+
+    text_layers: int
+    vision_blocks: int
+    text_extra: dict  # {typical reduced layer index: layers left out}
+    vision_extra: dict
+
+
+def _text_kinds(config) -> list:
+    text = config.text_config
+    n = text.num_hidden_layers
+    types = list(getattr(text, "layer_types", None) or ["full_attention"] * n)
+    deepstack = len(getattr(config.vision_config, "deepstack_visual_indexes", None) or [])
+    return [("deepstack", i) if i < deepstack else types[i] for i in range(n)]
+
+
+def _vision_kinds(config) -> list:
+    vision = config.vision_config
+    n = _vision_depth(vision)
+    deepstack = set(getattr(vision, "deepstack_visual_indexes", None) or [])
+    full = getattr(vision, "fullatt_block_indexes", None)
+    kinds = []
+    for i in range(n):
+        kind = "block" if full is None else ("full" if i in full else "window")
+        kinds.append(("deepstack", kind) if i in deepstack else kind)
+    return kinds
+
+
+def _vision_depth(vision) -> int:
+    return vision.depth if hasattr(vision, "depth") else vision.num_hidden_layers
+
+
+def _text_prefix(kinds: list) -> int:
+    """The shortest prefix in which every kind appears before its last layer."""
+    need = set(kinds)
+    for t in range(2, len(kinds) + 1):
+        if set(kinds[: t - 1]) >= need:
+            return t
+    return len(kinds)
+
+
+def reduce_depth(config) -> tuple[object, Depth]:
+    """``(reduced config, Depth)``; a model with no more layers than needed is returned as is."""
+    text_kinds, vision_kinds = _text_kinds(config), _vision_kinds(config)
+    t = _text_prefix(text_kinds)
+    plain = [k for k in dict.fromkeys(vision_kinds) if not isinstance(k, tuple)]
+    deepstack = [k for k in vision_kinds if isinstance(k, tuple)]
+    reduced_vision = plain + deepstack + ([] if deepstack else plain[:1])
+    if len(reduced_vision) >= len(vision_kinds):
+        reduced_vision = vision_kinds
+    reduced = copy.deepcopy(config)
+    text = reduced.text_config
+    text.num_hidden_layers = t
+    if getattr(text, "layer_types", None):
+        text.layer_types = list(text.layer_types[:t])
+    vision = reduced.vision_config
+    v = len(reduced_vision)
+    if hasattr(vision, "depth"):
+        vision.depth = v
+    else:
+        vision.num_hidden_layers = v
+    if deepstack:
+        vision.deepstack_visual_indexes = list(range(len(plain), v))
+    if getattr(vision, "fullatt_block_indexes", None) is not None:
+        vision.fullatt_block_indexes = [
+            i
+            for i, k in enumerate(reduced_vision)
+            if (k[1] if isinstance(k, tuple) else k) == "full"
+        ]
+    return reduced, Depth(
+        t, v, _extra(text_kinds, text_kinds[:t]), _extra(vision_kinds, reduced_vision)
+    )
+
+
+def _extra(full: list, reduced: list) -> dict:
+    out = {}
+    for kind in dict.fromkeys(full):
+        left_out = full.count(kind) - reduced.count(kind)
+        if left_out:
+            out[reduced.index(kind)] = left_out
+    return out
+
+
+def vision_blocks(tower: nn.Module) -> nn.ModuleList:
+    """The tower's blocks: its longest ``nn.ModuleList``."""
+    lists = [m for m in tower.modules() if isinstance(m, nn.ModuleList)]
+    return max(lists, key=len)
+
+
+def shard_bytes(model: nn.Module, world: int, fsdp: bool) -> tuple[int, int]:
+    """``(parameter bytes, trainable parameter elements)`` one rank holds: FSDP2 keeps dim-0
+    chunks of ``ceil(dim0 / world)`` rows (the largest, rank 0's, padded to on every rank)."""
+    nbytes = elems = 0
+    for p in model.parameters():
+        n = p.numel()
+        if fsdp and p.dim() and world > 1:
+            n = math.ceil(p.shape[0] / world) * (n // p.shape[0])
+        nbytes += n * p.element_size()
+        elems += n if p.requires_grad else 0
+    for b in model.buffers():
+        nbytes += b.numel() * b.element_size()
+    return nbytes, elems
+
+
+def meta_model(config, dtype: torch.dtype) -> nn.Module:
+    from transformers import AutoModelForImageTextToText
+
+    with torch.device("meta"):
+        return AutoModelForImageTextToText.from_config(config, dtype=dtype)

@@ -1,0 +1,133 @@
+"""``cpvlm plan``: which (cp, dp, attn, activation checkpointing, loss chunk) fit a GPU budget.
+
+Each candidate is one simulated rank (``cpvlm.simulate.rank``); its step time is modelled with
+cpvlm's cost model (``cpvlm.attention.cost``, published CUDA figures) for the attention, and the
+matmuls of the dense layers at the same achieved throughput (FlashAttention-2's ~350 TFLOP/s on
+an H100; 6 flops per parameter and token, 8 with activation checkpointing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cpvlm.simulate.batch import SequenceSpec
+from cpvlm.simulate.rank import GiB, RankMemory, Setup, simulate_step
+
+# The cost model's CUDA figure: 4 flops per (pair x head x D) in 1.1e-14 s.
+ACHIEVED_FLOPS = 4 / 1.1e-14
+
+
+@dataclass
+class Candidate:
+    setup: Setup
+    memory: RankMemory | None
+    error: str | None = None
+    step_s: float | None = None
+    longest: int | None = None  # the longest sequence that fits (linear in the activations)
+
+    def fits(self, budget: int) -> bool:
+        return self.memory is not None and self.memory.steady_peak <= budget
+
+    def as_dict(self) -> dict:
+        s = self.setup
+        return {
+            "cp": s.cp,
+            "dp": s.dp,
+            "attn": s.attn,
+            "activation_checkpointing": s.activation_checkpointing,
+            "loss_chunk": s.loss_chunk,
+            "memory": None if self.memory is None else self.memory.as_dict(),
+            "step_s": self.step_s,
+            "longest_seq": self.longest,
+            "error": self.error,
+        }
+
+
+def step_seconds(config, spec: SequenceSpec, setup: Setup) -> float:
+    """Modelled seconds of one step on one rank: the decoder's attention from the cost model,
+    the dense matmuls of every parameter at ``ACHIEVED_FLOPS``."""
+    from cpvlm import ShardPlan
+    from cpvlm.attention.cost import Shapes, estimate_seconds
+
+    text = config.text_config
+    plan = ShardPlan(spec.seq_len, setup.cp)
+    heads, kv = text.num_attention_heads, text.num_key_value_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    shapes = Shapes(1, heads, kv, head_dim, setup.compute_dtype or setup.master_dtype)
+    impl = setup.attn if setup.cp > 1 else "ring"
+    u = None
+    if impl == "hybrid":
+        raise ValueError("plan: attn='hybrid' needs a ulysses size; use ring, allgather or ulysses")
+    types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    attn_layers = sum(t == "full_attention" for t in types)
+    window = getattr(text, "sliding_window", None)
+    attn_s = attn_layers * estimate_seconds(impl, plan, True, shapes, u, "cuda")
+    if window and "sliding_attention" in types:  # each query sees at most a window of keys
+        per_layer = (
+            4 * plan.local_len * min(window, spec.seq_len) * heads * head_dim / ACHIEVED_FLOPS
+        )
+        attn_s += sum(t == "sliding_attention" for t in types) * per_layer * 3.5
+    params = sum(p.numel() for n, p in _meta(config).named_parameters() if "embed_tokens" not in n)
+    flops = (8 if setup.activation_checkpointing else 6) * params * plan.local_len
+    return attn_s + flops / ACHIEVED_FLOPS
+
+
+_META = {}
+
+
+def _meta(config):
+    from cpvlm.simulate.depth import meta_model
+
+    key = id(config)
+    if key not in _META:
+        _META[key] = meta_model(config, torch.float32)
+    return _META[key]
+
+
+def candidates(gpus: int, cps, attns, checkpointing, chunks) -> list[Setup]:
+    out = []
+    for cp in cps:
+        if gpus % cp:
+            continue
+        for attn in attns if cp > 1 else ["ring"]:
+            for ac in checkpointing:
+                for chunk in chunks:
+                    out.append(
+                        Setup(
+                            dp=gpus // cp,
+                            cp=cp,
+                            attn=attn,
+                            activation_checkpointing=ac,
+                            loss_chunk=chunk,
+                        )
+                    )
+    return out
+
+
+def evaluate(
+    config, spec: SequenceSpec, setups, gpu_mem_gib: float, progress=None
+) -> list[Candidate]:
+    """Simulate every setup (a ValueError of one becomes its ``error``)."""
+    budget = int(gpu_mem_gib * GiB)
+    out = []
+    for setup in setups:
+        if progress is not None:
+            progress.set_description(
+                f"cp={setup.cp} attn={setup.attn} ac={int(setup.activation_checkpointing)} chunk={setup.loss_chunk}"
+            )
+        try:
+            memory = simulate_step(config, spec, setup)
+            cand = Candidate(setup, memory, step_s=step_seconds(config, spec, setup))
+            fixed = memory.params + memory.grads + memory.optimizer
+            act = memory.steady_peak - fixed
+            cand.longest = int(spec.seq_len * (budget - fixed) / act) if budget > fixed else 0
+        except (ValueError, NotImplementedError, RuntimeError) as err:
+            cand = Candidate(
+                setup, None, error=f"{type(err).__name__}: {err}".splitlines()[0][:300]
+            )
+        out.append(cand)
+        if progress is not None:
+            progress.update(1)
+    return out

@@ -1,0 +1,271 @@
+"""One rank of a (dp, cp) training step on fake tensors: cpvlm's own step, its bytes counted.
+
+The model is built from its config on the meta device and made of fake tensors; the process
+group is torch's fake one (every collective returns at once, its outputs as they were: every
+size cpvlm communicates is computed on each rank from the replicated integers of the batch, so
+the buffers have their real shapes); the batch's integers are real (``compat.HostIntegers``), so
+positions, plans, schedules and vision assignments are those of the real step. Then the step
+runs as ``cpvlm train`` runs it (``ContextParallelVLM``, ``parallelize`` with FSDP2 over the
+dp x cp ranks, AdamW), and torch's ``MemTracker`` counts the bytes by category, with autograd's
+``saved_tensors_hooks`` for the activations saved for backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from cpvlm.distributed import compat
+from cpvlm.simulate.batch import SequenceSpec, build_batch
+from cpvlm.simulate.depth import meta_model, reduce_depth, shard_bytes, vision_blocks
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Setup:
+    """How the simulated step is parallelised and computed."""
+
+    dp: int = 1
+    cp: int = 1
+    attn: str = "ring"
+    vision: str = "route"
+    activation_checkpointing: bool = False
+    loss_chunk: int | None = 1024
+    data_parallel: str = "fsdp"  # or "none": no FSDP2 (what a one-process CPU run measures)
+    master_dtype: torch.dtype = torch.float32  # parameters, gradients, optimizer state
+    compute_dtype: torch.dtype | None = torch.bfloat16  # None: compute in master_dtype
+    optimizer: bool = True  # AdamW's state counted (one optimizer step runs)
+    rank: int = 0  # the CP rank simulated
+    reduced_depth: bool = True  # simulate a few layers, add the rest (cpvlm.simulate.depth)
+
+    def __post_init__(self):
+        for name in ("dp", "cp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Setup: {name} must be an int >= 1, got {value!r}")
+        if self.data_parallel not in ("fsdp", "none"):
+            raise ValueError(
+                f"Setup: data_parallel must be 'fsdp' or 'none', got {self.data_parallel!r}"
+            )
+        if self.data_parallel == "none" and self.dp > 1:
+            raise ValueError("Setup: dp > 1 needs data_parallel='fsdp'")
+        if not 0 <= self.rank < self.cp:
+            raise ValueError(f"Setup: rank must be in 0..cp-1, got {self.rank} (cp={self.cp})")
+
+
+@dataclass
+class RankMemory:
+    """Bytes of one rank's step, by category (``MemTracker``'s, and saved for backward)."""
+
+    params: int  # this rank's parameters (FSDP2: its shard), buffers included
+    grads: int  # its gradients after the backward (FSDP2: sharded)
+    optimizer: int  # AdamW state
+    saved: int  # activations saved for backward when the forward ends (the activation memory)
+    loss_saved: int  # the part of ``saved`` made by the head and the loss (logits)
+    peak: int  # the step's peak of live bytes (forward, backward, optimizer step)
+    peak_fwd_bwd: int  # the peak of forward + backward alone, before the optimizer state exists
+    peak_by_category: dict[str, int] = field(default_factory=dict)  # live at ``peak_fwd_bwd``
+    local_len: int = 0
+    pixel_bytes: int = 0  # the batch's pixel rows (held before the step; the tower's input)
+    seconds: float = 0.0  # simulation time
+
+    @property
+    def steady_peak(self) -> int:
+        """The peak of a step after the first: forward + backward with the optimizer state
+        already held (the first step's optimizer.step allocates it)."""
+        return max(self.peak, self.peak_fwd_bwd + self.optimizer)
+
+    @property
+    def activations(self) -> int:
+        """What the step needs beyond parameters, gradients and optimizer state."""
+        return self.steady_peak - self.params - self.grads - self.optimizer
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "steady_peak": self.steady_peak, "activations": self.activations}
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int = 0):
+    """A fake process group of ``world_size`` ranks, this process rank ``rank`` of it."""
+    if dist.is_initialized():
+        raise RuntimeError("cpvlm.simulate: a process group already exists in this process")
+    compat.init_fake_process_group(world_size, rank)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class _Saved:
+    """Bytes saved for backward, once per storage, parameters excluded; by region."""
+
+    def __init__(self, exclude: set[int]):
+        self.exclude = exclude
+        self.region = "model"
+        self.storages: dict[int, tuple[weakref.ref, str]] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if t.layout == torch.strided:
+            storage = t.untyped_storage()
+            key = id(storage)
+            if key not in self.exclude and key not in self.storages:
+                self.storages[key] = (weakref.ref(storage), self.region)
+        return t
+
+    def bytes(self, region=None) -> int:
+        total = 0
+        for ref, where in self.storages.values():
+            storage = ref()
+            if storage is not None and region in (None, where):
+                total += storage.nbytes()
+        return total
+
+    def label(self, modules, name: str) -> None:
+        """Saved tensors packed from the start of ``modules[i]`` on are labelled ``(name, i)``."""
+        for i, module in enumerate(modules):
+            module.register_forward_pre_hook(lambda *_, key=(name, i): setattr(self, "region", key))
+
+
+def _rank_of(setup: Setup) -> int:
+    # The mesh is (dp_replicate=1, dp_shard=dp, cp): global rank = dp_index * cp + cp_rank.
+    return setup.rank
+
+
+def _build(meta_model, setup: Setup):
+    """The model as fake tensors on the CPU (under the fake mode): no bytes, no init."""
+    model = meta_model.to_empty(device="cpu").train()
+    if setup.activation_checkpointing:  # as cpvlm train enables it
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable({"use_reentrant": False})
+    return model
+
+
+def simulate_step(config, spec: SequenceSpec, setup: Setup = Setup()) -> RankMemory:
+    """One training step of ``config``'s model on ``spec`` for one rank of ``setup``, on fake
+    tensors; its bytes (see ``RankMemory``). Raises ValueError for a config or setup cpvlm cannot
+    build, with the reason."""
+    from cpvlm.integrations.hf import ContextParallelVLM, adapter_for
+    from cpvlm.parallelize import build_mesh, mesh_groups, parallelize
+
+    t0 = time.perf_counter()
+    world = setup.dp * setup.cp
+    compute = setup.compute_dtype if setup.compute_dtype != setup.master_dtype else None
+    run_config, depth = reduce_depth(config) if setup.reduced_depth else (config, None)
+    meta = meta_model(run_config, setup.master_dtype)
+    with fake_world(world, _rank_of(setup)), compat.fake_tensor_mode(), compat.HostIntegers():
+        model = _build(meta, setup)
+        adapter = adapter_for(model)
+        mesh = build_mesh(dp_replicate=1, dp_shard=setup.dp, cp=setup.cp, device_type="cpu")
+        groups = mesh_groups(mesh)
+        cp_model = ContextParallelVLM(
+            model,
+            groups.cp_group,
+            attn=setup.attn,
+            vision=setup.vision,
+            loss_chunk=setup.loss_chunk,
+        )
+        if setup.data_parallel == "fsdp":
+            runner = parallelize(
+                cp_model,
+                mesh,
+                data_parallel="fsdp",
+                groups=groups,
+                fsdp_units=adapter.fsdp_units(model),
+                compute_dtype=compute,
+            )
+        else:
+            runner = cp_model
+            if compute is not None:
+                raise ValueError("Setup: compute_dtype needs data_parallel='fsdp' in a simulation")
+        batch, doc_lens = build_batch(config, spec)
+        params = [p for p in cp_model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True) if setup.optimizer else None
+        exclude = {id(t.untyped_storage()) for t in (*model.parameters(), *model.buffers())}
+        saved = _Saved(exclude)
+        saved.label(adapter.decoder_layers(model), "text")
+        saved.label(vision_blocks(adapter.vision_tower(model)), "vision")
+        text_model = adapter.text_model(model)
+        text_model.register_forward_hook(lambda *_: setattr(saved, "region", "loss"))
+        tracker = compat.memory_tracker()
+        tracker.track_external(runner, *([optimizer] if optimizer else []))
+        with tracker:
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+                out = runner(**batch, doc_lens=doc_lens)
+            saved_bytes, loss_saved = saved.bytes(), saved.bytes("loss")
+            by_layer = {key: saved.bytes(key) for key in {w for _, w in saved.storages.values()}}
+            out.loss.backward()
+            fwd_bwd = _peak(tracker)
+            by_category = _categories(tracker, "peak")
+            grads = _categories(tracker, "current").get("Gradient", 0)
+            if optimizer is not None:
+                optimizer.step()
+            peak = _peak(tracker)
+            now = _categories(tracker, "current")
+        memory = RankMemory(
+            params=now.get("Parameter", 0) + now.get("Buffer", 0),
+            grads=grads,
+            optimizer=now.get("Optstate", 0),
+            saved=saved_bytes,
+            loss_saved=loss_saved,
+            peak=peak,
+            peak_fwd_bwd=fwd_bwd,
+            peak_by_category=by_category,
+            local_len=out_local_len(batch, setup),
+            pixel_bytes=sum(
+                v.numel() * v.element_size() for k, v in batch.items() if k.startswith("pixel")
+            ),
+        )
+        if depth is not None:
+            _add_left_out(memory, by_layer, depth, config, meta, setup)
+    memory.seconds = time.perf_counter() - t0
+    return memory
+
+
+def out_local_len(batch, setup: Setup) -> int:
+    from cpvlm import ShardPlan
+
+    return ShardPlan(batch["input_ids"].shape[1], setup.cp).local_len
+
+
+def _add_left_out(memory: RankMemory, by_layer: dict, depth, config, meta, setup: Setup) -> None:
+    """The layers the reduced model left out: their saved bytes (those of the simulated layer of
+    their kind) and their shards of parameters, gradients and optimizer state."""
+    acts = sum(n * by_layer.get(("text", i), 0) for i, n in depth.text_extra.items())
+    acts += sum(n * by_layer.get(("vision", i), 0) for i, n in depth.vision_extra.items())
+    world, fsdp = setup.dp * setup.cp, setup.data_parallel == "fsdp"
+    full_bytes, full_elems = shard_bytes(meta_model(config, setup.master_dtype), world, fsdp)
+    red_bytes, red_elems = shard_bytes(meta, world, fsdp)
+    elem = torch.empty((), dtype=setup.master_dtype).element_size()
+    d_params, d_grads = full_bytes - red_bytes, (full_elems - red_elems) * elem
+    d_opt = 2 * d_grads if setup.optimizer else 0  # AdamW: exp_avg, exp_avg_sq
+    memory.params += d_params
+    memory.grads += d_grads
+    memory.optimizer += d_opt
+    memory.saved += acts
+    # At the forward + backward peak every saved activation is alive; the gradients are counted
+    # whole (an upper bound: the peak may come before the last of them lands).
+    memory.peak_fwd_bwd += acts + d_params + d_grads
+    memory.peak = max(memory.peak + d_params + d_grads + d_opt, memory.peak_fwd_bwd)
+
+
+def _categories(tracker, kind: str) -> dict[str, int]:
+    snap = tracker.get_tracker_snapshot(kind)
+    out: dict[str, int] = {}
+    for per_device in snap.values():
+        for name, nbytes in per_device.items():
+            key = str(getattr(name, "value", name)).capitalize()
+            out[key] = out.get(key, 0) + int(nbytes)
+    return out
+
+
+def _peak(tracker) -> int:
+    return _categories(tracker, "peak").get("Total", 0)
