@@ -35,7 +35,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 from cpvlm.distributed import compat
 
@@ -153,10 +157,12 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     rank_state: dict,
     meta: dict,
+    trainable_only: bool = False,
 ) -> Path:
     """Save step ``step``. Collective: every rank calls it with its own ``rank_state``.
 
     Raises OSError on every rank when the written files do not hold what DCP wrote.
+    ``trainable_only``: leave the frozen parameters out (LoRA: the base model is rebuilt).
     """
     rank = dist.get_rank()
     final = step_dir(out, step)
@@ -165,7 +171,8 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving this step
         tmp.mkdir(parents=True)
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    options = StateDictOptions(ignore_frozen_params=trainable_only)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd, f"rank{rank}": rank_state}
     dcp.save(state, checkpoint_id=str(tmp))
     dist.barrier()
@@ -195,19 +202,25 @@ def load_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     rank_state_template: dict | None,
+    trainable_only: bool = False,
 ) -> dict | None:
     """Load model and optimizer in place (resharded to this run's layout). Collective.
 
     Returns this rank's ``rank_state`` when ``rank_state_template`` is given (the ranks are laid
     out as when the checkpoint was saved), else None.
     """
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    options = StateDictOptions(ignore_frozen_params=trainable_only)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd}
     key = f"rank{dist.get_rank()}"
     if rank_state_template is not None:
         state[key] = rank_state_template
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=options,
     )
     return state.get(key)

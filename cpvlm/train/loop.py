@@ -132,6 +132,10 @@ class _Run:
 def _setup_model(config: TrainConfig, device: torch.device, groups, mesh):
     m, p = config.model, config.parallel
     model = build_model(m.name, dtype=m.torch_master_dtype, seed=config.run.seed)
+    if m.lora is not None:  # the model frozen, LoRA layers in it (cpvlm.train.lora)
+        from cpvlm.train.lora import apply_lora
+
+        model = apply_lora(model, m.lora, config.run.seed)
     if m.freeze_vision:
         freeze_vision_encoder(model)
     if m.activation_checkpointing:
@@ -196,7 +200,11 @@ def _restore(run: _Run, path: Path) -> dict:
     )
     template = {"rng": rng_state(run.device)} if same_layout else None
     restored = load_checkpoint(
-        path, model=run.cp_model, optimizer=run.optimizer, rank_state_template=template
+        path,
+        model=run.cp_model,
+        optimizer=run.optimizer,
+        rank_state_template=template,
+        trainable_only=run.config.model.lora is not None,  # LoRA: the base is rebuilt
     )
     if restored is not None:
         set_rng_state(restored["rng"], run.device)
@@ -363,6 +371,7 @@ def _save(run: _Run, step: int) -> None:
         optimizer=run.optimizer,
         rank_state={"rng": rng_state(run.device)},
         meta=meta,
+        trainable_only=run.config.model.lora is not None,
     )
 
 
