@@ -209,7 +209,9 @@ def load_checkpoint(
     Returns this rank's ``rank_state`` when ``rank_state_template`` is given (the ranks are laid
     out as when the checkpoint was saved), else None.
     """
-    options = StateDictOptions(ignore_frozen_params=trainable_only)
+    # trainable_only: dcp.load fails on a trainable tensor the checkpoint lacks; the frozen ones
+    # stay as built (strict=False lets set_state_dict leave them out).
+    options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd}
     key = f"rank{dist.get_rank()}"
