@@ -56,6 +56,7 @@ def test_lora_at_cp2_ddp_and_resumed_fsdp_equals_cp1_and_exports(tmp_path):
     shutil.copytree(tmp_path / "cp1", resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_00000003")
     again = _train(resumed, "--cp", "2", "--resume")  # FSDP2 over the frozen base, from step 2
+    assert [r["ranks"] for r in again] == [1, 1, 2]  # steps 1-2 of cp 1, step 3 trained at cp 2
     assert [r["tokens"] for r in one] == [r["tokens"] for r in two] == [r["tokens"] for r in again]
     for a, b, c in zip(one, two, again, strict=True):
         assert abs(b["loss"] - a["loss"]) <= TOL * abs(a["loss"]), (a["step"], a["loss"], b["loss"])
