@@ -2,6 +2,8 @@
 
     cpvlm export --run runs/a --out runs/a-hf               # the newest intact checkpoint
     cpvlm export --run runs/a --step 200 --out runs/a-200
+    cpvlm export --run runs/lora --out runs/lora-adapter    # a --lora-r run: the PEFT adapter
+    cpvlm export --run runs/lora --merge-lora --out runs/lora-merged
 
 The checkpoint (DCP, sharded however the run's ranks held it) is read on one process into the
 run's model, whose ``save_pretrained`` writes safetensors and config.json in the parameters'
@@ -9,6 +11,12 @@ dtype (float32 for a mixed-precision run). When the run trained a local model di
 other files (tokenizer, processor, chat template) are copied along, so that
 ``AutoModelForImageTextToText.from_pretrained`` and ``AutoProcessor.from_pretrained`` load the
 result as they loaded the original.
+
+A LoRA run (``cpvlm train --lora-r``) checkpoints only its LoRA matrices; the base model is
+rebuilt as the run built it. Its export is the PEFT adapter directory (``adapter_config.json``,
+``adapter_model.safetensors``: ``PeftModel.from_pretrained(base, DIR)``), or with
+``--merge-lora`` the model with the adapter merged into its weights (a ``from_pretrained``
+directory, as for a full run).
 """
 
 from __future__ import annotations
@@ -63,22 +71,49 @@ def load_trained_model(checkpoint: str | Path):
     model = build_model(
         config.model.name, dtype=config.model.torch_master_dtype, seed=config.run.seed
     )
+    lora = config.model.lora
+    hf_model = model
+    if lora is not None:  # the PeftModel; its LoRA matrices are all the checkpoint holds
+        from cpvlm.train.lora import peft_model
+
+        model = peft_model(hf_model, lora, config.run.seed)
+        hf_model = model.get_base_model()
     # The trainer saved ContextParallelVLM's state, whose ``model`` is this model.
-    state = {"model": {f"model.{k}": v for k, v in model.state_dict().items()}}
+    params = dict(hf_model.named_parameters())
+    state = {
+        "model": {
+            f"model.{k}": v
+            for k, v in hf_model.state_dict().items()
+            if lora is None or (k in params and params[k].requires_grad)
+        }
+    }
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.load(state, checkpoint_id=str(checkpoint))
-    model.load_state_dict({k[len("model.") :]: v for k, v in state["model"].items()})
+    loaded = {k[len("model.") :]: v for k, v in state["model"].items()}
+    hf_model.load_state_dict(loaded, strict=lora is None)
     return model, config
 
 
-def export(run: str | Path, out: str | Path, *, step: int | None = None, overwrite: bool = False):
-    """Write the checkpoint of ``run`` (step ``step``, default the newest intact) to ``out``."""
+def export(
+    run: str | Path,
+    out: str | Path,
+    *,
+    step: int | None = None,
+    overwrite: bool = False,
+    merge_lora: bool = False,
+):
+    """Write the checkpoint of ``run`` (step ``step``, default the newest intact) to ``out``:
+    the model, or for a LoRA run its adapter (``merge_lora``: the merged model)."""
     run, out = Path(run), Path(out)
     checkpoint = _checkpoint(run, step)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ExportError(f"--out {out} is not empty; choose another --out or pass --overwrite")
     model, config = load_trained_model(checkpoint)
+    if merge_lora and config.model.lora is None:
+        raise ExportError(f"--merge-lora: {run} is not a LoRA run (cpvlm train --lora-r)")
+    if merge_lora:
+        model = model.merge_and_unload()
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     copied = []
@@ -107,9 +142,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--out", required=True, help="the directory to write")
     parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
+    parser.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="a LoRA run: write the model with the adapter merged in (default: the PEFT adapter)",
+    )
     args = parser.parse_args(argv)
     try:
-        checkpoint, copied = export(args.run, args.out, step=args.step, overwrite=args.overwrite)
+        checkpoint, copied = export(
+            args.run,
+            args.out,
+            step=args.step,
+            overwrite=args.overwrite,
+            merge_lora=args.merge_lora,
+        )
     except ExportError as err:
         print(f"cpvlm export: error: {err}", file=sys.stderr)
         return 2

@@ -40,7 +40,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 from cpvlm.distributed import compat
 from cpvlm.train import faults
@@ -186,11 +190,13 @@ def start_save(
     rank_state: dict,
     meta: dict,
     async_group=None,
+    trainable_only: bool = False,
 ) -> PendingSave:
     """Start saving step ``step``. Collective: every rank calls it with its own ``rank_state``.
 
     With ``async_group`` (a gloo group of every rank, used by nothing else) the state is staged
     to host memory and written in the background; else written before this returns.
+    ``trainable_only``: leave the frozen parameters out (LoRA: the base model is rebuilt).
     """
     rank = dist.get_rank()
     tmp = step_dir(out, step).with_name(".tmp-" + step_dir(out, step).name)
@@ -198,7 +204,8 @@ def start_save(
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving this step
         tmp.mkdir(parents=True)
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    options = StateDictOptions(ignore_frozen_params=trainable_only)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd, f"rank{rank}": rank_state}
     pending = PendingSave(Path(out), step, tmp, meta)
     writer = _writer(tmp, step, rank)
@@ -265,19 +272,27 @@ def load_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     rank_state_template: dict | None,
+    trainable_only: bool = False,
 ) -> dict | None:
     """Load model and optimizer in place (resharded to this run's layout). Collective.
 
     Returns this rank's ``rank_state`` when ``rank_state_template`` is given (the ranks are laid
     out as when the checkpoint was saved), else None.
     """
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    # trainable_only: dcp.load fails on a trainable tensor the checkpoint lacks; the frozen ones
+    # stay as built (strict=False lets set_state_dict leave them out).
+    options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd}
     key = f"rank{dist.get_rank()}"
     if rank_state_template is not None:
         state[key] = rank_state_template
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=options,
     )
     return state.get(key)

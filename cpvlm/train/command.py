@@ -20,6 +20,7 @@ from cpvlm.train.config import (
     ON_SAVE_ERROR,
     TRAIN_DATA_PARALLEL,
     DataConfig,
+    LoRAConfig,
     ModelConfig,
     OptimConfig,
     ParallelConfig,
@@ -80,6 +81,36 @@ def _model_flags(g, m: ModelConfig) -> None:
         type=int,
         default=m.loss_chunk,
         help="rows of logits at a time in the loss (recomputed in the backward); 0: all at once",
+    )
+    _lora_flags(g)
+
+
+def _lora_flags(g) -> None:
+    g.add_argument(
+        "--lora-r",
+        type=int,
+        default=None,
+        help="train a PEFT LoRA adapter of rank R on the frozen model (only its matrices train; "
+        "cpvlm export writes the adapter, or with --merge-lora the merged model)",
+    )
+    g.add_argument(
+        "--lora-alpha",
+        type=float,
+        default=None,
+        help="LoRA alpha; the scale is alpha / R (default: 2 * R)",
+    )
+    g.add_argument(
+        "--lora-targets",
+        nargs="+",
+        default=None,
+        metavar="PATTERN",
+        help="linear layers of the decoder layers to adapt: names, dotted suffixes or globs (default: "
+        "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj)",
+    )
+    g.add_argument(
+        "--lora-vision",
+        action="store_true",
+        help="also adapt every linear layer of the vision tower (default: the tower stays frozen)",
     )
 
 
@@ -267,6 +298,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
             freeze_vision=a.freeze_vision,
             activation_checkpointing=a.activation_checkpointing,
             loss_chunk=a.loss_chunk,
+            lora=LoRAConfig.from_flags(a.lora_r, a.lora_alpha, a.lora_targets, a.lora_vision),
         ),
         parallel=ParallelConfig(
             cp=a.cp,

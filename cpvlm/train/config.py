@@ -59,6 +59,47 @@ def _registry_default_model() -> str:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """PEFT LoRA (``--lora-r``): the base model frozen, LoRA layers of rank ``r`` trained (see
+    ``cpvlm.train.lora``)."""
+
+    r: int = 8
+    alpha: float | None = None  # the LoRA scale is alpha / r; None: 2 * r
+    targets: tuple[str, ...] = ()  # linear layers of the decoder layers; (): lora.DEFAULT_TARGETS
+    vision: bool = False  # also adapt every linear layer of the vision tower
+
+    def __post_init__(self):
+        object.__setattr__(self, "targets", tuple(self.targets))  # a list, read from meta.json
+        _positive_int("model.lora.r", "--lora-r", self.r)
+        if self.alpha is not None:
+            _finite("model.lora.alpha", "--lora-alpha", self.alpha, positive=True, example="16")
+        if any(not isinstance(t, str) or not t.strip() for t in self.targets):
+            _fail("model.lora.targets", "--lora-targets", self.targets, "name module patterns")
+
+    @property
+    def alpha_value(self) -> float:
+        return 2 * self.r if self.alpha is None else self.alpha
+
+    @classmethod
+    def from_flags(cls, r, alpha, targets, vision) -> LoRAConfig | None:
+        """The LoRA config of ``--lora-r/--lora-alpha/--lora-targets/--lora-vision``, or None."""
+        if r is None:
+            given = [
+                flag
+                for flag, value in (
+                    ("--lora-alpha", alpha),
+                    ("--lora-targets", targets),
+                    ("--lora-vision", vision),
+                )
+                if value
+            ]
+            if given:
+                _fail("model.lora", given[0], "unset", "LoRA needs its rank: add --lora-r R")
+            return None
+        return cls(r=r, alpha=alpha, targets=tuple(targets or ()), vision=bool(vision))
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Which model, in which dtypes, what is trained, and how memory is traded for compute."""
 
@@ -69,8 +110,21 @@ class ModelConfig:
     freeze_vision: bool = False  # freeze the vision encoder; its mergers (projector) still train
     activation_checkpointing: bool = False  # recompute decoder layers and vision blocks
     loss_chunk: int = 1024  # loss rows per chunk (no [S_loc, V] logits); 0: whole logits
+    lora: LoRAConfig | None = None  # train a LoRA adapter on the frozen model
 
     def __post_init__(self):
+        if isinstance(self.lora, dict):  # read from meta.json
+            object.__setattr__(self, "lora", LoRAConfig(**self.lora))
+        if self.lora is not None and not isinstance(self.lora, LoRAConfig):
+            _fail("model.lora", "--lora-r", self.lora, "must be a LoRAConfig or None")
+        if self.lora is not None and self.freeze_vision:
+            _fail(
+                "model.freeze_vision",
+                "--freeze-vision",
+                True,
+                "with --lora-r the whole model, vision tower included, is frozen already; leave "
+                "--freeze-vision out (--lora-vision adapts the tower)",
+            )
         if not isinstance(self.name, str) or not self.name:
             _fail("model.name", "--model", self.name, "name a tiny model or a checkpoint directory")
         _choice("model.dtype", "--dtype", self.dtype, DTYPES)

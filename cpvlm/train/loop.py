@@ -202,6 +202,10 @@ def _setup_model(config: TrainConfig, device: torch.device, groups, mesh):
         # (Gemma's RMSNorm) are computed in float64, as cpvlm verify does, so that CP matches
         # CP=1 to float64 round-off.
         kit_for(model).float64_islands(model)
+    if m.lora is not None:  # the model frozen, LoRA layers in it (cpvlm.train.lora)
+        from cpvlm.train.lora import apply_lora
+
+        model = apply_lora(model, m.lora, config.run.seed)
     if m.freeze_vision:
         freeze_vision_encoder(model)
     if m.activation_checkpointing:
@@ -275,7 +279,11 @@ def _restore(run: _Run, path: Path) -> dict:
     )
     template = {"rng": rng_state(run.device)} if same_layout else None
     restored = load_checkpoint(
-        path, model=run.cp_model, optimizer=run.optimizer, rank_state_template=template
+        path,
+        model=run.cp_model,
+        optimizer=run.optimizer,
+        rank_state_template=template,
+        trainable_only=run.config.model.lora is not None,  # LoRA: the base is rebuilt
     )
     if restored is not None:
         set_rng_state(restored["rng"], run.device)
@@ -458,6 +466,7 @@ def _save(run: _Run, step: int, *, wait: bool) -> None:
         rank_state={"rng": rng_state(run.device)},
         meta=meta,
         async_group=run.save_group,
+        trainable_only=run.config.model.lora is not None,
     )
     if wait or run.save_group is None:
         _finish(run, must=wait)
