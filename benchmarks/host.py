@@ -9,7 +9,8 @@ tokens in D documents over cp ranks, one thread:
                ring (the plan) and Ulysses / hybrid (the merged plans); beside it the schedule as
                cpvlm computed it before (``cpvlm.testing.schedule_reference``: every rank's
                rows, loops over rectangles), which every rank computed in full, and the ratio;
-  - positions: per-document position ids ``[B, S]`` (``arange`` restarting at each document);
+  - positions: per-document position ids of a text row (``prepare_batch``'s ``_positions``),
+               1D (``[B, S]``) and M-RoPE (``[3, B, S]``, the base adapter's ``rope_index``);
   - vision:    ``assign_vision_units`` of one vision unit per document;
   - route:     one rank's ``route_plan`` of one visual row per 8 tokens.
 Times are process CPU milliseconds (the minimum over ``--repeats``; wall clock beside them), so
@@ -24,6 +25,8 @@ import json
 import random
 import time
 import warnings
+from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from _common import parser, print_table, write_json
@@ -32,6 +35,8 @@ from cpvlm import ShardPlan
 from cpvlm.attention import schedule as attn_schedule
 from cpvlm.attention.mask_spec import MaskSpec
 from cpvlm.distributed import layout as attn_layout
+from cpvlm.integrations.hf import inputs as hf_inputs
+from cpvlm.integrations.hf.adapter import VLMAdapter
 from cpvlm.vision.assign import assign_vision_units
 from cpvlm.vision.route import route_plan
 
@@ -44,7 +49,7 @@ FULL_GRID = [
     for cp in (8, 16, 64)
     if d * 8 <= s
 ]
-QUICK_GRID = [(1 << 20, 1024, 16), (1 << 17, 1024, 16), (1 << 20, 64, 16)]
+QUICK_GRID = [(1 << 20, 1024, 16)]
 HEADLINE = (1 << 20, 1024, 16)
 
 
@@ -96,11 +101,19 @@ def reference_schedule(plan: ShardPlan, mask: MaskSpec):
     return reference_steps(plan, mask)
 
 
-def positions(lens: list[int]) -> torch.Tensor:
-    """``[1, S]`` per-document positions, as a step builds them for 1D-RoPE families."""
-    n = torch.tensor(lens)
-    start = torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
-    return (torch.arange(int(n.sum())) - start)[None]
+class _Adapter:
+    """The base adapter's ``rope_index``: what a family without an override runs."""
+
+    rope_index = VLMAdapter.rope_index
+
+
+def positions(lens: list[int], mrope: bool) -> torch.Tensor:
+    """Per-document position ids of a text row as ``prepare_batch`` builds them (the product's
+    ``_positions``): ``[1, S]`` for 1D-RoPE families, ``[3, 1, S]`` for M-RoPE ones."""
+    model = SimpleNamespace(model=SimpleNamespace(get_rope_index=print) if mrope else None)
+    ids = torch.zeros(1, sum(lens), dtype=torch.long)
+    plan = ShardPlan(sum(lens), 1, doc_lens=lens)
+    return hf_inputs._positions(_Adapter(), model, ids, ids, None, ([], []), {}, plan, lens)
 
 
 def schedule_rows(lens, cp, repeats, reference: bool) -> list[dict]:
@@ -138,7 +151,9 @@ def run(config, parts, repeats) -> list[dict]:
             lens, cp, repeats, reference=cp <= 16 and (config == HEADLINE or s <= 1 << 17)
         )
     if "positions" in parts:
-        rows.append({"part": "positions"} | timed(lambda: positions(lens), repeats))
+        for name, mrope in (("1d", False), ("mrope", True)):
+            row = {"part": "positions", "impl": name}
+            rows.append(row | timed(lambda m=mrope: positions(lens, m), repeats))
     if "vision" in parts:
         costs = [max(1, n // 8) for n in lens]
         rows.append({"part": "vision"} | timed(lambda: assign_vision_units(costs, cp), repeats))
@@ -172,7 +187,7 @@ def main() -> None:
     grid = QUICK_GRID if args.quick else FULL_GRID
     rows = [row for config in grid for row in run(config, parts, args.repeats)]
     if args.before:
-        before = {_key(r): r for r in json.load(open(args.before))["rows"]}
+        before = {_key(r): r for r in json.loads(Path(args.before).read_text())["rows"]}
         for row in rows:
             old = before.get(_key(row))
             if old is not None:

@@ -61,7 +61,7 @@ def masks(draw, plan: ShardPlan):
     return MaskSpec(causal=causal, window=window, spans=tuple(spans))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(data=st.data())
 def test_schedule_equals_the_loop_reference_rectangle_for_rectangle(data):
     plan = data.draw(plans())
@@ -71,9 +71,9 @@ def test_schedule_equals_the_loop_reference_rectangle_for_rectangle(data):
 def test_schedule_equals_the_reference_on_many_documents_and_long_windows():
     # Grouped tiny documents, strips of a long window, a document split over every rank, and the
     # Ulysses / hybrid views of the same plan.
-    lens = [3] * 40 + [700, 5, 1300, 2, 2]
+    lens = [3] * 40 + [300, 5, 520, 2, 2]
     for layout in ("head_tail", "balanced"):
         plan = ShardPlan(sum(lens), 4, doc_lens=lens, layout=layout)
-        for mask in (MaskSpec(), MaskSpec(window=300), MaskSpec(causal=False, window=40)):
+        for mask in (MaskSpec(), MaskSpec(window=150), MaskSpec(causal=False, window=40)):
             for view in (plan, plan.merge_ranks(2), plan.merge_ranks(4)):
                 _assert_same(view, mask)
