@@ -70,9 +70,7 @@ def source_rank(rank: int, step: int, world: int) -> int:
 
 def ring_steps(schedule: AttentionSchedule) -> int:
     """The ring steps that must run: up to the last step at which any rank computes something."""
-    world = schedule.plan.cp_size
-    busy = [i for r in range(world) for i in range(world) if schedule.segments(r, i)]
-    return 1 + max(busy, default=0)
+    return 1 + schedule.last_step
 
 
 def forward_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,20 +31,12 @@ window a grouped call holds at most one strip's h x h hidden pairs, so grouping 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import torch
 
-from cpvlm.attention.bands import (
-    CAUSAL,
-    FULL,
-    MASKED,
-    RowIntervals,
-    pair_rects,
-    pieces,
-    row_intervals,
-)
+from cpvlm.attention import bands as bd
+from cpvlm.attention.bands import CAUSAL, FULL, KINDS, MASKED  # noqa: F401 (FULL: re-exported)
 from cpvlm.attention.mask_spec import MaskSpec
 from cpvlm.distributed import compat
 from cpvlm.distributed.shard_plan import ShardPlan
@@ -57,25 +49,55 @@ _MASKED_PAIR_COST = 1.25
 _MAX_MASK_ELEMENTS = 1 << 18
 
 
-@dataclass(frozen=True, eq=False)
 class Segment:
     """One kernel call: rows [q_start, q_stop) of the local queries against columns
-    [k_start, k_stop) of one rank's keys, with a kind: FULL, CAUSAL (top-left) or MASKED."""
+    [k_start, k_stop) of one rank's keys, with a kind: FULL, CAUSAL (top-left) or MASKED.
 
-    q_start: int
-    q_stop: int
-    k_start: int
-    k_stop: int
-    kind: str
-    pairs: int
-    """Visible (query, key) pairs: the work this call must do."""
-    overwrite: bool = False
-    """No earlier call in this rank's order wrote these rows: store instead of merging."""
-    visible: torch.Tensor | None = field(default=None, repr=False)
-    """[q_stop - q_start, k_stop - k_start] bool, MASKED only."""
-    parts: tuple[Segment, ...] = field(default=(), repr=False)
-    """MASKED only: the FULL/CAUSAL rectangles it groups, for kernels that take them in one call."""
-    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+    A plain slotted class (a schedule holds up to documents x ranks of them, made every step).
+    """
+
+    __slots__ = (
+        "q_start",
+        "q_stop",
+        "k_start",
+        "k_stop",
+        "kind",
+        "pairs",
+        "overwrite",
+        "parts",
+        "_visible",
+        "_cache",
+    )
+
+    def __init__(
+        self,
+        q_start: int,
+        q_stop: int,
+        k_start: int,
+        k_stop: int,
+        kind: str,
+        pairs: int,
+        overwrite: bool = False,
+        visible: torch.Tensor | None = None,
+        parts: tuple[Segment, ...] = (),
+    ):
+        self.q_start, self.q_stop, self.k_start, self.k_stop = q_start, q_stop, k_start, k_stop
+        self.kind = kind
+        self.pairs = pairs
+        """Visible (query, key) pairs: the work this call must do."""
+        self.overwrite = overwrite
+        """No earlier call in this rank's order wrote these rows: store instead of merging."""
+        self.parts = parts
+        """MASKED only: the FULL/CAUSAL rectangles it groups, for kernels that take them in one
+        call; () for a call that holds an edge's mask (no rectangle)."""
+        self._visible = visible
+        self._cache = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Segment({self.q_start}, {self.q_stop}, {self.k_start}, {self.k_stop}, "
+            f"{self.kind!r}, pairs={self.pairs}, overwrite={self.overwrite})"
+        )
 
     @property
     def rows(self) -> slice:
@@ -85,205 +107,410 @@ class Segment:
     def cols(self) -> slice:
         return slice(self.k_start, self.k_stop)
 
+    @property
+    def visible(self) -> torch.Tensor | None:
+        """[q_stop - q_start, k_stop - k_start] bool, MASKED only; built on first use (a fused
+        kernel that runs ``parts`` never needs it)."""
+        if callable(self._visible):
+            self._visible = self._visible()
+        return self._visible
+
+    def _cached(self, key, make):
+        if self._cache is None:
+            self._cache = {}
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
     def additive_mask(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """0 where visible, -inf elsewhere; built once per dtype and device."""
-        key = ("mask", dtype, device)
-        if key not in self._cache:
+
+        def make():
             mask = torch.zeros(self.visible.shape, dtype=dtype, device=device)
-            self._cache[key] = mask.masked_fill_(~self.visible.to(device), float("-inf"))
-        return self._cache[key]
+            return mask.masked_fill_(~self.visible.to(device), float("-inf"))
+
+        return self._cached(("mask", dtype, device), make)
 
     def empty_rows(self, device: torch.device) -> torch.Tensor:
         """[q_stop - q_start] bool: rows that see no key in this call (their lse is -inf)."""
-        key = ("empty", device)
-        if key not in self._cache:
-            self._cache[key] = ~self.visible.any(dim=1).to(device)
-        return self._cache[key]
+        return self._cached(("empty", device), lambda: ~self.visible.any(dim=1).to(device))
 
 
-@dataclass(frozen=True, eq=False)
 class AttentionSchedule:
-    """Per query rank, per ring step i, the segments of block (r, (r - i) mod W)."""
+    """Per query rank, per ring step i, the segments of block (r, (r - i) mod W).
 
-    plan: ShardPlan
-    mask: MaskSpec
-    steps: tuple[tuple[tuple[Segment, ...], ...], ...]
-    block: int | None = None
-    """Rows per strip under a window (bands.py); None without one."""
+    A rank's rows are computed when it first asks for them (``segments``), from arrays over its
+    runs and pieces; what every rank must agree on (``last_step``) is computed from all ranks'
+    runs without their rectangles."""
+
+    def __init__(self, plan: ShardPlan, mask: MaskSpec):
+        self.plan, self.mask = plan, mask
+        self._rows: dict[int, tuple[tuple[Segment, ...], ...]] = {}
 
     @property
     def causal(self) -> bool:
         return self.mask.causal
 
+    @property
+    def block(self) -> int | None:
+        """Rows per strip under a window (bands.py); None without one."""
+        return self._bands.block
+
+    @cached_property
+    def _bands(self) -> bd.Bands:
+        return bd.bands(self.plan, self.mask)
+
+    @cached_property
+    def _runs(self) -> _Runs:
+        return _runs(self.plan)
+
+    @property
+    def steps(self) -> tuple[tuple[tuple[Segment, ...], ...], ...]:
+        """Every rank's rows (tests, offline tools): a step needs only ``segments``."""
+        return tuple(self.rank_steps(r) for r in range(self.plan.cp_size))
+
+    def rank_steps(self, cp_rank: int) -> tuple[tuple[Segment, ...], ...]:
+        """Rank ``cp_rank``'s segments of every ring step."""
+        if cp_rank not in self._rows:
+            self.plan._check_rank(cp_rank)
+            with compat.real_tensors():
+                self._rows[cp_rank] = _rank_rows(self, cp_rank)
+        return self._rows[cp_rank]
+
     def segments(self, cp_rank: int, step: int) -> tuple[Segment, ...]:
-        return self.steps[cp_rank][step]
+        return self.rank_steps(cp_rank)[step]
+
+    @cached_property
+    def last_step(self) -> int:
+        """The last ring step at which any rank computes something (0 when none does)."""
+        with compat.real_tensors():
+            return _last_step(self)
 
     def kernel_calls(self, cp_rank: int) -> int:
-        return sum(len(block) for block in self.steps[cp_rank])
+        return sum(len(block) for block in self.rank_steps(cp_rank))
 
     def computed_pairs(self, cp_rank: int) -> int:
         """(query, key) pairs rank ``cp_rank`` computes, counting a MASKED call in full."""
         return sum(_area(seg) if seg.kind == MASKED else seg.pairs for seg in self._all(cp_rank))
 
     def _all(self, cp_rank: int):
-        return (seg for block in self.steps[cp_rank] for seg in block)
+        return (seg for block in self.rank_steps(cp_rank) for seg in block)
 
 
 def attention_schedule(plan: ShardPlan, mask: MaskSpec | bool) -> AttentionSchedule:
     """The schedule of ``plan`` under ``mask`` (a bool: ``MaskSpec(causal=mask)``), cached: every
     layer of a step with the same mask, and every step with the same document lengths and
-    spans, reuses it."""
-    with compat.real_tensors():  # host integers: computed even in a dry run on fake tensors
-        return _schedule(plan, mask if isinstance(mask, MaskSpec) else MaskSpec(causal=mask))
+    spans, reuses it (and each rank's rows, once computed)."""
+    return _schedule(plan, mask if isinstance(mask, MaskSpec) else MaskSpec(causal=mask))
 
 
 @lru_cache(maxsize=64)
 def _schedule(plan: ShardPlan, mask: MaskSpec) -> AttentionSchedule:
-    mask.check(plan, where="attention_schedule")
-    w = plan.cp_size
-    iv, plain = row_intervals(plan, mask), _plain_docs(plan, mask)
-    runs = [_runs(plan, r) for r in range(w)]
-    steps = []
-    for r in range(w):
-        blocks = [
-            _group(_rects(iv, runs[r], runs[(r - i) % w], i == 0, plain), _max_hidden(iv))
-            for i in range(w)
-        ]
-        steps.append(_mark_overwrites(blocks, plan.local_len))
-    return AttentionSchedule(plan, mask, tuple(steps), iv.block)
+    with compat.real_tensors():  # host integers: computed even in a dry run on fake tensors
+        mask.check(plan, where="attention_schedule")
+    return AttentionSchedule(plan, mask)
 
 
-_Run = tuple[int, int, int]
-"""(local start, local stop, global start) of a run."""
+# ---- runs -------------------------------------------------------------------------------------
 
 
-def _runs(plan: ShardPlan, rank: int) -> dict[int, list[_Run]]:
-    """The runs of ``rank``'s shard, per document, in local (= global) order."""
-    idx = plan.indices(rank)
-    if idx.numel() == 0:
-        return {}
-    doc = plan.doc_ids[idx]
-    starts = torch.ones(idx.numel(), dtype=torch.bool)
-    starts[1:] = (idx[1:] != idx[:-1] + 1) | (doc[1:] != doc[:-1])
-    bounds = [*torch.nonzero(starts).squeeze(1).tolist(), idx.numel()]
-    runs: dict[int, list[_Run]] = {}
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        d = int(doc[a])
-        if d >= 0:
-            runs.setdefault(d, []).append((a, b, int(idx[a])))
-    return runs
+class _Runs:
+    """Every rank's runs as arrays, in rank then local order: rank, doc, local start and stop,
+    global start; and the same runs in global order (``by_pos``), with each document's first."""
+
+    def __init__(self, rank, doc, lstart, lstop, gstart, num_docs: int, cp_size: int):
+        self.rank, self.doc, self.lstart, self.lstop, self.gstart = rank, doc, lstart, lstop, gstart
+        self.rank_first = torch.searchsorted(rank, torch.arange(cp_size + 1))
+        self.by_pos = torch.argsort(gstart)
+        self.doc_first = torch.searchsorted(doc[self.by_pos], torch.arange(num_docs + 1))
 
 
-def _rects(
-    iv: RowIntervals,
-    q_runs: dict[int, list[_Run]],
-    k_runs: dict[int, list[_Run]],
-    same_rank: bool,
-    plain_docs: set[int],
-) -> list[Segment]:
-    rects = []
-    for d in sorted(q_runs.keys() & k_runs.keys()):
-        qs, ks = q_runs[d], k_runs[d]
-        if same_rank and iv.causal and d in plain_docs and _contiguous(qs):
-            # Local order is document order: the rank's part of the document is one causal square.
-            rects.append((qs[0][0], qs[-1][1], qs[0][0], qs[-1][1], CAUSAL, None))
-            continue
-        doc_rects = []
-        for q_run in qs:
-            q_pieces = pieces(iv, q_run[2], q_run[2] + q_run[1] - q_run[0])
-            for k_run in ks:
-                doc_rects.extend(pair_rects(iv, q_run, k_run, q_pieces))
-        rects.extend(_join(doc_rects))
-    segments = []
-    for q0, q1, k0, k1, kind, visible in rects:
-        if kind == CAUSAL:
-            pairs = (q1 - q0) * (q1 - q0 + 1) // 2
-        elif kind == MASKED:
-            pairs = int(visible.sum())
-        else:
-            pairs = (q1 - q0) * (k1 - k0)
-        segments.append(Segment(q0, q1, k0, k1, kind, pairs, visible=visible))
-    return segments
+def _runs(plan: ShardPlan) -> _Runs:
+    table = plan.range_table
+    rank, a, b = (table[:, j].contiguous() for j in range(3))
+    local = torch.cumsum(b - a, 0) - (b - a) - rank * plan.local_len
+    padded = torch.tensor(plan.padded_doc_lens)
+    ds = torch.cumsum(padded, 0) - padded
+    de = ds + torch.tensor(plan.doc_lens)
+    d0 = torch.searchsorted(ds, a, right=True) - 1
+    d1 = torch.searchsorted(ds, b - 1, right=True) - 1
+    item, k = bd._expand(d1 - d0 + 1)  # a contiguous range may hold several documents
+    doc = d0[item] + k
+    g0, g1 = torch.maximum(a[item], ds[doc]), torch.minimum(b[item], de[doc])
+    real = g1 > g0
+    item, doc, g0, g1 = item[real], doc[real], g0[real], g1[real]
+    rank, l0 = rank[item], local[item] + g0 - a[item]
+    l1 = l0 + g1 - g0
+    # Ranges that meet (a rank's two middle chunks) make one run.
+    new = torch.ones(doc.numel(), dtype=torch.bool)
+    new[1:] = (rank[1:] != rank[:-1]) | (doc[1:] != doc[:-1]) | (g0[1:] != g1[:-1])
+    first = torch.nonzero(new).squeeze(1)
+    last = torch.cat([first[1:], first.new_tensor([doc.numel()])]) - 1
+    return _Runs(
+        rank[first], doc[first], l0[first], l1[last], g0[first], len(plan.doc_lens), plan.cp_size
+    )
 
 
-def _plain_docs(plan: ShardPlan, mask: MaskSpec) -> set[int]:
-    """Documents whose mask is the plain causal/bidirectional one (no window, no span)."""
-    if mask.window is not None:
-        return set()
-    with_spans = {int(plan.doc_ids[a]) for a, _ in mask.spans} if mask.causal else set()
-    return set(range(len(plan.doc_lens))) - with_spans
+# ---- one rank's rows --------------------------------------------------------------------------
 
 
-def _contiguous(runs: list[_Run]) -> bool:
-    return all(a[1] == b[0] for a, b in zip(runs[:-1], runs[1:]))
+def _plain_docs(plan: ShardPlan, mask: MaskSpec) -> torch.Tensor:
+    """[D] bool: documents whose mask is the plain causal/bidirectional one (no window, span)."""
+    plain = torch.full((len(plan.doc_lens),), mask.window is None)
+    if mask.causal and mask.spans and mask.window is None:
+        starts = torch.tensor([a for a, _ in mask.spans])
+        plain[plan.doc_ids[starts]] = False
+    return plain
 
 
-def _join(rects: list[tuple]) -> list[tuple]:
-    """Join FULL rectangles with the same rows and adjacent columns, then those with the same
-    columns and adjacent rows (rectangles come query run by query run, columns ascending)."""
-    return _join_along(_join_along(rects, cols=True), cols=False)
+def _rank_rows(sched: AttentionSchedule, r: int) -> tuple[tuple[Segment, ...], ...]:
+    plan, b, runs, w = sched.plan, sched._bands, sched._runs, sched.plan.cp_size
+    lo_r, hi_r = int(runs.rank_first[r]), int(runs.rank_first[r + 1])
+    q_doc, q_l0, q_l1 = runs.doc[lo_r:hi_r], runs.lstart[lo_r:hi_r], runs.lstop[lo_r:hi_r]
+    q_g0 = runs.gstart[lo_r:hi_r]
+    q_g1 = q_g0 + q_l1 - q_l0
+
+    # The plain causal documents whose runs on this rank touch: one causal square at step 0.
+    square = torch.zeros(q_doc.numel(), dtype=torch.bool)
+    if sched.causal and q_doc.numel():
+        touch = torch.ones_like(square)
+        touch[1:] = (q_doc[1:] != q_doc[:-1]) | (q_l0[1:] == q_l1[:-1])
+        bad = torch.zeros(len(plan.doc_lens), dtype=torch.bool)
+        bad[q_doc[~touch]] = True
+        square = _plain_docs(plan, sched.mask)[q_doc] & ~bad[q_doc]
+
+    # (query run, key run) pairs of one document, key runs in global order.
+    count = runs.doc_first[q_doc + 1] - runs.doc_first[q_doc]
+    qp, j = bd._expand(count)
+    kp = runs.by_pos[runs.doc_first[q_doc[qp]] + j]
+    k_rank = runs.rank[kp]
+    kg = runs.gstart[kp]
+    kend = kg + runs.lstop[kp] - runs.lstart[kp] - 1
+    doc = q_doc[qp]
+    keep = ~(square[qp] & (k_rank == r))
+    keep &= (kg <= b.hi(q_g1[qp] - 1, doc)) & (kend >= b.lo(q_g0[qp], doc))
+    qp, kp, kg, kend, doc = qp[keep], kp[keep], kg[keep], kend[keep], doc[keep]
+
+    # Each pair against every piece of its query run, then the parts of each.
+    p_run, p_a, p_a2 = bd.pieces(b, q_g0, q_g1)
+    p_count = torch.bincount(p_run, minlength=q_doc.numel())
+    p_first = torch.cumsum(p_count, 0) - p_count
+    pair, j = bd._expand(p_count[qp])
+    piece = p_first[qp[pair]] + j
+    a, a2 = p_a[piece], p_a2[piece]
+    part, c0, c1, kind = bd.pair_parts(b, doc[pair], a, a2, kg[pair], kend[pair])
+    pair = pair[part]
+    a, a2, doc_p = a[part], a2[part], doc[pair]
+    kind = bd.classify_edges(b, doc_p, a, a2, c0, c1, kind)
+    seen = kind >= 0
+    pair, a, a2, c0, c1, kind, doc_p = (x[seen] for x in (pair, a, a2, c0, c1, kind, doc_p))
+    qr, kr = qp[pair], kp[pair]
+    q0 = q_l0[qr] + a - q_g0[qr]
+    shift = runs.lstart[kr] - runs.gstart[kr]
+    step = (r - runs.rank[kr]) % w
+
+    q1, k0, k1 = q0 + a2 - a, c0 + shift, c1 + 1 + shift
+    order = torch.arange(step.numel())
+    sq = torch.nonzero(square).squeeze(1)
+    if sq.numel():  # the causal squares (step 0): first run's start to last run's stop
+        first = torch.ones(sq.numel(), dtype=torch.bool)
+        first[1:] = q_doc[sq[1:]] != q_doc[sq[:-1]]
+        at = torch.nonzero(first).squeeze(1)
+        s0, s1 = sq[at], sq[torch.cat([at[1:] - 1, at.new_tensor([sq.numel() - 1])])]
+        zero = torch.zeros(s0.numel(), dtype=torch.long)
+        causal = torch.full_like(zero, bd._CAUSAL)
+        new = (zero, q_doc[s0], q_l0[s0], q_l1[s1], q_l0[s0], q_l1[s1], causal, zero, zero, zero)
+        old = (step, doc_p, q0, q1, k0, k1, kind, a, a2, c0)
+        step, doc_p, q0, q1, k0, k1, kind, a, a2, c0 = (torch.cat(x) for x in zip(old, new))
+        c1, order = torch.cat([c1, zero]), torch.cat([order, zero])
+    d = len(plan.doc_lens)
+    key = (step * d + doc_p) * (step.numel() + 1) + order
+    perm = torch.argsort(key)
+    rect = [x[perm] for x in (step, doc_p, q0, q1, k0, k1, kind, a, a2, c0, c1)]
+    rect = _join(rect, cols=True)
+    rect = _join(rect, cols=False)
+    return _blocks(sched, r, rect, w)
 
 
-def _join_along(rects: list[tuple], cols: bool) -> list[tuple]:
-    out: list[tuple] = []
-    for rect in rects:
-        if out and out[-1][4] == FULL == rect[4]:
-            q0, q1, k0, k1 = out[-1][:4]
-            if cols and (q0, q1) == rect[:2] and k1 == rect[2]:
-                out[-1] = (q0, q1, k0, rect[3], FULL, None)
-                continue
-            if not cols and (k0, k1) == rect[2:4] and q1 == rect[0]:
-                out[-1] = (q0, rect[1], k0, k1, FULL, None)
-                continue
-        out.append(rect)
+def _join(rect: list[torch.Tensor], cols: bool) -> list[torch.Tensor]:
+    """Join FULL rectangles of one document and block with the same rows and adjacent columns
+    (``cols``), or with the same columns and adjacent rows (rectangles come query run by query
+    run, columns ascending)."""
+    step, doc, q0, q1, k0, k1, kind = rect[:7]
+    if step.numel() < 2:
+        return rect
+    same = (step[1:] == step[:-1]) & (doc[1:] == doc[:-1])
+    same &= (kind[1:] == bd._FULL) & (kind[:-1] == bd._FULL)
+    if cols:
+        same &= (q0[1:] == q0[:-1]) & (q1[1:] == q1[:-1]) & (k0[1:] == k1[:-1])
+    else:
+        same &= (k0[1:] == k0[:-1]) & (k1[1:] == k1[:-1]) & (q0[1:] == q1[:-1])
+    start = torch.ones(step.numel(), dtype=torch.bool)
+    start[1:] = ~same
+    first = torch.nonzero(start).squeeze(1)
+    last = torch.cat([first[1:], first.new_tensor([step.numel()])]) - 1
+    out = [x[first] for x in rect]
+    if cols:
+        out[5] = k1[last]
+    else:
+        out[3] = q1[last]
     return out
+
+
+def _edge_pairs(b: bd.Bands, doc, a, a2, c0, c1) -> torch.Tensor:
+    """Visible pairs of MASKED edge parts (rows [a, a2), columns [c0, c1]), summed per part."""
+    part, j = bd._expand(a2 - a)
+    row, d = a[part] + j, doc[part]
+    lo = torch.maximum(b.lo(row, d), c0[part])
+    hi = torch.minimum(b.hi(row, d), c1[part])
+    per_row = (hi - lo + 1).clamp(min=0)
+    return torch.zeros(a.numel(), dtype=torch.long).index_add_(0, part, per_row)
+
+
+def _blocks(sched: AttentionSchedule, rank: int, rect, w: int) -> tuple[tuple[Segment, ...], ...]:
+    """The segments of every block, grouped, with their overwrite flags, in ring-step order."""
+    step, doc, q0, q1, k0, k1, kind, a, a2, c0, c1 = rect
+    b = sched._bands
+    height, width = q1 - q0, k1 - k0
+    area = height * width
+    pairs = torch.where(kind == bd._CAUSAL, height * (height + 1) // 2, area)
+    edge = torch.nonzero(kind == bd._MASKED).squeeze(1)
+    if edge.numel():
+        pairs[edge] = _edge_pairs(b, doc[edge], a[edge], a2[edge], c0[edge], c1[edge])
+    max_hidden = float("inf") if b.block is None else b.block * b.block
+    cols = [x.tolist() for x in (q0, q1, k0, k1, kind, pairs)]
+    merges = _pair_merges(step, q0, q1, k0, k1, kind, pairs, area, max_hidden)
+    joins = _group(cols, step.tolist(), merges, max_hidden)
+    segs = list(map(Segment, *cols[:4], [KINDS[k] for k in cols[4]], cols[5]))
+    for n, d, x, x2, y, y2 in zip(edge.tolist(), *(t[edge].tolist() for t in (doc, a, a2, c0, c1))):
+        segs[n]._visible = _edge_mask(b, d, x, x2, y, y2)  # built on first use
+    if any(joins):
+        join = torch.frombuffer(joins, dtype=torch.uint8).bool()
+        first = torch.nonzero(~join).squeeze(1)
+        call = torch.cumsum(~join, 0) - 1
+        box = [
+            torch.zeros(first.numel(), dtype=torch.long).scatter_reduce_(
+                0, call, x, op, include_self=False
+            )
+            for x, op in ((q0, "amin"), (q1, "amax"), (k0, "amin"), (k1, "amax"), (pairs, "sum"))
+        ]
+        dense = torch.zeros(first.numel(), dtype=torch.bool).index_put_(
+            (call,), kind == bd._MASKED, accumulate=True
+        )
+        stop = torch.cat([first[1:], first.new_tensor([len(segs)])])
+        many = stop - first > 1
+        calls, at = [], 0
+        grouped = zip(*(x[many].tolist() for x in (first, stop, *box, dense)))
+        for a0, a1, bq0, bq1, bk0, bk1, total, edges in grouped:
+            calls += segs[at:a0]
+            calls.append(_masked(segs[a0:a1], bq0, bq1, bk0, bk1, total, edges))
+            at = a1
+        segs = calls + segs[at:]
+        step = step[first]
+    bounds = torch.searchsorted(step, torch.arange(w + 1)).tolist()
+    runs, mine = sched._runs, sched._runs.rank == rank
+    real = list(zip(runs.lstart[mine].tolist(), runs.lstop[mine].tolist()))
+    _mark_overwrites(segs, bounds[1], real, sched.plan.local_len)
+    return tuple(tuple(segs[bounds[i] : bounds[i + 1]]) for i in range(w))
+
+
+def _mark_overwrites(segs: list[Segment], step0: int, real: list[tuple[int, int]], local_len: int):
+    """Mark the calls that are the first, in this rank's order, to write any of their rows."""
+    written = bytearray(local_len)
+    ones = memoryview(b"\x01" * local_len)
+    for n, seg in enumerate(segs):
+        if n == step0 and all(written.find(0, a, b) < 0 for a, b in real):
+            return  # step 0 wrote every real row (each sees itself): no later call is first
+        seg.overwrite = written.find(1, seg.q_start, seg.q_stop) < 0
+        written[seg.q_start : seg.q_stop] = ones[: seg.q_stop - seg.q_start]
+
+
+def _edge_mask(b: bd.Bands, doc: int, a: int, a2: int, c0: int, c1: int):
+    return lambda: bd.visible(b, doc, a, a2, c0, c1)
+
+
+def _single_cost(kind, pairs, area):
+    masked = _CALL_COST + _MASKED_PAIR_COST * area
+    return torch.where(
+        kind == bd._MASKED,
+        masked,
+        _CALL_COST + torch.where(kind == bd._CAUSAL, pairs, area).double(),
+    )
+
+
+def _pair_merges(step, q0, q1, k0, k1, kind, pairs, area, max_hidden: float) -> list[int]:
+    """The rectangles n that the greedy of ``_group`` merges into rectangle n - 1 when that one
+    is a call of its own (the test against a one-rectangle call, for all n at once)."""
+    if step.numel() < 2:
+        return []
+    cost = _single_cost(kind, pairs, area.double())
+    rows = torch.maximum(q1[1:], q1[:-1]) - torch.minimum(q0[1:], q0[:-1])
+    merged = rows * (torch.maximum(k1[1:], k1[:-1]) - torch.minimum(k0[1:], k0[:-1]))
+    ok = (step[1:] == step[:-1]) & (merged <= _MAX_MASK_ELEMENTS)
+    ok &= _CALL_COST + _MASKED_PAIR_COST * merged.double() <= cost[1:] + cost[:-1]
+    ok &= (merged - (pairs[1:] + pairs[:-1])).double() <= max_hidden
+    return (torch.nonzero(ok).squeeze(1) + 1).tolist()
+
+
+def _group(cols, step: list[int], merges: list[int], max_hidden: float) -> bytearray:
+    """Greedily merge consecutive rectangles of a block into masked calls when that is cheaper
+    and the call computes at most ``max_hidden`` hidden pairs (under a window one strip's h x h,
+    so that grouping never undoes the skipping): per rectangle, 1 where it joins the call of the
+    one before. The greedy runs only from the pairs ``merges`` on (elsewhere every rectangle
+    after a call of its own is one too)."""
+    q0s, q1s, k0s, k1s, kinds, pairs = cols
+    joins = bytearray(len(q0s))
+    decided = -1
+    for n in merges:
+        if n <= decided:
+            continue
+        p = n - 1
+        bq0, bq1 = min(q0s[p], q0s[n]), max(q1s[p], q1s[n])
+        bk0, bk1 = min(k0s[p], k0s[n]), max(k1s[p], k1s[n])
+        total = pairs[p] + pairs[n]
+        cost = _CALL_COST + _MASKED_PAIR_COST * (bq1 - bq0) * (bk1 - bk0)
+        joins[n] = 1
+        m = n + 1
+        while m < len(q0s) and step[m] == step[n]:
+            q0, q1, k0, k1, kind, pm = q0s[m], q1s[m], k0s[m], k1s[m], kinds[m], pairs[m]
+            area = (q1 - q0) * (k1 - k0)
+            if kind == bd._MASKED:
+                own = _CALL_COST + _MASKED_PAIR_COST * area
+            else:
+                own = _CALL_COST + (pm if kind == bd._CAUSAL else area)
+            cq0, cq1, ck0, ck1 = min(bq0, q0), max(bq1, q1), min(bk0, k0), max(bk1, k1)
+            merged = (cq1 - cq0) * (ck1 - ck0)
+            joined = _CALL_COST + _MASKED_PAIR_COST * merged
+            if not (
+                merged <= _MAX_MASK_ELEMENTS
+                and joined <= cost + own
+                and merged - (total + pm) <= max_hidden
+            ):
+                break
+            bq0, bq1, bk0, bk1, total, cost = cq0, cq1, ck0, ck1, total + pm, joined
+            joins[m] = 1
+            m += 1
+        decided = m
+    return joins
 
 
 def _area(seg: Segment) -> int:
     return (seg.q_stop - seg.q_start) * (seg.k_stop - seg.k_start)
 
 
-def _cost(group: list[Segment]) -> float:
-    if len(group) == 1:
-        seg = group[0]
-        if seg.kind == MASKED:
-            return _CALL_COST + _MASKED_PAIR_COST * _area(seg)
-        return _CALL_COST + (seg.pairs if seg.kind == CAUSAL else _area(seg))
-    return _CALL_COST + _MASKED_PAIR_COST * _bbox_area(group)
+def _masked(group: list[Segment], q0, q1, k0, k1, pairs: int, edges: bool) -> Segment:
+    """The masked call of the rectangles ``group`` (their bounding box, visible pairs, and
+    whether one of them is an edge's mask)."""
+    # A fused kernel runs the rectangles of the group; an edge's mask is no rectangle, so a group
+    # that holds one runs as one dense masked call there too.
+    parts = () if edges else tuple(group)
+    return Segment(
+        q0, q1, k0, k1, MASKED, pairs, visible=lambda: _union(group, q0, k0), parts=parts
+    )
 
 
-def _bbox_area(group: list[Segment]) -> int:
-    rows = max(s.q_stop for s in group) - min(s.q_start for s in group)
-    cols = max(s.k_stop for s in group) - min(s.k_start for s in group)
-    return rows * cols
-
-
-def _max_hidden(iv: RowIntervals) -> float:
-    """Hidden pairs a grouped call may compute: under a window one strip's h x h, so that
-    grouping never undoes the skipping (a band's strips would group into their bounding box)."""
-    return float("inf") if iv.block is None else iv.block * iv.block
-
-
-def _group(rects: list[Segment], max_hidden: float) -> tuple[Segment, ...]:
-    """Greedily merge consecutive rectangles into masked calls when that is cheaper and the
-    call computes at most ``max_hidden`` hidden pairs."""
-    groups: list[list[Segment]] = []
-    for rect in rects:
-        if groups:
-            merged = [*groups[-1], rect]
-            area = _bbox_area(merged)
-            cheaper = _CALL_COST + _MASKED_PAIR_COST * area <= _cost(groups[-1]) + _cost([rect])
-            hidden = area - sum(s.pairs for s in merged)
-            if area <= _MAX_MASK_ELEMENTS and cheaper and hidden <= max_hidden:
-                groups[-1] = merged
-                continue
-        groups.append([rect])
-    return tuple(g[0] if len(g) == 1 else _masked(g) for g in groups)
-
-
-def _masked(group: list[Segment]) -> Segment:
-    q0, q1 = min(s.q_start for s in group), max(s.q_stop for s in group)
-    k0, k1 = min(s.k_start for s in group), max(s.k_stop for s in group)
+def _union(group: list[Segment], q0: int, k0: int) -> torch.Tensor:
+    q1, k1 = max(s.q_stop for s in group), max(s.k_stop for s in group)
     visible = torch.zeros(q1 - q0, k1 - k0, dtype=torch.bool)
     for s in group:
         block = visible[s.q_start - q0 : s.q_stop - q0, s.k_start - k0 : s.k_stop - k0]
@@ -294,26 +521,29 @@ def _masked(group: list[Segment]) -> Segment:
             block |= s.visible
         else:
             block.fill_(True)
-    pairs = sum(s.pairs for s in group)
-    # A fused kernel runs the rectangles of the group; an edge's mask is no rectangle, so a group
-    # that holds one runs as one dense masked call there too.
-    rects = [p for s in group for p in (s.parts if s.kind == MASKED else (s,))]
-    dense = any(s.kind == MASKED and not s.parts for s in group)
-    return Segment(
-        q0, q1, k0, k1, MASKED, pairs, visible=visible, parts=() if dense else tuple(rects)
-    )
+    return visible
 
 
-def _mark_overwrites(
-    blocks: list[tuple[Segment, ...]], local_len: int
-) -> tuple[tuple[Segment, ...], ...]:
-    written = torch.zeros(local_len, dtype=torch.bool)
-    marked = []
-    for block in blocks:
-        out = []
-        for seg in block:
-            first = not bool(written[seg.rows].any())
-            written[seg.rows] = True
-            out.append(replace(seg, overwrite=first))
-        marked.append(tuple(out))
-    return tuple(marked)
+# ---- what every rank agrees on ----------------------------------------------------------------
+
+
+def _last_step(sched: AttentionSchedule) -> int:
+    """The last ring step i at which some rank r sees a key of rank (r - i) mod W: tested run
+    pair by run pair (lo, hi are monotone: a run sees a key run iff its first row that reaches
+    the key run's start sees no further than the key run's end), from i = W - 1 down."""
+    plan, b, runs, w = sched.plan, sched._bands, sched._runs, sched.plan.cp_size
+    d = len(plan.doc_lens)
+    key = runs.rank * d + runs.doc
+    qa = runs.gstart
+    qb = qa + runs.lstop - runs.lstart
+    for i in range(w - 1, 0, -1):
+        target = ((runs.rank - i) % w) * d + runs.doc
+        first = torch.searchsorted(key, target)
+        q, j = bd._expand(torch.searchsorted(key, target, right=True) - first)
+        k = first[q] + j
+        doc, kg = runs.doc[q], runs.gstart[k]
+        kend = kg + runs.lstop[k] - runs.lstart[k] - 1
+        row = b.first_row_reaching(qa[q], doc, kg)
+        if bool(((row < qb[q]) & (b.lo(torch.minimum(row, qb[q] - 1), doc) <= kend)).any()):
+            return i
+    return 0

@@ -44,15 +44,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from cpvlm.constants import LAYOUTS
+import torch
 
-Ranges = tuple[tuple[int, int], ...]
+from cpvlm.constants import LAYOUTS
 
 _SPLIT_WORTH = 8
 """A document is a split candidate when it carries at least M / _SPLIT_WORTH of causal work."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Layout:
     """Positions of a packed sequence over W ranks."""
 
@@ -60,8 +60,9 @@ class Layout:
     """Each document with its own padding (a multiple of 2W when split, its length when whole)."""
     padded_len: int
     """The padded sequence: the padded documents, then a padding-only tail (balanced only)."""
-    ranges: tuple[Ranges, ...]
-    """Per rank, ascending ``[start, stop)`` ranges of padded positions; equal total length."""
+    ranges: torch.Tensor
+    """``[R, 3]`` (rank, start, stop): every rank's ascending ``[start, stop)`` ranges of padded
+    positions, rank by rank; every rank's add up to the same length."""
     whole_on: tuple[int, ...]
     """Per document, the rank that holds it whole, or -1 when it is split head-tail."""
 
@@ -101,31 +102,45 @@ def build_layout(doc_lens: tuple[int, ...], cp_size: int, layout: str) -> Layout
 
 
 def _positions(doc_lens: Sequence[int], w: int, whole_on: Sequence[int]) -> Layout:
-    ranges: list[list[tuple[int, int]]] = [[] for _ in range(w)]
-    padded_doc_lens, start = [], 0
-    for n, owner in zip(doc_lens, whole_on):
-        if owner >= 0:
-            ranges[owner].append((start, start + n))
-            p = n
-        else:
-            p = split_padded_len(n, w)
-            c = p // (2 * w)
-            for r in range(w):
-                ranges[r].append((start + r * c, start + (r + 1) * c))
-                ranges[r].append((start + (2 * w - 1 - r) * c, start + (2 * w - r) * c))
-        padded_doc_lens.append(p)
-        start += p
-    tokens = [sum(b - a for a, b in rs) for rs in ranges]
-    local_len = max(tokens)
-    for r in range(w):  # the tail: rank by rank, so every rank's positions stay ascending
-        ranges[r].append((start, start + local_len - tokens[r]))
-        start += local_len - tokens[r]
+    n = torch.tensor(doc_lens, dtype=torch.long)
+    owner = torch.tensor(whole_on, dtype=torch.long)
+    split = owner < 0
+    p = torch.where(split, -(-n // (2 * w)) * (2 * w), n)
+    start = torch.cumsum(p, 0) - p
+    # Whole documents: one range on their owner. Split ones: chunks r and 2W-1-r on rank r.
+    whole = torch.nonzero(~split).squeeze(1)
+    cut = torch.nonzero(split).squeeze(1)
+    c = (p[cut] // (2 * w))[:, None]
+    r = torch.arange(w)[None, :]
+    head = start[cut][:, None] + r * c
+    tail = start[cut][:, None] + (2 * w - 1 - r) * c
+    ranks = torch.cat([owner[whole], r.expand_as(head).flatten(), r.expand_as(tail).flatten()])
+    a = torch.cat([start[whole], head.flatten(), tail.flatten()])
+    b = torch.cat([start[whole] + n[whole], (head + c).flatten(), (tail + c).flatten()])
+    tokens = torch.zeros(w, dtype=torch.long).index_add_(0, ranks, b - a)
+    local_len = int(tokens.max())
+    # The tail: rank by rank, so every rank's positions stay ascending.
+    fill = local_len - tokens
+    tail_a = int(p.sum()) + torch.cumsum(fill, 0) - fill
+    ranks, a, b = (
+        torch.cat([ranks, torch.arange(w)]),
+        torch.cat([a, tail_a]),
+        torch.cat([b, tail_a + fill]),
+    )
     return Layout(
-        padded_doc_lens=tuple(padded_doc_lens),
-        padded_len=start,
-        ranges=tuple(tuple((a, b) for a, b in rs if b > a) for rs in ranges),
+        padded_doc_lens=tuple(p.tolist()),
+        padded_len=int(tail_a[-1] + fill[-1]),
+        ranges=_table(ranks, a, b),
         whole_on=tuple(whole_on),
     )
+
+
+def _table(ranks: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``[R, 3]`` (rank, start, stop) of the non-empty ranges, by rank, then start."""
+    keep = b > a
+    ranks, a, b = ranks[keep], a[keep], b[keep]
+    order = torch.argsort(ranks * (int(b.max()) + 1) + a)
+    return torch.stack([ranks[order], a[order], b[order]], 1)
 
 
 def contiguous_layout(doc_lens: tuple[int, ...], cuts: tuple[int, ...]) -> Layout:
@@ -155,10 +170,11 @@ def contiguous_layout(doc_lens: tuple[int, ...], cuts: tuple[int, ...]) -> Layou
         ranks = [r for r in range(w) if cuts[r] <= doc_start and doc_start + n <= cuts[r + 1]]
         whole_on.append(ranks[0] if ranks else -1)
         doc_start += n
+    table = [(r, a, b) for r, rs in enumerate(ranges) for a, b in rs]
     return Layout(
         padded_doc_lens=tuple(doc_lens),
         padded_len=start,
-        ranges=tuple(tuple((a, b) for a, b in rs if b > a) for rs in ranges),
+        ranges=_table(*torch.tensor(table, dtype=torch.long).T),
         whole_on=tuple(whole_on),
     )
 
@@ -170,9 +186,16 @@ def _balanced_placement(doc_lens: tuple[int, ...], w: int) -> tuple[int, ...]:
     order = sorted(range(len(doc_lens)), key=lambda d: (-doc_lens[d], d))
     total_work = sum(work(n) for n in doc_lens)
     worth = sum(1 for d in order if _SPLIT_WORTH * w * work(doc_lens[d]) >= total_work)
+    # Tokens and work per rank of splitting the k longest documents, for every k at once.
+    n = torch.tensor([doc_lens[d] for d in order], dtype=torch.long)
+    split_tokens = torch.cumsum(-(-n // (2 * w)) * 2, 0).tolist()
+    split_works = torch.cumsum(_head_tail_works(n, w), 0).tolist()
+    rest = torch.cumsum(n.flip(0), 0).flip(0).tolist() + [0]
     best = None
     for k in (*range(worth + 1), len(order)):
-        whole_on, tokens, works = _place(doc_lens, w, order, k)
+        tokens = [split_tokens[k - 1]] * w if k else [0] * w
+        works = list(split_works[k - 1]) if k else [0] * w
+        whole_on, tokens, works = _place(doc_lens, w, order, k, tokens, works, rest[k])
         padding = w * max(tokens) - sum(doc_lens)
         # (max/mean - 1) + padding/S, times total_work * S: the same factor for every k.
         score = (w * max(works) - total_work) * sum(doc_lens) + padding * total_work
@@ -181,24 +204,33 @@ def _balanced_placement(doc_lens: tuple[int, ...], w: int) -> tuple[int, ...]:
     return best[1]
 
 
-def _place(doc_lens, w, order, k):
-    """Split ``order[:k]`` head-tail, place the rest whole: LPT on causal work with a token cap."""
-    tokens, works = [0] * w, [0] * w
+def _head_tail_works(n: torch.Tensor, w: int) -> torch.Tensor:
+    """``[D, W]`` ``head_tail_work`` of every document of lengths ``n``."""
+    c = (-(-n // (2 * w)))[:, None]
+    r = torch.arange(w)[None, :]
+
+    def chunk(j):
+        lo, hi = torch.minimum(j * c, n[:, None]), torch.minimum((j + 1) * c, n[:, None])
+        return (hi * (hi + 1) - lo * (lo + 1)) // 2
+
+    return chunk(r) + chunk(2 * w - 1 - r)
+
+
+def _place(doc_lens, w, order, k, tokens, works, rest):
+    """Split ``order[:k]`` head-tail (``tokens``, ``works``: theirs per rank), place the rest
+    (``rest`` tokens) whole: LPT on causal work with a token cap."""
     whole_on = [-1] * len(doc_lens)
-    for d in order[:k]:
-        share = split_padded_len(doc_lens[d], w) // w
-        for r, pairs in enumerate(head_tail_work(doc_lens[d], w)):
-            tokens[r] += share
-            works[r] += pairs
-    cap = -(-(sum(tokens) + sum(doc_lens[d] for d in order[k:])) // w)
+    cap = -(-(sum(tokens) + rest) // w)
+    ranks = range(w)
     for d in order[k:]:
         n = doc_lens[d]
-        fits = [r for r in range(w) if tokens[r] + n <= cap]
-        if fits:
-            r = min(fits, key=lambda r: (works[r], r))
-        else:
-            r = min(range(w), key=lambda r: (tokens[r], works[r], r))
+        room, r = cap - n, -1
+        for q in ranks:  # the least work among the ranks with room (ties: lower rank)
+            if tokens[q] <= room and (r < 0 or works[q] < works[r]):
+                r = q
+        if r < 0:
+            r = min(ranks, key=lambda q: (tokens[q], works[q], q))
         whole_on[d] = r
         tokens[r] += n
-        works[r] += work(n)
+        works[r] += n * (n + 1) // 2
     return tuple(whole_on), tokens, works

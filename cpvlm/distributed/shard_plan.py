@@ -131,10 +131,7 @@ class ShardPlan:
             padded_len=self.padded_len,
             local_len=self.local_len * group_size,
             merged=self.merged * group_size,
-            _ranges=tuple(
-                tuple(sorted(rg for rank in self._ranges[j : j + group_size] for rg in rank))
-                for j in range(0, self.cp_size, group_size)
-            ),
+            _ranges=_regroup(self._ranges, group_size),
         )
         return view
 
@@ -158,43 +155,49 @@ class ShardPlan:
     # ---- layout -------------------------------------------------------------------------------
 
     @cached_property
-    def _doc_starts(self) -> tuple[tuple[int, int], ...]:
-        """(start in the padded sequence, start in the unpadded sequence) of every document."""
-        starts, padded, real = [], 0, 0
-        for n, p in zip(self.doc_lens, self.padded_doc_lens):
-            starts.append((padded, real))
-            padded, real = padded + p, real + n
-        return tuple(starts)
+    def range_table(self) -> torch.Tensor:
+        """``[R, 3]`` (rank, start, stop): every rank's ranges of padded positions, rank by rank,
+        each rank's ascending (what ``indices`` concatenates)."""
+        return self._ranges
 
     @cached_property
-    def _rank_indices(self) -> tuple[torch.Tensor, ...]:
-        return tuple(
-            torch.cat([torch.arange(a, b) for a, b in ranges])
-            if ranges
-            else torch.zeros(0, dtype=torch.long)
-            for ranges in self._ranges
-        )
+    def _doc_bounds(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(lengths, padded starts, unpadded starts) of the documents."""
+        n, p = torch.tensor(self.doc_lens), torch.tensor(self.padded_doc_lens)
+        return n, torch.cumsum(p, 0) - p, torch.cumsum(n, 0) - n
+
+    @cached_property
+    def _doc_starts(self) -> tuple[tuple[int, int], ...]:
+        """(start in the padded sequence, start in the unpadded sequence) of every document."""
+        _, padded, real = self._doc_bounds
+        return tuple(zip(padded.tolist(), real.tolist()))
+
+    @cached_property
+    def _all_indices(self) -> torch.Tensor:
+        """``[W, S_loc]``: row r is ``indices(r)``."""
+        a, b = self._ranges[:, 1], self._ranges[:, 2]
+        length = b - a
+        offset = torch.repeat_interleave(a - (torch.cumsum(length, 0) - length), length)
+        return (offset + torch.arange(self.padded_len)).view(self.cp_size, self.local_len)
 
     def indices(self, cp_rank: int) -> torch.Tensor:
         """Global positions (in the padded sequence) held by ``cp_rank``, in local order."""
         self._check_rank(cp_rank)
-        return self._rank_indices[cp_rank]
+        return self._all_indices[cp_rank]
 
     @cached_property
     def owners(self) -> torch.Tensor:
         """``[P]`` CP rank that holds each padded position."""
         owners = torch.empty(self.padded_len, dtype=torch.long)
-        for r, idx in enumerate(self._rank_indices):
-            owners[idx] = r
-        return owners
+        ranks = torch.arange(self.cp_size).repeat_interleave(self.local_len)
+        return owners.index_put_((self._all_indices.flatten(),), ranks)
 
     @cached_property
     def local_index(self) -> torch.Tensor:
         """``[P]`` index of each padded position within its owner's shard."""
         local = torch.empty(self.padded_len, dtype=torch.long)
-        for idx in self._rank_indices:
-            local[idx] = torch.arange(len(idx))
-        return local
+        rows = torch.arange(self.local_len).repeat(self.cp_size)
+        return local.index_put_((self._all_indices.flatten(),), rows)
 
     def locate(self, flat_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(owner, local)`` of positions ``b * padded_len + p`` in a padded ``[B, P]`` batch.
@@ -209,10 +212,11 @@ class ShardPlan:
     @cached_property
     def doc_ids(self) -> torch.Tensor:
         """``[P]`` document index of each padded position; ``PAD_DOC`` (-1) for padding."""
-        ids = torch.full((self.padded_len,), PAD_DOC, dtype=torch.long)
-        for d, ((start, _), n) in enumerate(zip(self._doc_starts, self.doc_lens)):
-            ids[start : start + n] = d
-        return ids
+        n, _, _ = self._doc_bounds
+        p = torch.tensor(self.padded_doc_lens)
+        ids = torch.stack([torch.arange(len(n)), torch.full_like(n, PAD_DOC)], 1).flatten()
+        ids = torch.repeat_interleave(ids, torch.stack([n, p - n], 1).flatten())
+        return torch.cat([ids, ids.new_full((self.padded_len - ids.numel(),), PAD_DOC)])
 
     @cached_property
     def is_padding(self) -> torch.Tensor:
@@ -223,19 +227,19 @@ class ShardPlan:
     def source_index(self) -> torch.Tensor:
         """``[P]`` position in the unpadded sequence of each padded position; -1 for padding."""
         src = torch.full((self.padded_len,), -1, dtype=torch.long)
-        for (start, real), n in zip(self._doc_starts, self.doc_lens):
-            src[start : start + n] = torch.arange(real, real + n)
-        return src
+        return src.index_put_((self.padded_index,), torch.arange(self.seq_len))
 
     @cached_property
     def padded_index(self) -> torch.Tensor:
         """``[S]`` position in the padded sequence of each real token (inverse of source_index)."""
-        return torch.nonzero(~self.is_padding).squeeze(1)
+        n, padded_start, real_start = self._doc_bounds
+        return torch.arange(self.seq_len) + torch.repeat_interleave(padded_start - real_start, n)
 
     @cached_property
     def _gather_order_inverse(self) -> torch.Tensor:
         """Permutation taking the rank-order concatenation of all shards to padded order."""
-        return torch.argsort(torch.cat(self._rank_indices))
+        inverse = torch.empty(self.padded_len, dtype=torch.long)
+        return inverse.index_put_((self._all_indices.flatten(),), torch.arange(self.padded_len))
 
     # ---- tensors ------------------------------------------------------------------------------
 
@@ -307,6 +311,13 @@ class ShardPlan:
                 f"seq_dim {seq_dim}, expected the plan's {what} {expected} ({self!r})"
             )
         return dim
+
+
+def _regroup(ranges: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The range table with rank r renamed r // group_size, re-sorted by rank, then start."""
+    ranks = ranges[:, 0] // group_size
+    order = torch.argsort(ranks * (int(ranges[:, 2].max()) + 1) + ranges[:, 1])
+    return torch.stack([ranks[order], ranges[order, 1], ranges[order, 2]], 1)
 
 
 # ---- batches ----------------------------------------------------------------------------------

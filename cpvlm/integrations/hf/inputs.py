@@ -200,8 +200,13 @@ def _positions(adapter, model, ids, types, attention_mask, grids, extras, plan, 
         _split_by_document(g, tokens_per_doc(t), adapter, k)
         for g, (k, t, *_) in zip(grids, _KINDS, strict=True)
     ]
-    parts, v0 = [], 0
+    text = _text_positions(adapter, model, ids, plan)
+    parts, v0, done = [], 0, 0
     for (a, b), img_d, vid_d in zip(spans, *per_kind, strict=True):
+        if text is not None and not img_d and not vid_d:
+            continue  # a text document: its slice of ``text``, joined with its neighbours
+        if done < a:
+            parts.append(text[..., done:a])
         extras_d = {k: v[v0 : v0 + len(vid_d)] for k, v in extras.items()}
         v0 += len(vid_d)
         mask_d = None if attention_mask is None else attention_mask[:, a:b]
@@ -210,7 +215,26 @@ def _positions(adapter, model, ids, types, attention_mask, grids, extras, plan, 
                 adapter, model, ids[:, a:b], types[:, a:b], mask_d, (img_d, vid_d), extras_d
             )
         )
+        done = b
+    if text is not None and done == 0:
+        return text
+    if text is not None and done < ids.shape[1]:
+        parts.append(text[..., done:])
     return torch.cat(parts, dim=-1)
+
+
+def _text_positions(adapter, model, ids, plan: ShardPlan) -> torch.Tensor | None:
+    """Every document's positions as if it held no vision item (``arange`` from each document's
+    start: ``[B, S]``, or ``[3, B, S]`` under M-RoPE), in one array operation; None where the
+    adapter overrides ``rope_index`` (its text documents then go through it one by one)."""
+    if getattr(type(adapter), "rope_index", None) is not VLMAdapter.rope_index:
+        return None
+    n = torch.tensor(plan.doc_lens)
+    pos = torch.arange(ids.shape[1]) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
+    pos = pos.to(ids.device).expand(ids.shape[0], -1)
+    if getattr(model.model, "get_rope_index", None) is not None:
+        pos = pos.expand(3, *pos.shape)
+    return pos.clone()
 
 
 def _row_positions(types: torch.Tensor, plan: ShardPlan) -> torch.Tensor:

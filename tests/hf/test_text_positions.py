@@ -1,0 +1,34 @@
+"""Per-document positions of text documents: the array path equals the per-document one."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from cpvlm import ShardPlan
+from cpvlm.integrations.hf import inputs
+from cpvlm.integrations.hf.adapter import VLMAdapter
+
+
+class _Base:
+    rope_index = VLMAdapter.rope_index
+
+
+class _Overridden:
+    """An adapter that overrides rope_index (with the same rule): documents go one by one."""
+
+    def rope_index(self, *args):
+        return VLMAdapter.rope_index(self, *args)
+
+
+@pytest.mark.parametrize("mrope", [False, True])
+def test_text_documents_get_the_positions_of_each_document_alone(mrope):
+    lens = [5, 1, 9, 3]
+    model = SimpleNamespace(model=SimpleNamespace(get_rope_index=print) if mrope else None)
+    ids = torch.zeros(2, sum(lens), dtype=torch.long)
+    plan = ShardPlan(sum(lens), 2, doc_lens=lens)
+    fast = inputs._positions(_Base(), model, ids, ids, None, ([], []), {}, plan, lens)
+    slow = inputs._positions(_Overridden(), model, ids, ids, None, ([], []), {}, plan, lens)
+    row = torch.cat([torch.arange(n) for n in lens])
+    expected = row.expand(*((3,) if mrope else ()), 2, -1)
+    assert torch.equal(fast, expected) and torch.equal(slow, expected)
