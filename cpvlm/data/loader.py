@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing
+import multiprocessing.util
 import signal
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -237,7 +238,9 @@ def _kill_workers() -> None:
 
 
 def _worker_context():
-    atexit.register(_kill_workers)  # registered after multiprocessing's own: runs before it
+    atexit.register(_kill_workers)
+    # a multiprocessing child (a rank) skips atexit: its exit runs these before ending children
+    multiprocessing.util.Finalize(None, _kill_workers, exitpriority=100)
     # fork: workers start in milliseconds, without importing torch and the processor again
     # (training ranks are often forkserver or spawn children, whose default they would inherit).
     methods = multiprocessing.get_all_start_methods()
