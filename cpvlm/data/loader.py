@@ -25,7 +25,9 @@ them runs the row. ``state_dict()`` is the stream position after the last step h
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
+import multiprocessing.util
 import signal
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -247,7 +249,17 @@ def _identity(x):
     return x
 
 
+def _kill_workers() -> None:
+    """At the rank's exit: the workers ignore SIGTERM, which is how multiprocessing's exit ends
+    daemonic children before joining them (it would wait forever); SIGKILL them first."""
+    for child in multiprocessing.active_children():
+        child.kill()
+
+
 def _worker_context():
+    atexit.register(_kill_workers)
+    # a multiprocessing child (a rank) skips atexit: its exit runs these before ending children
+    multiprocessing.util.Finalize(None, _kill_workers, exitpriority=100)
     # fork: workers start in milliseconds, without importing torch and the processor again
     # (training ranks are often forkserver or spawn children, whose default they would inherit).
     methods = multiprocessing.get_all_start_methods()
