@@ -123,7 +123,8 @@ def main() -> None:
     write_json(
         args.out_dir,
         "checkpoint",
-        {"args": {k: str(v) for k, v in vars(args).items()}, "baseline_step_s": base,
+        {"args": {k: str(v) for k, v in vars(args).items() if k != "out_dir"},
+         "baseline_step_s": base,
          "rows": rows, "runs": runs, "wall_s": clock.wall()},
     )  # fmt: skip
 
