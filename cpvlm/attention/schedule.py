@@ -31,7 +31,11 @@ window a grouped call holds at most one strip's h x h hidden pairs, so grouping 
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from functools import cached_property, lru_cache
+from itertools import repeat
+from operator import itemgetter
 
 import torch
 
@@ -49,28 +53,36 @@ _MASKED_PAIR_COST = 1.25
 _MAX_MASK_ELEMENTS = 1 << 18
 
 
-class Segment:
+class Segment(tuple):
     """One kernel call: rows [q_start, q_stop) of the local queries against columns
     [k_start, k_stop) of one rank's keys, with a kind: FULL, CAUSAL (top-left) or MASKED.
 
-    A plain slotted class (a schedule holds up to documents x ranks of them, made every step).
+    A tuple (q_start, q_stop, k_start, k_stop, kind, pairs) with named fields: a schedule holds
+    up to documents x ranks of them, made every step, so ``_blocks`` builds them without a
+    Python call each (``tuple.__new__``). The rest (overwrite, parts, the mask) are class
+    defaults until set. Equality and hashing are by identity, as for any call object.
     """
 
-    __slots__ = (
-        "q_start",
-        "q_stop",
-        "k_start",
-        "k_stop",
-        "kind",
-        "pairs",
-        "overwrite",
-        "parts",
-        "_visible",
-        "_cache",
-    )
+    overwrite = False
+    """No earlier call in this rank's order wrote these rows: store instead of merging."""
+    parts: tuple[Segment, ...] = ()
+    """MASKED only: the FULL/CAUSAL rectangles it groups, for kernels that take them in one
+    call; () for a call that holds an edge's mask (no rectangle)."""
+    _visible = None
+    _cache = None
 
-    def __init__(
-        self,
+    q_start = property(itemgetter(0))
+    q_stop = property(itemgetter(1))
+    k_start = property(itemgetter(2))
+    k_stop = property(itemgetter(3))
+    kind = property(itemgetter(4))
+    pairs = property(itemgetter(5), doc="Visible (query, key) pairs: the work this call must do.")
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
+    __hash__ = object.__hash__
+
+    def __new__(
+        cls,
         q_start: int,
         q_stop: int,
         k_start: int,
@@ -81,17 +93,14 @@ class Segment:
         visible: torch.Tensor | None = None,
         parts: tuple[Segment, ...] = (),
     ):
-        self.q_start, self.q_stop, self.k_start, self.k_stop = q_start, q_stop, k_start, k_stop
-        self.kind = kind
-        self.pairs = pairs
-        """Visible (query, key) pairs: the work this call must do."""
-        self.overwrite = overwrite
-        """No earlier call in this rank's order wrote these rows: store instead of merging."""
-        self.parts = parts
-        """MASKED only: the FULL/CAUSAL rectangles it groups, for kernels that take them in one
-        call; () for a call that holds an edge's mask (no rectangle)."""
-        self._visible = visible
-        self._cache = None
+        seg = tuple.__new__(cls, (q_start, q_stop, k_start, k_stop, kind, pairs))
+        if overwrite:
+            seg.overwrite = overwrite
+        if visible is not None:
+            seg._visible = visible
+        if parts:
+            seg.parts = parts
+        return seg
 
     def __repr__(self) -> str:
         return (
@@ -173,7 +182,7 @@ class AttentionSchedule:
         """Rank ``cp_rank``'s segments of every ring step."""
         if cp_rank not in self._rows:
             self.plan._check_rank(cp_rank)
-            with compat.real_tensors():
+            with compat.real_tensors(), _gc_paused():
                 self._rows[cp_rank] = _rank_rows(self, cp_rank)
         return self._rows[cp_rank]
 
@@ -195,6 +204,20 @@ class AttentionSchedule:
 
     def _all(self, cp_rank: int):
         return (seg for block in self.rank_steps(cp_rank) for seg in block)
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """No cyclic garbage collection while a rank's segments are made: they are thousands of
+    new objects, each allocation counting towards a collection that, in a training process,
+    walks every live object (they hold no cycles; collection resumes after)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def attention_schedule(plan: ShardPlan, mask: MaskSpec | bool) -> AttentionSchedule:
@@ -289,7 +312,7 @@ def _rank_rows(sched: AttentionSchedule, r: int) -> tuple[tuple[Segment, ...], .
     doc = q_doc[qp]
     keep = ~(square[qp] & (k_rank == r))
     keep &= (kg <= b.hi(q_g1[qp] - 1, doc)) & (kend >= b.lo(q_g0[qp], doc))
-    qp, kp, kg, kend, doc = qp[keep], kp[keep], kg[keep], kend[keep], doc[keep]
+    qp, kp, kg, kend, doc = _select(keep, qp, kp, kg, kend, doc)
 
     # Each pair against every piece of its query run, then the parts of each.
     p_run, p_a, p_a2 = bd.pieces(b, q_g0, q_g1)
@@ -303,7 +326,7 @@ def _rank_rows(sched: AttentionSchedule, r: int) -> tuple[tuple[Segment, ...], .
     a, a2, doc_p = a[part], a2[part], doc[pair]
     kind = bd.classify_edges(b, doc_p, a, a2, c0, c1, kind)
     seen = kind >= 0
-    pair, a, a2, c0, c1, kind, doc_p = (x[seen] for x in (pair, a, a2, c0, c1, kind, doc_p))
+    pair, a, a2, c0, c1, kind, doc_p = _select(seen, pair, a, a2, c0, c1, kind, doc_p)
     qr, kr = qp[pair], kp[pair]
     q0 = q_l0[qr] + a - q_g0[qr]
     shift = runs.lstart[kr] - runs.gstart[kr]
@@ -326,10 +349,16 @@ def _rank_rows(sched: AttentionSchedule, r: int) -> tuple[tuple[Segment, ...], .
     d = len(plan.doc_lens)
     key = (step * d + doc_p) * (step.numel() + 1) + order
     perm = torch.argsort(key)
-    rect = [x[perm] for x in (step, doc_p, q0, q1, k0, k1, kind, a, a2, c0, c1)]
+    rect = [x.index_select(0, perm) for x in (step, doc_p, q0, q1, k0, k1, kind, a, a2, c0, c1)]
     rect = _join(rect, cols=True)
     rect = _join(rect, cols=False)
     return _blocks(sched, r, rect, w)
+
+
+def _select(keep: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``x[keep]`` for each x, the mask turned into indices once."""
+    at = torch.nonzero(keep).squeeze(1)
+    return tuple(x.index_select(0, at) for x in xs)
 
 
 def _join(rect: list[torch.Tensor], cols: bool) -> list[torch.Tensor]:
@@ -381,7 +410,8 @@ def _blocks(sched: AttentionSchedule, rank: int, rect, w: int) -> tuple[tuple[Se
     cols = [x.tolist() for x in (q0, q1, k0, k1, kind, pairs)]
     merges = _pair_merges(step, q0, q1, k0, k1, kind, pairs, area, max_hidden)
     joins = _group(cols, step.tolist(), merges, max_hidden)
-    segs = list(map(Segment, *cols[:4], [KINDS[k] for k in cols[4]], cols[5]))
+    kinds = [KINDS[k] for k in cols[4]]
+    segs = list(map(tuple.__new__, repeat(Segment), zip(*cols[:4], kinds, cols[5])))
     for n, d, x, x2, y, y2 in zip(edge.tolist(), *(t[edge].tolist() for t in (doc, a, a2, c0, c1))):
         segs[n]._visible = _edge_mask(b, d, x, x2, y, y2)  # built on first use
     if any(joins):
@@ -421,8 +451,10 @@ def _mark_overwrites(segs: list[Segment], step0: int, real: list[tuple[int, int]
     for n, seg in enumerate(segs):
         if n == step0 and all(written.find(0, a, b) < 0 for a, b in real):
             return  # step 0 wrote every real row (each sees itself): no later call is first
-        seg.overwrite = written.find(1, seg.q_start, seg.q_stop) < 0
-        written[seg.q_start : seg.q_stop] = ones[: seg.q_stop - seg.q_start]
+        q0, q1 = seg[0], seg[1]
+        if written.find(1, q0, q1) < 0:
+            seg.overwrite = True  # the class default is False
+        written[q0:q1] = ones[: q1 - q0]
 
 
 def _edge_mask(b: bd.Bands, doc: int, a: int, a2: int, c0: int, c1: int):
