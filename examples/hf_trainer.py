@@ -86,6 +86,7 @@ def main() -> None:
     parser.add_argument("--eval", action="store_true", help="evaluate after training")
     parser.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps")
     parser.add_argument("--resume", action="store_true", help="from the last checkpoint")
+    parser.add_argument("--fsdp", action="store_true", help="accelerate's FSDP2 over all ranks")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
 
@@ -103,6 +104,9 @@ def main() -> None:
         per_device_eval_batch_size=max(1, 2 * args.cp // int(os.environ.get("WORLD_SIZE", 1))),
         seed=0,
         use_cpu=not torch.cuda.is_available(),  # gloo on CPU
+        # FSDP2 sharded over every rank (dp x cp), the full state dict gathered by save_model()
+        fsdp="full_shard" if args.fsdp else "",
+        fsdp_config={"version": 2, "state_dict_type": "FULL_STATE_DICT"} if args.fsdp else None,
     )
     model = build_model(args.model, dtype=dtype)
     if args.lora_r:

@@ -105,6 +105,16 @@ def test_trainer_example_at_cp2_and_dp2_x_cp2_is_the_one_process_run(family, lau
             _assert_same_run(out, ref)
 
 
+def test_trainer_example_under_fsdp2_at_dp2_x_cp2_is_the_one_process_run(launch):
+    """accelerate's FSDP2 (fsdp_config version 2, full state dict) over the 4 ranks instead of
+    DDP: the same losses, eval loss and saved weights as the cp 1 run (the first test's)."""
+    common = ("--model", "qwen3-vl-tiny", "--eval")
+    ref = launch("hf_trainer.py", 1, "--cp", "1", "--grad-accum", "4", *common, "--save-steps", "2")
+    out = launch("hf_trainer.py", 4, "--cp", "2", "--grad-accum", "2", *common, "--fsdp")
+    _assert_same_run(out, ref)
+    assert rel_err(_losses(out, "eval_loss"), _losses(ref, "eval_loss")) <= TOL
+
+
 def test_resume_from_checkpoint_continues_exactly(launch, tmp_path):
     """Step 3 resumed from checkpoint-2 (weights, optimizer, scheduler, data position) at cp 2
     ends where the uninterrupted run ends."""
@@ -138,6 +148,9 @@ def test_options_that_break_cp_are_refused_by_name(tmp_path):
         check_trainer_args(_args(tmp_path, label_smoothing_factor=0.1), 1, 1)
     with pytest.raises(ValueError, match="compute_loss_func"):
         check_trainer_args(_args(tmp_path), 1, 1, compute_loss_func=lambda *a, **k: 0)
+    with pytest.raises(ValueError, match="checkpoints .save_strategy. under fsdp"):
+        check_trainer_args(_args(tmp_path, fsdp=True, save_strategy="steps"), 1, 1)
+    check_trainer_args(_args(tmp_path, fsdp=True, save_strategy="no"), 1, 1)
     args = _args(tmp_path)
     args.parallelism_config = type("ParallelismConfig", (), {"cp_size": 2})()
     with pytest.raises(ValueError, match="accelerate's own cp"):

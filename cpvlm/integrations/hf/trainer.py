@@ -14,6 +14,10 @@ train``. What changes inside the Trainer, and why:
   rank: the gradient of each CP rank's share is summed over CP, and DDP's mean over the world
   becomes the Trainer's usual average because each share is multiplied by the world size, as
   Trainer does with ``average_tokens_across_devices``.
+- With ``fsdp`` (``fsdp_config={"version": 2}``, accelerate's FSDP2, also on CPU/gloo) the HF
+  model is ``fully_shard``-ed over every rank by accelerate instead, ``ContextParallelVLM``
+  runs as an FSDP forward method of it, and FSDP2's mean over the world replaces DDP's;
+  ``save_model`` writes the full state dict. Checkpoints under FSDP are refused for now.
 - Batches are sharded by DP rank, not by process: every CP rank of a replica loads the same one.
 - ``num_items_in_batch`` is N, the step's count of valid *shifted* labels (per packed document)
   over every microbatch and DP replica (``cpvlm.loss.count_valid_labels``), so the loss of every
@@ -61,7 +65,13 @@ def check_trainer_args(args, cp_size: int, world_size: int, compute_loss_func=No
     problems = {
         "label_smoothing_factor": getattr(args, "label_smoothing_factor", 0) > 0,
         "deepspeed": bool(getattr(args, "deepspeed", None)),
-        "fsdp": bool(getattr(args, "fsdp", None)),
+        "fsdp with fsdp_config version 1 (use FSDP2: fsdp_config={'version': 2})": bool(
+            getattr(args, "fsdp", None)
+        )
+        and int((getattr(args, "fsdp_config", None) or {}).get("version", 2)) != 2,
+        "checkpoints (save_strategy) under fsdp (save_strategy='no'; save_model() writes the "
+        "full model)": bool(getattr(args, "fsdp", None))
+        and str(getattr(args, "save_strategy", "no")) not in ("no", "SaveStrategy.NO"),
         "n_gpu > 1 (torch DataParallel; launch with torchrun instead)": args.n_gpu > 1,
         "accelerator_config.dispatch_batches": bool(args.accelerator_config.dispatch_batches),
         "accelerator_config.split_batches": bool(args.accelerator_config.split_batches),
@@ -74,8 +84,8 @@ def check_trainer_args(args, cp_size: int, world_size: int, compute_loss_func=No
         _fail(
             f"{', '.join(bad)} cannot be used under cpvlm's CP: the loss is cpvlm's global token "
             "mean over sharded sequences (no label smoothing or custom loss), batches are "
-            "sharded by DP rank in the data loader, and the data parallelism is DDP over "
-            "dp x cp (drop the option)"
+            "sharded by DP rank in the data loader, and the data parallelism is DDP or "
+            "accelerate's FSDP2 over dp x cp (drop the option)"
         )
 
 
@@ -144,6 +154,23 @@ class ContextParallelMixin:
         self.add_callback(_float64_loss_sum(self))
         self._cp_setup_groups()
 
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        plugin_args = getattr(self.args, "fsdp_plugin_args", None)
+        if plugin_args is not None and not self.is_fsdp_enabled:
+            # accelerate engages its FSDP plugin on accelerators only (MULTI_GPU, ...): on CPU
+            # (gloo) the same FSDP2 path, as accelerate sets it up there
+            from accelerate.state import PartialState
+            from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+            state = self.accelerator.state
+            if state.distributed_type != DistributedType.MULTI_CPU:
+                _fail(f"fsdp is set but accelerate runs {state.distributed_type}, not FSDP")
+            state.distributed_type = DistributedType.FSDP
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # as accelerate
+            state.fsdp_plugin = FullyShardedDataParallelPlugin(**plugin_args)
+            self.is_fsdp_enabled = True
+
     def _cp_setup_groups(self) -> None:
         from cpvlm.parallelize import build_mesh, mesh_groups
 
@@ -178,7 +205,31 @@ class ContextParallelMixin:
         return self._cp_runner
 
     def _wrap_model(self, model, training: bool = True, dataloader=None):
+        if self.is_fsdp_enabled:  # accelerate shards the HF model itself (see _cp_fsdp_forward)
+            return model
         return self._cp_model()
+
+    def _cp_fsdp_forward(self, model: nn.Module):
+        """Under accelerate's FSDP2 (``fully_shard`` of the HF model's layers and of the model
+        itself over every rank): ``ContextParallelVLM`` around the prepared model, its forward
+        registered as an FSDP forward method of the root, so the root's parameters (embeddings,
+        head, norm) are gathered around it as around ``model.forward``. FSDP2 averages the
+        gradients over the world, as DDP does."""
+        fwd = getattr(model, "_cpvlm_forward", None)
+        if fwd is None:
+            from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+            from cpvlm.integrations.hf.context_parallel import ContextParallelVLM
+
+            if not isinstance(model, FSDPModule):
+                _fail(f"fsdp is set but the model is a {type(model).__name__}, not FSDP2's")
+            base = model.get_base_model() if hasattr(model, "get_base_model") else model
+            runner = ContextParallelVLM(base, self.cp_groups.cp_group, options=self.cp_options)
+            object.__setattr__(model, "_cpvlm_runner", runner)  # not a submodule of the model
+            object.__setattr__(model, "_cpvlm_forward", runner.forward)
+            register_fsdp_forward_method(model, "_cpvlm_forward")
+            fwd = model._cpvlm_forward
+        return fwd
 
     # ---- data -----------------------------------------------------------------------------
 
@@ -225,6 +276,8 @@ class ContextParallelMixin:
             batches = 1
         else:
             batches = self.current_gradient_accumulation_steps
+        if self.is_fsdp_enabled:
+            model = self._cp_fsdp_forward(model)
         out = model(
             **inputs,
             num_valid=int(num_items_in_batch),
@@ -237,7 +290,22 @@ class ContextParallelMixin:
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad():
             loss = self.compute_loss(model, inputs)
+        self._cp_fsdp_reshard()
         return loss.detach(), None, None
+
+    def _cp_fsdp_reshard(self) -> None:
+        """Free FSDP2's gathered parameters (the root keeps them after a forward without a
+        backward, and its full state dict must be gathered from the shards)."""
+        if self.is_fsdp_enabled:
+            from torch.distributed.fsdp import FSDPModule
+
+            for module in self.model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+
+    def save_model(self, *args, **kwargs):
+        self._cp_fsdp_reshard()
+        return super().save_model(*args, **kwargs)
 
 
 def _trainer_class():
