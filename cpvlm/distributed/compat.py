@@ -775,7 +775,8 @@ class HostIntegers(TorchDispatchMode):
 
         kwargs = kwargs or {}
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if any(is_fake(t) for t in tensors):
+        # A meta input (``Module.to_empty``'s ``empty_like``) is no real value: fake, not real.
+        if any(is_fake(t) or t.is_meta for t in tensors):
             name = func.__name__
             if name in _INDEX_OPS and any(_real_mask(i) for i in args[1]):
                 with unset_fake_temporarily():
