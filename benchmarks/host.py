@@ -197,7 +197,7 @@ def main() -> None:
     cols += ["reference_cpu_ms", "ratio"] if any("ratio" in r for r in rows) else []
     cols += ["before_cpu_ms", "before/after"] if args.before else []
     print_table(rows, cols, title="host milliseconds per step and rank (CPU, one thread)")
-    name = "host" if args.part == "all" and not args.quick else f"host_{args.part}"
+    name = "host" if args.part == "all" else f"host_{args.part}"
     name += "_quick" if args.quick else ""
     write_json(args.out_dir, name, {"quick": args.quick, "repeats": args.repeats, "rows": rows})
 
