@@ -19,8 +19,8 @@ decodes and processes only the images and video frames of this rank's units. ``d
 decodes every unit on every rank (the baseline, and what ``vision="replicate"`` needs).
 
 A unit that fails to decode does not raise in the worker (nor a sample of a source with metas
-that fails to plan): the row comes back with ``error`` set, and the trainer agrees on it with the other CP ranks (they decoded other units) before any of
-them runs the row. ``state_dict()`` is the stream position after the last step handed out.
+that fails to plan): the row comes back with ``error`` set, and the trainer agrees on it with
+the other CP ranks (they decoded other units) before any of them runs the row. ``state_dict()`` is the stream position after the last step handed out.
 """
 
 from __future__ import annotations
