@@ -32,6 +32,9 @@ from cpvlm.verify import reference_loss_and_grads, rel_err  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TOL = 1e-10
+# The module's launches (torchrun of 1, 2 and 4 processes, each importing transformers) run in
+# the first test that needs them: several minutes on 2 cores, beyond the suite's 300 s default.
+pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +49,15 @@ def launch(tmp_path_factory):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
             cmd += [str(EXAMPLES / example), "--output-dir", str(out), "--dtype", "float64", *args]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            if (
+                proc.returncode != 0
+                and "terminate called without an active exception" in proc.stderr
+            ):
+                # Known, not yet fixed: once in CI a rank aborted at interpreter exit, after its
+                # run had finished and saved (gloo's threads at shutdown). Run it once more,
+                # afresh; a second failure fails the test.
+                shutil.rmtree(out, ignore_errors=True)
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
             assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stderr[-4000:]}"
             done[key] = out
         return done[key]

@@ -26,6 +26,11 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from cpvlm.train.checkpoint import newest_intact, problem
 from cpvlm.train.command import main as train_main
 
+# A test here runs cpvlm train two or three times (a torchrun restart among them), each a few
+# processes importing transformers: minutes on 2 cores, beyond the suite's 300 s default. Every
+# wait inside has its own, shorter bound.
+pytestmark = pytest.mark.timeout(900)
+
 FLAGS = ["--cp", "2", "--seq-len", "160", "--ckpt-every", "2"]
 STEPS = 6
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups")
@@ -173,6 +178,13 @@ def test_a_crash_under_torchrun_restarts_and_continues_exactly(tmp_path, referen
     threads = max(1, len(os.sched_getaffinity(0)) // 2)  # as the local launcher gives each rank
     proc = _start(cmd, fault="crash@5:1", OMP_NUM_THREADS=str(threads))
     stdout, stderr = _finish(proc, timeout=600)
+    if proc.returncode != 0 and "connectFullMesh failed" in stderr:
+        # Known, not yet understood: once in CI the restarted ranks' gloo rendezvous was refused
+        # (connectFullMesh ... Connection refused), before any training. Run the job once more,
+        # afresh; a second failure fails the test.
+        shutil.rmtree(out, ignore_errors=True)
+        proc = _start(cmd, fault="crash@5:1", OMP_NUM_THREADS=str(threads))
+        stdout, stderr = _finish(proc, timeout=600)
     assert proc.returncode == 0, stderr[-3000:]
     assert "CPVLM_FAULT: injected crash at step 5 on rank 1" in stderr  # with its traceback
     assert "resuming from checkpoint step_00000004 (step 4)" in stdout, stdout
