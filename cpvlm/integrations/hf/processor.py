@@ -43,7 +43,7 @@ import torch
 
 from cpvlm.constants import IGNORE_INDEX, TRAIN_ON
 from cpvlm.data.errors import DataError
-from cpvlm.data.media import image_ref, load_frames, video_frames
+from cpvlm.data.media import image_ref, video_frames
 from cpvlm.data.sample import SamplePlan, TokenIds, VisionItem, check_tokens, plan_tokenized
 from cpvlm.data.sources import Record
 
@@ -483,18 +483,10 @@ class ChatEncoder:
                     f"header gave {list(item.grid)}",
                 )
             return out["pixel_values"]
-        import numpy as np
+        from .families.chat_media import frames_of
 
-        tp = self.video.temporal_patch_size
-        temporal = range(item.grid[0]) if temporal is None else temporal
-        last = len(item.frames) - 1
-        # Past the end: the last frame again. A video file is decoded once for all its frames.
-        refs = [item.frames[min(f, last)] for j in temporal for f in range(j * tp, (j + 1) * tp)]
-        frames = [torch.from_numpy(np.array(pil)) for pil in load_frames(refs)]
-        sizes = {tuple(f.shape) for f in frames}
-        if len(sizes) > 1:
-            raise DataError("unreadable_media", f"video frames of different sizes {sorted(sizes)}")
-        return self.video.pixels(torch.stack(frames), item.grid[1:])
+        frames = frames_of(item, temporal, self.video.temporal_patch_size)
+        return self.video.pixels(frames, item.grid[1:])
 
 
 def _rebuild(args, kwargs) -> ChatEncoder:
