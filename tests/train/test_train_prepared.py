@@ -123,17 +123,30 @@ def test_train_from_prepared_equals_train_from_jsonl_cp2(data):
     assert errors[0] == errors[1]
 
 
-@pytest.mark.parametrize("change", ["flag", "template"])
+def _edit_json(path: Path, edit) -> None:
+    value = json.loads(path.read_text())
+    edit(value)
+    path.write_text(json.dumps(value))
+
+
+@pytest.mark.parametrize("change", ["flag", "template", "processor", "model"])
 def test_another_processor_template_or_flag_is_refused_naming_it(data, tmp_path, capsys, change):
     _, ckpt, _, out = data
-    flags = []
+    flags, absent = [], ["tokenizer:", "processor:", "processor_config:"]
     if change == "flag":
         flags = ["--train-on", "all", "--max-pixels", "50000"]
         named = ["train_on (--train-on): prepared with 'assistant', this run 'all'",
                  "max_pixels (--max-pixels): prepared with None, this run 50000"]  # fmt: skip
+    elif change == "model":  # a checkpoint of another family: its processor class and ids
+        ckpt = make_tiny_checkpoint(tmp_path / "ckpt", "gemma3")
+        named = ["processor: prepared with 'Qwen3VLProcessor', this run '",
+                 "model_type: prepared with 'qwen3_vl', this run '"]  # fmt: skip
+        absent = []
     else:
         other = tmp_path / "ckpt"
         shutil.copytree(ckpt, other)
+        ckpt = other
+    if change == "template":
         for name in ("chat_template.jinja", "tokenizer_config.json", "chat_template.json"):
             path = other / name
             if path.is_file() and name.endswith(".jinja"):
@@ -141,14 +154,24 @@ def test_another_processor_template_or_flag_is_refused_naming_it(data, tmp_path,
             elif path.is_file() and "chat_template" in (d := json.loads(path.read_text())):
                 d["chat_template"] += "{# another template #}"
                 path.write_text(json.dumps(d))
-        ckpt, named = other, ["chat_template: prepared with"]
+        named = ["chat_template: prepared with"]
+    elif change == "processor":  # the image processor's resize limit; a tokenizer setting
+        size = {"shortest_edge": 1024, "longest_edge": 8192}
+        _edit_json(
+            other / "processor_config.json", lambda d: d["image_processor"].update(size=size)
+        )
+        _edit_json(other / "tokenizer_config.json", lambda d: d.update(model_max_length=4096))
+        named = ["processor_config: prepared with", "tokenizer: prepared with"]
+        absent = ["processor:", "chat_template:"]
     argv = ["--out", str(tmp_path / "run"), *FLAGS, "--model", str(ckpt), "--data", str(out)]
     assert train_main([*argv, *flags]) == 2
     err = capsys.readouterr().err
     assert "cpvlm train: error: data.source" in err and "(--data)" in err, err
     for fragment in named:
         assert fragment in err, err
-    assert ("tokenizer:" in err) is False and ("processor:" in err) is False, err
+    for fragment in absent:
+        assert fragment not in err, err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_an_interrupted_prepare_resumes_to_the_same_folder(data, tmp_path, monkeypatch):
