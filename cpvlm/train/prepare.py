@@ -94,7 +94,10 @@ def _init(encoder, source, out: str, shard_size: int, samples: int, worker: bool
     if worker:
         import torch
 
+        from cpvlm.distributed import compat
+
         torch.set_num_threads(1)  # one core per worker process
+        compat.die_with_parent()  # a killed prepare stops its workers (it resumes from whole shards)
     cost = encoder.adapter.vision_cost()
     _WORK.update(
         encoder=encoder,
