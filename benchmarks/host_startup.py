@@ -6,8 +6,8 @@ folder of it.
     python benchmarks/host_startup.py --samples 10000 --repeats 2  # the committed run
 
 The committed run (N = 10k) took 20 minutes on 2 cores shared with six other jobs, ``prepare``
-348 s of it (2 workers, ~29 samples/s): N = 100k would prepare for about an hour there, and
-in ~N / (30 x cores) s on an idle machine of that speed.
+348 s of it (2 workers, ~29 samples/s): planning is per sample, so N = 100k would prepare for
+about an hour there (its time falls with --workers).
 
 Data: the conversations of ``cpvlm.integrations.hf.tiny_checkpoint.example_records`` (text, one
 or two PNG images, 3-5 frame videos; one or two turns), cycled to N lines of one JSONL file, and
