@@ -15,12 +15,14 @@ rescale and normalise in one fused step, the image processors in two).
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
 from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
 from cpvlm.data import Record
+from cpvlm.integrations.hf.families.llava_onevision import VIDEO_SIDE
 from cpvlm.integrations.hf.processor import ChatEncoder
 from cpvlm.integrations.hf.tiny_checkpoint import make_tiny_checkpoint, write_frames, write_images
 
@@ -138,11 +140,25 @@ def test_ids_grids_pixels_and_labels_equal_the_processor(checkpoint, media):
             assert torch.equal(torch.cat(tiles), encoder.decode(item, None))
 
 
+def _video_stand_in(videos, **kwargs):
+    """LLaVA-OneVision's video processor on frames of the crop's size (no resize): rescale and
+    normalise with the CLIP mean and std, ``[videos, F, C, S, S]``."""
+    from transformers import BatchFeature
+    from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+
+    x = torch.stack([torch.as_tensor(v) for v in videos]).permute(0, 1, 4, 2, 3).float()
+    mean, std = (torch.tensor(v).view(-1, 1, 1) for v in (OPENAI_CLIP_MEAN, OPENAI_CLIP_STD))
+    return BatchFeature({"pixel_values_videos": (x / 255 - mean) / std})
+
+
 def test_video_tokens_and_frames(checkpoint, tmp_path):
     """Videos: InternVL's frames are one-tile images among the images in text order, Gemma 4's a
-    video of frames; each frame decoded alone gives its rows; at the tower's size a frame's rows
-    are the image processor's of the same picture. LLaVA-OneVision's are a clear data error."""
-    family, _, encoder = checkpoint
+    video of frames, LLaVA-OneVision's a video of (F, VIDEO_SIDE, VIDEO_SIDE) after the image
+    with ids equal to its processor's (its own ``replace_video_token``; its video processor,
+    which needs torchvision, replaced by its rescale and normalise on frames of the crop's
+    size); each frame decoded alone gives its rows; at the tower's size a frame's rows are the
+    image processor's of the same picture."""
+    family, path, encoder = checkpoint
     size = {"internvl": (32, 32), "gemma4": (96, 160), "llava_onevision": (32, 32)}[family]
     clip = write_frames(tmp_path / "clip", 3, *size, seed=2)
     names = write_images(tmp_path, [(40, 70)], seed=3)
@@ -156,14 +172,28 @@ def test_video_tokens_and_frames(checkpoint, tmp_path):
         {"role": "assistant", "content": [{"type": "text", "text": "a ball"}]},
     ]
     record = Record(0, "test", {"messages": messages}, None)
-    if family == "llava_onevision":
-        with pytest.raises(Exception, match="videos are not taken") as err:
-            encoder.plan(record)
-        assert err.value.reason == "bad_record"
-        return
     plan = encoder.plan(record)
     types = encoder.ids.mm_token_type_ids(plan.input_ids)
-    if family == "internvl":
+    if family == "llava_onevision":
+        (video,) = plan.videos
+        assert video.grid == (3, VIDEO_SIDE, VIDEO_SIDE) and plan.images[0].grid[1:] == (40, 70)
+        reference = _reference(family, path)
+        if getattr(reference, "video_processor", None) is None:  # no torchvision: the stand-in
+            reference.video_processor = _video_stand_in
+        text = reference.apply_chat_template(messages, tokenize=False)
+        frames = [np.array(f.load()) for f in video.frames]
+        image = plan.images[0].image.load()
+        out = reference(
+            text=[text], images=[[image]], videos=[np.stack(frames)], return_tensors="pt"
+        )
+        assert torch.equal(plan.input_ids, out["input_ids"][0])
+        assert int((types == 2).sum()) == 3 * 2 * 2 + 1  # 3 frames of 2 x 2 pooled rows, newline
+        core = encoder.adapter.from_model_batch(dict(out))
+        assert core["video_grid_thw"].tolist() == [list(video.grid)]
+        torch.testing.assert_close(
+            encoder.decode(video, None), core["pixel_values_videos"], rtol=0, atol=1e-6
+        )
+    elif family == "internvl":
         assert not plan.videos and len(plan.images) == 2
         video = plan.images[1]
         assert video.grid == (3, 4, 4) and video.frames
@@ -182,6 +212,8 @@ def test_video_tokens_and_frames(checkpoint, tmp_path):
     first = encoder.image_processor(images=[video.frames[0].load()], return_tensors="pt")
     if family == "internvl":
         expect = first["pixel_values"].reshape(-1, encoder.adapter.pixel_width)
+    elif family == "llava_onevision":  # the base crop of the frame as an image alone
+        expect = first["pixel_values"][0, 0].reshape(-1, encoder.adapter.pixel_width)
     else:
         expect = encoder.adapter.from_model_batch(dict(first))["pixel_values"]
     torch.testing.assert_close(frames[0], expect, rtol=0, atol=1e-6)
@@ -190,8 +222,6 @@ def test_video_tokens_and_frames(checkpoint, tmp_path):
 def test_video_pixels_equal_the_video_processor(checkpoint, tmp_path):
     pytest.importorskip("torchvision", exc_type=ImportError)
     family, path, encoder = checkpoint
-    if family == "llava_onevision":
-        pytest.skip("cpvlm takes no LLaVA-OneVision videos")
     processor = transformers.AutoProcessor.from_pretrained(path)
     clip = write_frames(tmp_path / "clip", 3, 30, 40, seed=2)
     frames = sorted(str(p) for p in clip.iterdir())
