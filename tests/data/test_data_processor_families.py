@@ -141,8 +141,8 @@ def test_ids_grids_pixels_and_labels_equal_the_processor(checkpoint, media):
 
 
 def _video_stand_in(videos, **kwargs):
-    """LLaVA-OneVision's video processor on frames of the crop's size (no resize): rescale and
-    normalise with the CLIP mean and std, ``[videos, F, C, S, S]``."""
+    """LLaVA-OneVision's and InternVL's video processors on frames of the tower's size (no
+    resize): rescale and normalise with the CLIP mean and std, ``[videos, F, C, S, S]``."""
     from transformers import BatchFeature
     from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
@@ -151,12 +151,25 @@ def _video_stand_in(videos, **kwargs):
     return BatchFeature({"pixel_values_videos": (x / 255 - mean) / std})
 
 
+def _with_video(family, path, messages, image, video):
+    """The reference processor's output for ``messages`` with the image and the video's frames
+    (its video processor, or the stand-in where torchvision is missing)."""
+    reference = _reference(family, path)
+    if getattr(reference, "video_processor", None) is None:
+        reference.video_processor = _video_stand_in
+    text = reference.apply_chat_template(messages, tokenize=False)
+    frames = np.stack([np.array(f.load()) for f in video.frames])
+    return reference(
+        text=[text], images=[[image.image.load()]], videos=[frames], return_tensors="pt"
+    )
+
+
 def test_video_tokens_and_frames(checkpoint, tmp_path):
     """Videos: InternVL's frames are one-tile images among the images in text order, Gemma 4's a
-    video of frames, LLaVA-OneVision's a video of (F, VIDEO_SIDE, VIDEO_SIDE) after the image
-    with ids equal to its processor's (its own ``replace_video_token``; its video processor,
-    which needs torchvision, replaced by its rescale and normalise on frames of the crop's
-    size); each frame decoded alone gives its rows; at the tower's size a frame's rows are the
+    video of frames, LLaVA-OneVision's a video of (F, VIDEO_SIDE, VIDEO_SIDE) after the image;
+    LLaVA-OneVision's and InternVL's ids equal to their processors' (the processor's own
+    expansion; its video processor, which needs torchvision, replaced by its rescale and
+    normalise on frames of the tower's size); each frame decoded alone gives its rows; at the tower's size a frame's rows are the
     image processor's of the same picture."""
     family, path, encoder = checkpoint
     size = {"internvl": (32, 32), "gemma4": (96, 160), "llava_onevision": (32, 32)}[family]
@@ -177,15 +190,7 @@ def test_video_tokens_and_frames(checkpoint, tmp_path):
     if family == "llava_onevision":
         (video,) = plan.videos
         assert video.grid == (3, VIDEO_SIDE, VIDEO_SIDE) and plan.images[0].grid[1:] == (40, 70)
-        reference = _reference(family, path)
-        if getattr(reference, "video_processor", None) is None:  # no torchvision: the stand-in
-            reference.video_processor = _video_stand_in
-        text = reference.apply_chat_template(messages, tokenize=False)
-        frames = [np.array(f.load()) for f in video.frames]
-        image = plan.images[0].image.load()
-        out = reference(
-            text=[text], images=[[image]], videos=[np.stack(frames)], return_tensors="pt"
-        )
+        out = _with_video(family, path, messages, plan.images[0], video)
         assert torch.equal(plan.input_ids, out["input_ids"][0])
         assert int((types == 2).sum()) == 3 * 2 * 2 + 1  # 3 frames of 2 x 2 pooled rows, newline
         core = encoder.adapter.from_model_batch(dict(out))
@@ -200,6 +205,13 @@ def test_video_tokens_and_frames(checkpoint, tmp_path):
         text = encoder.tokenizer.decode(plan.input_ids)
         assert [f"Frame{i}: <img>" in text for i in (1, 2, 3, 4)] == [True] * 3 + [False]
         assert int((types == 1).sum()) == (plan.images[0].grid[0] + 3) * 4
+        out = _with_video(family, path, messages, plan.images[0], video)
+        assert torch.equal(plan.input_ids, out["input_ids"][0])
+        rows = torch.cat([encoder.decode(item, None) for item in plan.images])
+        want = out["pixel_values"].reshape(rows.shape)
+        n = encoder.decode(plan.images[0], None).shape[0]
+        assert torch.equal(rows[:n], want[:n])  # the image: its image processor itself
+        torch.testing.assert_close(rows[n:], want[n:], rtol=0, atol=1e-6)
     else:
         (video,) = plan.videos
         assert video.grid == (3, 12, 20)

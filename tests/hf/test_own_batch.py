@@ -243,6 +243,7 @@ def _own_batch_steps(rank, world_size, batches):
     return results
 
 
+@pytest.mark.timeout(600)  # five batches, two configurations, gloo processes
 @pytest.mark.parametrize("cp_size", [2, 3])
 def test_own_batches_of_llava_onevision_and_internvl_equal_the_model(cp_size):
     cases = [(name, samples, i) for name in PROCESSORS for i, samples in enumerate(SAMPLES)]

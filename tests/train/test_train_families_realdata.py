@@ -1,7 +1,8 @@
 """``cpvlm train --model DIR --data DIR/data/train.jsonl`` on the example data of LLaVA-OneVision,
 InternVL and Gemma 4 (``examples/make_example_data.py --model <family>-tiny``): conversations with
-images of several sizes (anyres crops, tiles, patch budgets), multi-image samples and (InternVL,
-Gemma 4) videos of frames, through each family's own processor. CP=2 must equal CP=1 step for step
+images of several sizes (anyres crops, tiles, patch budgets), multi-image samples and videos of
+frames (LLaVA-OneVision: pooled frames and a newline row; InternVL: one-tile frames; Gemma 4:
+timestamped frames), through each family's own processor. CP=2 must equal CP=1 step for step
 in float64 to 1e-10 relative (the CP run sums the same terms in another order, ~1e-16 per
 operation over two steps).
 """
@@ -30,6 +31,8 @@ def example_dirs(tmp_path_factory, monkeypatch_module):
         argv = ["make_example_data.py", str(out), "--model", model, "--samples", "12"]
         monkeypatch_module.setattr(sys, "argv", argv)
         runpy.run_path(str(ROOT / "examples" / "make_example_data.py"), run_name="__main__")
+        lines = (out / "data" / "train.jsonl").read_text()
+        assert '"type": "video"' in lines, model  # every one of these families takes videos
         dirs[model] = out
     return dirs
 
