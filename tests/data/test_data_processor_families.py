@@ -169,8 +169,8 @@ def test_video_tokens_and_frames(checkpoint, tmp_path):
     video of frames, LLaVA-OneVision's a video of (F, VIDEO_SIDE, VIDEO_SIDE) after the image;
     LLaVA-OneVision's and InternVL's ids equal to their processors' (the processor's own
     expansion; its video processor, which needs torchvision, replaced by its rescale and
-    normalise on frames of the tower's size); each frame decoded alone gives its rows; at the tower's size a frame's rows are the
-    image processor's of the same picture."""
+    normalise on frames of the tower's size); each frame decoded alone gives its rows; at the
+    tower's size a frame's rows are the image processor's of the same picture."""
     family, path, encoder = checkpoint
     size = {"internvl": (32, 32), "gemma4": (96, 160), "llava_onevision": (32, 32)}[family]
     clip = write_frames(tmp_path / "clip", 3, *size, seed=2)

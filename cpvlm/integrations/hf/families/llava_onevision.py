@@ -28,11 +28,11 @@ A video (``pixel_values_videos`` ``[videos, F, C, S, S]``, frames resized to one
 one unit: every frame through the tower alone, the projector, a 2 x 2 bilinear pooling of the
 frame's s x s rows to ceil(s/2)**2 (``apply_pooling``), then one ``image_newline`` row for the
 whole video (``get_video_features``); the processor writes F * ceil(s/2)**2 + 1 ``<video>``
-tokens. The core gives the tower one ``grid_thw`` (images, then videos), so the kind of a unit is
-carried in its grid: a video's grid is ``(F, VIDEO_SIDE, VIDEO_SIDE)``, a value no image takes (an image's
-grid holds its size in pixels, which ``from_model_batch`` and the data path keep below
-``VIDEO_SIDE``); ``encode``, ``item_sizes`` and ``to_model_batch`` read the kind from it, not from
-the crop count or a size.
+tokens. The core hands the tower one ``grid_thw`` (images, then videos) and sizes units by grid
+alone, so a unit's grid carries its kind: a video's grid is ``(F, VIDEO_SIDE, VIDEO_SIDE)``, a
+value no image's grid takes (an image's holds its size in pixels, kept below ``VIDEO_SIDE``);
+``encode``, ``item_sizes`` and ``to_model_batch`` read the kind from it (``is_video``), never
+from a crop count or a size an image could have.
 
 Positions are 1D (the model has no ``get_rope_index``: the core's per-document positions).
 """
@@ -273,7 +273,8 @@ class LlavaOnevisionAdapter(VLMAdapter):
 
     @staticmethod
     def is_video(grid) -> bool:
-        """The unit kind its grid carries: ``(F, VIDEO_SIDE, VIDEO_SIDE)`` is a video of F frames."""
+        """The kind a unit's grid carries: ``(F, VIDEO_SIDE, VIDEO_SIDE)`` is a video of F
+        frames, any other grid an image."""
         return grid[1] == grid[2] == VIDEO_SIDE
 
     @property
