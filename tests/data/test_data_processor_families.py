@@ -2,8 +2,9 @@
 
 The reference is the checkpoint's processor class running its own ``apply_chat_template(...,
 tokenize=True, return_dict=True)`` around the PIL image processor (AutoProcessor where
-torchvision works; their video processors need it, so without it the reference takes images
-only). The data path reads grids from headers, expands the text itself and decodes each image
+torchvision works; their video processors need it, so without it the reference takes videos
+through a stand-in for the video processor, LLaVA-OneVision's and InternVL's, on frames of the
+tower's size). The data path reads grids from headers, expands the text itself and decodes each image
 alone. Ids and pixels must be equal exactly (the same float32 operations on the same pixels);
 labels are checked against their definition: each run of labelled tokens decodes to one
 assistant answer and its end-of-turn token. Video frames (processed as the video processors do,
