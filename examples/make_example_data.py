@@ -14,7 +14,7 @@ with paths relative to the file:
 ``runs/example/ckpt/`` stands in for a downloaded checkpoint directory of the family of
 ``--model`` (default Qwen3-VL): a tiny model with random weights, its tokenizer, chat template,
 image and video processor configs (what ``save_pretrained`` writes). The data has videos where
-the family's processor takes them (not Gemma 3 or LLaVA-OneVision). With a real checkpoint, pass
+the family's processor takes them (not Gemma 3). With a real checkpoint, pass
 its directory to ``cpvlm train --model`` instead.
 """
 

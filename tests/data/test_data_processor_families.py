@@ -2,8 +2,9 @@
 
 The reference is the checkpoint's processor class running its own ``apply_chat_template(...,
 tokenize=True, return_dict=True)`` around the PIL image processor (AutoProcessor where
-torchvision works; their video processors need it, so without it the reference takes images
-only). The data path reads grids from headers, expands the text itself and decodes each image
+torchvision works; their video processors need it, so without it the reference takes videos
+through a stand-in for the video processor, LLaVA-OneVision's and InternVL's, on frames of the
+tower's size). The data path reads grids from headers, expands the text itself and decodes each image
 alone. Ids and pixels must be equal exactly (the same float32 operations on the same pixels);
 labels are checked against their definition: each run of labelled tokens decodes to one
 assistant answer and its end-of-turn token. Video frames (processed as the video processors do,
@@ -15,12 +16,14 @@ rescale and normalise in one fused step, the image processors in two).
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
 from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
 from cpvlm.data import Record
+from cpvlm.integrations.hf.families.llava_onevision import VIDEO_SIDE
 from cpvlm.integrations.hf.processor import ChatEncoder
 from cpvlm.integrations.hf.tiny_checkpoint import make_tiny_checkpoint, write_frames, write_images
 
@@ -138,11 +141,38 @@ def test_ids_grids_pixels_and_labels_equal_the_processor(checkpoint, media):
             assert torch.equal(torch.cat(tiles), encoder.decode(item, None))
 
 
+def _video_stand_in(videos, **kwargs):
+    """LLaVA-OneVision's and InternVL's video processors on frames of the tower's size (no
+    resize): rescale and normalise with the CLIP mean and std, ``[videos, F, C, S, S]``."""
+    from transformers import BatchFeature
+    from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+
+    x = torch.stack([torch.as_tensor(v) for v in videos]).permute(0, 1, 4, 2, 3).float()
+    mean, std = (torch.tensor(v).view(-1, 1, 1) for v in (OPENAI_CLIP_MEAN, OPENAI_CLIP_STD))
+    return BatchFeature({"pixel_values_videos": (x / 255 - mean) / std})
+
+
+def _with_video(family, path, messages, image, video):
+    """The reference processor's output for ``messages`` with the image and the video's frames
+    (its video processor, or the stand-in where torchvision is missing)."""
+    reference = _reference(family, path)
+    if getattr(reference, "video_processor", None) is None:
+        reference.video_processor = _video_stand_in
+    text = reference.apply_chat_template(messages, tokenize=False)
+    frames = np.stack([np.array(f.load()) for f in video.frames])
+    return reference(
+        text=[text], images=[[image.image.load()]], videos=[frames], return_tensors="pt"
+    )
+
+
 def test_video_tokens_and_frames(checkpoint, tmp_path):
     """Videos: InternVL's frames are one-tile images among the images in text order, Gemma 4's a
-    video of frames; each frame decoded alone gives its rows; at the tower's size a frame's rows
-    are the image processor's of the same picture. LLaVA-OneVision's are a clear data error."""
-    family, _, encoder = checkpoint
+    video of frames, LLaVA-OneVision's a video of (F, VIDEO_SIDE, VIDEO_SIDE) after the image;
+    LLaVA-OneVision's and InternVL's ids equal to their processors' (the processor's own
+    expansion; its video processor, which needs torchvision, replaced by its rescale and
+    normalise on frames of the tower's size); each frame decoded alone gives its rows; at the
+    tower's size a frame's rows are the image processor's of the same picture."""
+    family, path, encoder = checkpoint
     size = {"internvl": (32, 32), "gemma4": (96, 160), "llava_onevision": (32, 32)}[family]
     clip = write_frames(tmp_path / "clip", 3, *size, seed=2)
     names = write_images(tmp_path, [(40, 70)], seed=3)
@@ -156,20 +186,33 @@ def test_video_tokens_and_frames(checkpoint, tmp_path):
         {"role": "assistant", "content": [{"type": "text", "text": "a ball"}]},
     ]
     record = Record(0, "test", {"messages": messages}, None)
-    if family == "llava_onevision":
-        with pytest.raises(Exception, match="videos are not taken") as err:
-            encoder.plan(record)
-        assert err.value.reason == "bad_record"
-        return
     plan = encoder.plan(record)
     types = encoder.ids.mm_token_type_ids(plan.input_ids)
-    if family == "internvl":
+    if family == "llava_onevision":
+        (video,) = plan.videos
+        assert video.grid == (3, VIDEO_SIDE, VIDEO_SIDE) and plan.images[0].grid[1:] == (40, 70)
+        out = _with_video(family, path, messages, plan.images[0], video)
+        assert torch.equal(plan.input_ids, out["input_ids"][0])
+        assert int((types == 2).sum()) == 3 * 2 * 2 + 1  # 3 frames of 2 x 2 pooled rows, newline
+        core = encoder.adapter.from_model_batch(dict(out))
+        assert core["video_grid_thw"].tolist() == [list(video.grid)]
+        torch.testing.assert_close(
+            encoder.decode(video, None), core["pixel_values_videos"], rtol=0, atol=1e-6
+        )
+    elif family == "internvl":
         assert not plan.videos and len(plan.images) == 2
         video = plan.images[1]
         assert video.grid == (3, 4, 4) and video.frames
         text = encoder.tokenizer.decode(plan.input_ids)
         assert [f"Frame{i}: <img>" in text for i in (1, 2, 3, 4)] == [True] * 3 + [False]
         assert int((types == 1).sum()) == (plan.images[0].grid[0] + 3) * 4
+        out = _with_video(family, path, messages, plan.images[0], video)
+        assert torch.equal(plan.input_ids, out["input_ids"][0])
+        rows = torch.cat([encoder.decode(item, None) for item in plan.images])
+        want = out["pixel_values"].reshape(rows.shape)
+        n = encoder.decode(plan.images[0], None).shape[0]
+        assert torch.equal(rows[:n], want[:n])  # the image: its image processor itself
+        torch.testing.assert_close(rows[n:], want[n:], rtol=0, atol=1e-6)
     else:
         (video,) = plan.videos
         assert video.grid == (3, 12, 20)
@@ -182,6 +225,8 @@ def test_video_tokens_and_frames(checkpoint, tmp_path):
     first = encoder.image_processor(images=[video.frames[0].load()], return_tensors="pt")
     if family == "internvl":
         expect = first["pixel_values"].reshape(-1, encoder.adapter.pixel_width)
+    elif family == "llava_onevision":  # the base crop of the frame as an image alone
+        expect = first["pixel_values"][0, 0].reshape(-1, encoder.adapter.pixel_width)
     else:
         expect = encoder.adapter.from_model_batch(dict(first))["pixel_values"]
     torch.testing.assert_close(frames[0], expect, rtol=0, atol=1e-6)
@@ -190,8 +235,6 @@ def test_video_tokens_and_frames(checkpoint, tmp_path):
 def test_video_pixels_equal_the_video_processor(checkpoint, tmp_path):
     pytest.importorskip("torchvision", exc_type=ImportError)
     family, path, encoder = checkpoint
-    if family == "llava_onevision":
-        pytest.skip("cpvlm takes no LLaVA-OneVision videos")
     processor = transformers.AutoProcessor.from_pretrained(path)
     clip = write_frames(tmp_path / "clip", 3, 30, 40, seed=2)
     frames = sorted(str(p) for p in clip.iterdir())

@@ -7,8 +7,12 @@
   a word-level tokenizer and the real PIL image processors, built offline) against the model's
   own forward and backward on that same batch, at cp 2 and 3, ring and all-gather: multi-crop
   images and tiles, a multi-image sample, a text-only sample, and a batch with fewer units than
-  ranks (ranks that encode no image). The processors' float32 pixels go to the CP model as they
-  are (it casts them to the tower's dtype); the reference gets them in float64.
+  ranks (ranks that encode no image); LLaVA-OneVision also a sample with an image and a video
+  (``pixel_values_videos``; the processor's own token expansion, its video processor replaced by
+  the rescale and normalise it does to frames already of the crop's size, as torchvision does not
+  load here), where one rank encodes only the video and, at cp 3, one nothing. The processors'
+  float32 pixels go to the CP model as they are (it casts them to the tower's dtype); the
+  reference gets them in float64.
 
 Tolerance: float64 relative error 1e-10 against the one-process model (DESIGN section 6).
 """
@@ -25,6 +29,7 @@ pytest.importorskip("transformers")
 from hf_families import FAMILIES, cached_model, grad_errors  # noqa: E402
 
 from cpvlm.integrations.hf import ContextParallelVLM, adapter_for, prepare_batch  # noqa: E402
+from cpvlm.integrations.hf.families.llava_onevision import VIDEO_SIDE  # noqa: E402
 from cpvlm.integrations.hf.inputs import batch_keys  # noqa: E402
 from cpvlm.verify import (  # noqa: E402
     cp_loss_and_grads,
@@ -74,16 +79,28 @@ def _tokenizer(specials: dict[str, int], extra: dict[str, str]):
 
 
 def _without_video_processor(cls):
-    """The processor class, built without a video processor: ProcessorMixin type-checks the
-    absent one through torchvision, which does not import with the CPU torch here
-    (processors-offline notes); nothing else changes."""
+    """The processor class, built without its video processor class: ProcessorMixin type-checks
+    it through torchvision, which does not import with the CPU torch here (processors-offline
+    notes); nothing else changes."""
 
     class Processor(cls):
         def check_argument_for_proper_class(self, name, arg):
-            if arg is not None:
+            if name != "video_processor":
                 return super().check_argument_for_proper_class(name, arg)
 
     return Processor
+
+
+def llava_onevision_video_processor(videos, **kwargs):
+    """``LlavaOnevisionVideoProcessor`` on frames already S x S (its resize is then none): uint8
+    ``[F, S, S, C]`` per video, rescaled and normalised with the CLIP mean and std, as
+    ``pixel_values_videos`` ``[videos, F, C, S, S]`` float32."""
+    from transformers import BatchFeature
+    from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+
+    x = torch.stack([torch.from_numpy(v) for v in videos]).permute(0, 1, 4, 2, 3).float()
+    mean, std = (torch.tensor(v).view(-1, 1, 1) for v in (OPENAI_CLIP_MEAN, OPENAI_CLIP_STD))
+    return BatchFeature({"pixel_values_videos": (x / 255 - mean) / std})
 
 
 def llava_onevision_processor(config):
@@ -105,6 +122,7 @@ def llava_onevision_processor(config):
     return _without_video_processor(LlavaOnevisionProcessor)(
         image_processor=image_processor,
         tokenizer=tokenizer,
+        video_processor=llava_onevision_video_processor,
         num_image_tokens=(side // config.vision_config.patch_size) ** 2,
         vision_feature_select_strategy=config.vision_feature_select_strategy,
         vision_aspect_ratio=config.vision_aspect_ratio,
@@ -153,6 +171,9 @@ SAMPLES = (
     [((60, 70),), ((40, 90), (20, 30)), ()],
     [((20, 30),), ()],
 )
+VIDEO_SAMPLES = [((60, 70), 3), ()]
+"""LLaVA-OneVision: an image of 1 + 2 x 2 crops and a video of 3 frames (an int: its frames) in
+one sample, and a text-only one: two units."""
 
 
 def own_batch(name: str, samples, seed: int) -> dict:
@@ -162,17 +183,26 @@ def own_batch(name: str, samples, seed: int) -> dict:
     build, token = PROCESSORS[name]
     processor = build(cached_model(name).config)
     rng = np.random.default_rng(seed)
-    images, texts = [], []
-    for sizes in samples:
-        words = [WORDS[i] for i in rng.integers(0, len(WORDS), 6 + 2 * len(sizes))]
-        for i, _ in enumerate(sizes):
-            words.insert(1 + 2 * i, token)
+    side = processor.image_processor.size["height"]
+    images, videos, texts = [], [], []
+    for items in samples:
+        words = [WORDS[i] for i in rng.integers(0, len(WORDS), 6 + 2 * len(items))]
+        for i, item in enumerate(items):
+            words.insert(1 + 2 * i, token if isinstance(item, tuple) else "<video>")
         texts.append(" ".join(words))
+        sizes = [item for item in items if isinstance(item, tuple)]
         images.append(
             [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
         )
+        frames = [item for item in items if isinstance(item, int)]
+        videos += [rng.integers(0, 256, (f, side, side, 3), dtype=np.uint8) for f in frames]
     out = processor(
-        images=images, text=texts, return_tensors="pt", padding=True, padding_side="right"
+        images=images,
+        text=texts,
+        videos=videos or None,
+        return_tensors="pt",
+        padding=True,
+        padding_side="right",
     )
     batch = dict(out)
     batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
@@ -193,6 +223,13 @@ def test_processors_give_the_layouts_the_exactness_test_needs():
     prep = prepare_batch(cached_model("internvl-tiny"), internvl, 2)
     assert prep.grid_thw.tolist() == [[5, 4, 4], [3, 4, 4], [1, 4, 4]]
     assert (internvl["attention_mask"][:, 0] == 1).all()  # right padding, as CP needs
+    video = own_batch("llava-onevision-tiny", VIDEO_SAMPLES, 2)
+    assert video["pixel_values_videos"].shape == (1, 3, 3, 32, 32)
+    assert video["pixel_values"].shape == (1, 5, 3, 32, 32)
+    tokens = (video["input_ids"] == model.config.video_token_id).sum()
+    assert tokens == 3 * 2 * 2 + 1  # 3 frames of 4 x 4 rows pooled to 2 x 2, one newline
+    prep = prepare_batch(model, video, 2)
+    assert prep.grid_thw.tolist() == [[5, 60, 70], [3, VIDEO_SIDE, VIDEO_SIDE]]
 
 
 def _own_batch_steps(rank, world_size, batches):
@@ -206,22 +243,27 @@ def _own_batch_steps(rank, world_size, batches):
     return results
 
 
+@pytest.mark.timeout(600)  # five batches, two configurations, gloo processes
 @pytest.mark.parametrize("cp_size", [2, 3])
 def test_own_batches_of_llava_onevision_and_internvl_equal_the_model(cp_size):
+    cases = [(name, samples, i) for name in PROCESSORS for i, samples in enumerate(SAMPLES)]
+    cases.append(("llava-onevision-tiny", VIDEO_SAMPLES, 2))
     batches, refs = [], []
-    for name in PROCESSORS:
-        for i, samples in enumerate(SAMPLES):
-            batch = own_batch(name, samples, seed=i)
-            as_model = {**batch, "pixel_values": batch["pixel_values"].double()}
-            refs.append((name, reference_loss_and_grads(cached_model(name), as_model)))
-            batches.append((name, batch))
+    for name, samples, seed in cases:
+        batch = own_batch(name, samples, seed=seed)
+        as_model = {k: v.double() if k.startswith("pixel_values") else v for k, v in batch.items()}
+        refs.append((name, reference_loss_and_grads(cached_model(name), as_model)))
+        batches.append((name, batch))
     per_rank = run_distributed(_own_batch_steps, cp_size, batches, timeout=600)
     for k, (loss, grads, _) in enumerate(per_rank[0]):
         name, (ref_loss, ref_grads) = refs[k // len(CONFIGS)]
         assert rel_err(loss, ref_loss) <= 1e-10, (name, k)
         for param, err in grad_errors(name, grads, ref_grads).items():
             assert err <= 1e-10, (name, k, param)
-    # the second batch of each family: fewer units than ranks, some rank encodes nothing
     for k in range(len(per_rank[0])):
-        if (k // len(CONFIGS)) % 2 == 1:
-            assert min(r[k][2] for r in per_rank) == 0
+        units = sorted(r[k][2] for r in per_rank)
+        samples = cases[k // len(CONFIGS)][1]
+        if samples is SAMPLES[1]:  # fewer units than ranks: some rank encodes nothing
+            assert units[0] == 0
+        if samples is VIDEO_SAMPLES:  # one rank the image, one the video (cp 3: one nothing)
+            assert units == [0] * (cp_size - 2) + [1, 1]

@@ -1,7 +1,8 @@
 """``cpvlm train --model DIR --data DIR/data/train.jsonl`` on the example data of LLaVA-OneVision,
 InternVL and Gemma 4 (``examples/make_example_data.py --model <family>-tiny``): conversations with
-images of several sizes (anyres crops, tiles, patch budgets), multi-image samples and (InternVL,
-Gemma 4) videos of frames, through each family's own processor. CP=2 must equal CP=1 step for step
+images of several sizes (anyres crops, tiles, patch budgets), multi-image samples and videos of
+frames (LLaVA-OneVision: pooled frames and a newline row; InternVL: one-tile frames; Gemma 4:
+timestamped frames), through each family's own processor. CP=2 must equal CP=1 step for step
 in float64 to 1e-10 relative (the CP run sums the same terms in another order, ~1e-16 per
 operation over two steps).
 """
@@ -17,7 +18,10 @@ from cpvlm.train.command import main as train_main
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ["llava-onevision-tiny", "internvl-tiny", "gemma4-tiny"]
-FLAGS = ["--dtype", "float64", "--steps", "2"]
+# One pass of the 12 samples per pack window: rows are packed longest first, so the two steps'
+# rows hold the longest samples of one pass, the videos among them (with the default window of
+# 64 the first rows took the longest images of five passes, and no video).
+FLAGS = ["--dtype", "float64", "--steps", "2", "--pack-window", "12"]
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +34,8 @@ def example_dirs(tmp_path_factory, monkeypatch_module):
         argv = ["make_example_data.py", str(out), "--model", model, "--samples", "12"]
         monkeypatch_module.setattr(sys, "argv", argv)
         runpy.run_path(str(ROOT / "examples" / "make_example_data.py"), run_name="__main__")
+        lines = (out / "data" / "train.jsonl").read_text()
+        assert '"type": "video"' in lines, model  # every one of these families takes videos
         dirs[model] = out
     return dirs
 

@@ -24,9 +24,15 @@ rows (``to_model_batch`` gives the model its ``[images, crops, C, S, S]``, ``ima
 ``batch_num_images`` back; ``from_model_batch`` takes the processor's output, so the CP step takes
 either); ``item_sizes`` gives its pixel and packed rows.
 
-Videos are not taken: the model pools each frame and adds one newline row per video, which the
-per-item sizes could express, but a video's grid cannot be told from an image's in the core's
-``grid_thw`` (images, then videos, one list); synthetic videos become base-only images.
+A video (``pixel_values_videos`` ``[videos, F, C, S, S]``, frames resized to one crop each) is
+one unit: every frame through the tower alone, the projector, a 2 x 2 bilinear pooling of the
+frame's s x s rows to ceil(s/2)**2 (``apply_pooling``), then one ``image_newline`` row for the
+whole video (``get_video_features``); the processor writes F * ceil(s/2)**2 + 1 ``<video>``
+tokens. The core hands the tower one ``grid_thw`` (images, then videos) and sizes units by grid
+alone, so a unit's grid carries its kind: a video's grid is ``(F, VIDEO_SIDE, VIDEO_SIDE)``, a
+value no image's grid takes (an image's holds its size in pixels, kept below ``VIDEO_SIDE``);
+``encode``, ``item_sizes`` and ``to_model_batch`` read the kind from it (``is_video``), never
+from a crop count or a size an image could have.
 
 Positions are 1D (the model has no ``get_rope_index``: the core's per-document positions).
 """
@@ -51,6 +57,10 @@ from .llava_onevision_processing import LlavaOnevisionMedia
 
 CROP = 32
 """Crop side of the tiny config in pixels: 4 x 4 patches of 8, 16 rows per crop."""
+
+VIDEO_SIDE = 1 << 20
+"""The h and w of a video's grid: its kind. An image's grid holds its size in pixels, refused
+from this size up (no image processor takes a side of a million pixels)."""
 
 TINY_PINPOINTS = [[32, 32], [32, 64], [64, 32], [64, 64], [32, 96], [96, 32]]
 
@@ -155,6 +165,12 @@ def _image_processor(config):
     )
 
 
+def _video_processor(config) -> dict:
+    side = config.vision_config.image_size
+    return {"video_processor_type": "LlavaOnevisionVideoProcessor",
+            "size": {"height": side, "width": side}}  # fmt: skip
+
+
 def _processor_settings(config) -> dict:
     vc = config.vision_config
     return {
@@ -178,7 +194,8 @@ class Kit(FamilyKit):
         processor_class="LlavaOnevisionProcessor",
         config_ids=_config_ids,
         image_processor=_image_processor,
-        processor_settings=_processor_settings,  # no video processor: cpvlm takes no videos here
+        video_processor=_video_processor,
+        processor_settings=_processor_settings,
     )
     zero_gradients = (r"model\.vision_tower\..*self_attn\.k_proj\.bias",)
     unused_parameters = r"model\.vision_tower\.post_layernorm\."  # SigLIP's, at feature layer -1
@@ -187,7 +204,7 @@ class Kit(FamilyKit):
         a = self.adapter
         t, h, w = grid
         if kind == "video":
-            return [("image", (1, a.crop, a.crop))] * t
+            return [("video", (t, VIDEO_SIDE, VIDEO_SIDE))]
         height, width = h * a.patch, w * a.patch
         if images_in_sample > 1:
             return [("image", (1, height, width))]
@@ -195,9 +212,9 @@ class Kit(FamilyKit):
         return [("image", (1 + rows * cols, height, width))]
 
     def item_tokens(self, kind, grid, text):
-        if kind != "image":
-            raise ValueError("cpvlm takes LLaVA-OneVision images only (see its adapter)")
-        return [self.adapter.image_token_id] * self.adapter.item_sizes(grid)[1]
+        a = self.adapter
+        token = a.image_token_id if kind == "image" else a.video_token_id
+        return [token] * a.item_sizes(grid)[1]
 
     def module_groups(self):
         v = r"model\.vision_tower\."
@@ -217,7 +234,7 @@ class LlavaOnevisionAdapter(VLMAdapter):
     kit = Kit
     chat_media = LlavaOnevisionMedia  # the data path's processor hooks
     split_frames = False
-    model_batch_keys = ("image_sizes", "batch_num_images")
+    model_batch_keys = ("image_sizes", "batch_num_images", "image_sizes_videos")
 
     def __init__(self, config):
         self.config = config
@@ -254,9 +271,27 @@ class LlavaOnevisionAdapter(VLMAdapter):
         best_h, best_w = select_best_resolution((height, width), self.config.image_grid_pinpoints)
         return best_h // self.crop, best_w // self.crop
 
+    @staticmethod
+    def is_video(grid) -> bool:
+        """The kind a unit's grid carries: ``(F, VIDEO_SIDE, VIDEO_SIDE)`` is a video of F
+        frames, any other grid an image."""
+        return grid[1] == grid[2] == VIDEO_SIDE
+
+    @property
+    def pooled_side(self) -> int:
+        """A video frame's side in rows after ``apply_pooling``: ceil(s / 2)."""
+        return -(-self.side // 2)
+
     def item_sizes(self, grid):
         t, height, width = grid
         s = self.side
+        if self.is_video(grid):  # F frames of one crop; pooled rows, one newline per video
+            return t * s * s, t * self.pooled_side**2 + 1
+        if max(height, width) >= VIDEO_SIDE:
+            raise ValueError(
+                f"LLaVA-OneVision: an image of {height} x {width} pixels; images are under "
+                f"{VIDEO_SIDE} a side (a grid (F, {VIDEO_SIDE}, {VIDEO_SIDE}) is a video)"
+            )
         if t == 1:  # base crop only (an image of a multi-image sample)
             return s * s, s * s + 1
         rows, cols = self.crop_grid(height, width)
@@ -284,6 +319,37 @@ class LlavaOnevisionAdapter(VLMAdapter):
         return types if attention_mask is None else types * attention_mask.bool()
 
     def from_model_batch(self, batch):
+        """The processor's output in the core's layout: images (``_images_from_model``) and
+        videos, ``pixel_values_videos`` ``[videos, F, C, S, S]`` as F*s*s pixel rows each with
+        the grid ``(F, VIDEO_SIDE, VIDEO_SIDE)`` (``image_sizes_videos``, each frame's S x S, is
+        dropped). Given the core's layout, it returns it unchanged."""
+        batch = self._images_from_model(batch)
+        videos = batch.get("pixel_values_videos")
+        sizes = batch.pop("image_sizes_videos", None)
+        if videos is None or videos.dim() == 2:  # none, or the core's layout already
+            if sizes is not None and videos is None:
+                raise ValueError(
+                    "LLaVA-OneVision: image_sizes_videos were given without pixel_values_videos"
+                )
+            return batch
+        c, side = self.config.vision_config.num_channels, self.crop
+        if videos.dim() != 5 or tuple(videos.shape[-3:]) != (c, side, side):
+            raise ValueError(
+                f"LLaVA-OneVision: pixel_values_videos of shape {tuple(videos.shape)}; the model "
+                f"takes [videos, frames, {c}, {side}, {side}]"
+            )
+        if batch.get("video_grid_thw") is not None:
+            raise ValueError(
+                "LLaVA-OneVision: pixel_values_videos [videos, frames, C, S, S] come without "
+                "video_grid_thw (the core's layout has pixel rows)"
+            )
+        n, frames = videos.shape[:2]
+        batch["pixel_values_videos"] = videos.reshape(-1, self.pixel_width)
+        grid = (frames, VIDEO_SIDE, VIDEO_SIDE)
+        batch["video_grid_thw"] = torch.tensor([grid] * n, dtype=torch.long).reshape(-1, 3)
+        return batch
+
+    def _images_from_model(self, batch):
         """The processor's ``[images, crops, C, S, S]`` pixels (crops padded to the most of any
         image; or ``[crops, C, S, S]``, the images' crops one after another), ``image_sizes``
         ``[images, 2]`` and ``batch_num_images`` ``[B]`` as pixel rows and ``(t, H, W)`` grids:
@@ -291,15 +357,10 @@ class LlavaOnevisionAdapter(VLMAdapter):
         multi-image sample (``get_image_features``' rule; without ``batch_num_images``, every
         image alone)."""
         pixels = batch.get("pixel_values")
-        if batch.get("pixel_values_videos") is not None:
-            raise ValueError(
-                "LLaVA-OneVision: videos (pixel_values_videos) are not taken by cpvlm yet; pass "
-                "their frames as images"
-            )
         if pixels is None or pixels.dim() == 2:  # text only, or the core's layout already
             if batch.get("image_sizes") is not None and batch.get("image_grid_thw") is None:
                 raise ValueError("LLaVA-OneVision: image_sizes were given without pixel_values")
-            return {k: v for k, v in batch.items() if k not in self.model_batch_keys}
+            return {k: v for k, v in batch.items() if k not in ("image_sizes", "batch_num_images")}
         batch = dict(batch)
         sizes, per_sample = batch.pop("image_sizes", None), batch.pop("batch_num_images", None)
         c, side = self.config.vision_config.num_channels, self.crop
@@ -314,6 +375,8 @@ class LlavaOnevisionAdapter(VLMAdapter):
                 "returns them)"
             )
         sizes = [tuple(int(v) for v in s) for s in sizes.tolist()]
+        if any(max(s) >= VIDEO_SIDE for s in sizes):
+            raise ValueError(f"LLaVA-OneVision: image_sizes {sizes}: images are under {VIDEO_SIDE}")
         alone = [True] * len(sizes)
         if per_sample is not None:
             counts = [int(n) for n in torch.as_tensor(per_sample).reshape(-1).tolist()]
@@ -347,19 +410,38 @@ class LlavaOnevisionAdapter(VLMAdapter):
         return batch
 
     def to_model_batch(self, batch):
-        if batch.get("image_grid_thw") is None:  # text only, or the model's own batch already
-            return {k: v for k, v in batch.items() if k != "mm_token_type_ids"}
-        out = {k: v for k, v in batch.items() if k not in ("image_grid_thw", "mm_token_type_ids")}
-        grids = [tuple(int(v) for v in g) for g in batch["image_grid_thw"].tolist()]
-        crops = self._crops(batch["pixel_values"], [t for t, _, _ in grids])
+        out = {
+            k: v
+            for k, v in batch.items()
+            if k not in ("image_grid_thw", "video_grid_thw", "mm_token_type_ids")
+        }
+        if batch.get("image_grid_thw") is not None:
+            out.update(self._images_to_model(batch["pixel_values"], batch["image_grid_thw"]))
+        if batch.get("video_grid_thw") is not None:
+            grids = [tuple(int(v) for v in g) for g in batch["video_grid_thw"].tolist()]
+            frames = {t for t, _, _ in grids}
+            if len(frames) > 1 or not all(self.is_video(g) for g in grids):
+                raise ValueError(
+                    f"LLaVA-OneVision: video grids {grids}; the model's forward takes videos of "
+                    f"one frame count, each (frames, {VIDEO_SIDE}, {VIDEO_SIDE})"
+                )
+            c = self.config.vision_config.num_channels
+            shape = (len(grids), frames.pop(), c, self.crop, self.crop)
+            out["pixel_values_videos"] = batch["pixel_values_videos"].reshape(shape)
+        return out
+
+    def _images_to_model(self, pixel_values, grid_thw) -> dict:
+        grids = [tuple(int(v) for v in g) for g in grid_thw.tolist()]
+        crops = self._crops(pixel_values, [t for t, _, _ in grids])
         most = max(c.shape[0] for c in crops)
         padded = crops[0].new_zeros(len(crops), most, *crops[0].shape[1:])
         for i, c in enumerate(crops):
             padded[i, : c.shape[0]] = c
-        out["pixel_values"] = padded
-        out["image_sizes"] = torch.tensor([[h, w] for _, h, w in grids], dtype=torch.long)
-        out["batch_num_images"] = torch.tensor(_samples_of(grids), dtype=torch.long)
-        return out
+        return {
+            "pixel_values": padded,
+            "image_sizes": torch.tensor([[h, w] for _, h, w in grids], dtype=torch.long),
+            "batch_num_images": torch.tensor(_samples_of(grids), dtype=torch.long),
+        }
 
     # ---- modules --------------------------------------------------------------------------------
 
@@ -386,24 +468,36 @@ class LlavaOnevisionAdapter(VLMAdapter):
 
     def encode(self, model, pixel_values, grid_thw):
         # get_image_features (modeling_llava_onevision.py) with the crops of each image as grid_thw
-        # says, not as image_sizes and batch_num_images would infer them: the tower on every crop
-        # at once, the feature layer(s) (the "full" strategy), the projector, then the model's own
-        # pack_image_features.
+        # says, not as image_sizes and batch_num_images would infer them, and get_video_features
+        # for the units whose grid is a video's: the tower on every crop and frame at once, the
+        # feature layer(s) (the "full" strategy), the projector, then the model's own
+        # pack_image_features for the images, and its apply_pooling and one image_newline row
+        # for each video.
         config, inner = self.config, model.model
         grids = [tuple(int(v) for v in g) for g in grid_thw.tolist()]
         counts = [t for t, _, _ in grids]
         crops = torch.cat(self._crops(pixel_values, counts)) if grids else pixel_values
         feats = self._feature_layers(inner.vision_tower, crops)
-        feats = inner.multi_modal_projector(feats)
+        feats = torch.split(inner.multi_modal_projector(feats), counts)
+        videos = [self.is_video(g) for g in grids]
         # The dummy frame of a rank without units is grid (1, 1, 1): one base crop, packed alike.
-        sizes = torch.tensor([[h, w] for _, h, w in grids], dtype=torch.long)
-        packed, _ = inner.pack_image_features(
-            torch.split(feats, counts),
-            sizes,
-            image_newline=inner.image_newline,
-            vision_aspect_ratio=config.vision_aspect_ratio,
-        )
-        return torch.cat(packed)
+        images = [f for f, video in zip(feats, videos, strict=True) if not video]
+        if images:
+            sizes = [[h, w] for (_, h, w), video in zip(grids, videos, strict=True) if not video]
+            images, _ = inner.pack_image_features(
+                images,
+                torch.tensor(sizes, dtype=torch.long),
+                image_newline=inner.image_newline,
+                vision_aspect_ratio=config.vision_aspect_ratio,
+            )
+        images, out = iter(images), []
+        for f, video in zip(feats, videos, strict=True):
+            if video:
+                pooled = inner.apply_pooling(f).reshape(-1, f.shape[-1])
+                out += [pooled, inner.image_newline[None].to(pooled.dtype)]
+            else:
+                out.append(next(images))
+        return torch.cat(out)
 
     def _feature_layers(self, vision, crops: torch.Tensor) -> torch.Tensor:
         """The hidden states of ``vision_feature_layer`` (concatenated, for a list), caught by

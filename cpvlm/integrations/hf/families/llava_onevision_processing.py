@@ -12,7 +12,10 @@ decoded by the image processor itself, alone (``[[image]]``) or, base-only, besi
 image (``[[image, dot]]``: the processor's multi-image path, the dot's crop dropped). Its pixel
 rows are the crops' ``[C, S, S]`` values viewed as t*s*s rows (the adapter's layout).
 
-Videos are refused with a data error: the adapter takes no videos (see its module docstring).
+A video is one item of grid (F, VIDEO_SIDE, VIDEO_SIDE) (the adapter's video grid): its frames
+resized to one S x S crop each and rescaled and normalised as ``LlavaOnevisionVideoProcessor``
+does (``frame_pixels``; that class needs torchvision), each frame's ``[C, S, S]`` viewed as s*s
+rows; ``replace_video_token`` reads only its frame count (F * ceil(s/2)**2 + 1 tokens).
 """
 
 from __future__ import annotations
@@ -22,7 +25,16 @@ import torch
 from cpvlm.data.errors import DataError
 from cpvlm.data.sample import VisionItem
 
-from .chat_media import ChatMedia
+from .chat_media import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ChatMedia, frame_pixels, frames_of
+
+VIDEO_DEFAULTS = {  # LlavaOnevisionVideoProcessor's class defaults (its config overrides them)
+    "size": {"height": 384, "width": 384},
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "image_mean": OPENAI_CLIP_MEAN,
+    "image_std": OPENAI_CLIP_STD,
+}
 
 
 class LlavaOnevisionMedia(ChatMedia):
@@ -34,6 +46,12 @@ class LlavaOnevisionMedia(ChatMedia):
             raise ValueError(
                 f"the image processor makes crops of {size['height']}x{size['width']}, the tower "
                 f"takes {adapter.crop} a side"
+            )
+        video = video_config.get("size") or VIDEO_DEFAULTS["size"]
+        if (video["height"], video["width"]) != (adapter.crop, adapter.crop):
+            raise ValueError(
+                f"the video processor resizes frames to {video['height']}x{video['width']}, the "
+                f"tower takes {adapter.crop} a side"
             )
         pinpoints = [list(p) for p in image_processor.image_grid_pinpoints]
         if pinpoints != [list(p) for p in config.image_grid_pinpoints]:
@@ -64,10 +82,12 @@ class LlavaOnevisionMedia(ChatMedia):
         return items
 
     def video_item(self, frames, fps):
-        raise DataError(
-            "bad_record",
-            "LLaVA-OneVision videos are not taken by cpvlm yet (its adapter encodes images only)",
-        )
+        from .llava_onevision import VIDEO_SIDE
+
+        return VisionItem("video", (len(frames), VIDEO_SIDE, VIDEO_SIDE), frames=frames, fps=fps)
+
+    def video_inputs(self, items, i):
+        return {"pixel_values_videos": [[None] * items[i].grid[0]]}, 0  # only its length is read
 
     def image_inputs(self, items, i):
         t, height, width = items[i].grid
@@ -82,6 +102,11 @@ class LlavaOnevisionMedia(ChatMedia):
         return inputs, 0
 
     def decode(self, item, temporal):
+        if item.kind == "video":
+            side = self.adapter.crop
+            x = frame_pixels(frames_of(item, temporal), (side, side), self.video_config,
+                             VIDEO_DEFAULTS)  # fmt: skip
+            return x.reshape(-1, self.adapter.pixel_width)  # [F, C, S, S] as the adapter's rows
         from PIL import Image
 
         t = item.grid[0]
