@@ -219,7 +219,7 @@ def test_sigint_a_second_signal_and_a_killed_rank(tmp_path):
     assert elapsed < 20, elapsed  # the launcher's 1 s grace, its SIGKILL, the workers' 5 s poll
 
 
-def _wait_for_stopped_rank(proc, timeout=120):
+def _wait_for_stopped_rank(proc, timeout=360):  # start-up and a step, on a loaded machine
     deadline = time.monotonic() + timeout
     while "T" not in _session(proc.pid).values():  # a rank has stopped
         if proc.poll() is not None:
