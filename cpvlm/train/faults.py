@@ -4,6 +4,8 @@ Read here and nowhere else (``cpvlm train`` calls ``fires``). KIND is one of
 
     crash    the rank raises at the start of step STEP (1-based)
     stop     the rank stops itself with SIGSTOP at the start of step STEP (a stalled rank)
+    kill     the rank kills itself with SIGKILL at the start of step STEP (a rank the OOM killer
+             or a failing node takes)
     enospc   the rank's files of the checkpoint of step STEP are cut short and the write fails
              with ENOSPC (a disk that fills up during a save)
 
@@ -18,7 +20,7 @@ import os
 import signal
 
 ENV = "CPVLM_FAULT"
-KINDS = ("crash", "stop", "enospc")
+KINDS = ("crash", "stop", "kill", "enospc")
 
 
 def _parse(spec: str) -> tuple[str, int, int]:
@@ -40,11 +42,13 @@ def fires(kind: str, step: int, rank: int) -> bool:
 
 
 def inject(step: int, rank: int) -> None:
-    """The crash or stop asked for at the start of ``step`` on ``rank``, if any."""
+    """The crash, stop or kill asked for at the start of ``step`` on ``rank``, if any."""
     if fires("crash", step, rank):
         raise RuntimeError(f"{ENV}: injected crash at step {step} on rank {rank}")
     if fires("stop", step, rank):
         os.kill(os.getpid(), signal.SIGSTOP)
+    if fires("kill", step, rank):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def full_disk_writer(path: str, rank: int):

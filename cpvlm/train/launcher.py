@@ -463,6 +463,23 @@ def _announce(config: TrainConfig, lines: list[str]) -> None:
         print(f"cpvlm train: {line}", flush=True)
 
 
+def torchrun_store(timeout: timedelta):
+    """``(store, rank, world size)`` of torchrun's environment, the store's keys this attempt's.
+
+    torchrun's default (static) rendezvous keeps one store for the whole job, its agent's, and
+    the ranks of a restarted job (``--max-restarts``) find in it every key the ranks before them
+    wrote: gloo's addresses among them, under the same names. A restarted rank that reads a peer's
+    address before the peer has written its new one connects to a dead process's port ("Gloo
+    connectFullMesh failed ... Connection refused"; NCCL's unique id alike). Under a prefix of
+    the restart count each attempt sees only its own keys (and so do the stall reports'
+    phases, ``cpvlm.train.loop``).
+    """
+    import torch.distributed as dist
+
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    return dist.PrefixStore(f"cpvlm/attempt_{restart_count()}/", store), rank, world
+
+
 def launch(config: TrainConfig) -> None:
     """Train: under torchrun on this process's rank, else on dp * cp local processes.
 
@@ -485,7 +502,9 @@ def launch(config: TrainConfig) -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = _device(config, local_rank, launched=True)
     timeout = timedelta(seconds=config.run.dist_timeout)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    store, rank, world = torchrun_store(timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     if not config.run.out:  # one default directory for all ranks, chosen by rank 0
         chosen = [config.with_default_out().run.out]
         dist.broadcast_object_list(chosen, src=0)
