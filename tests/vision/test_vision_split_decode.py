@@ -178,3 +178,45 @@ def test_split_step_from_pieces_rows_matches_the_one_process_model(world):
         assert rel_err(result["loss"], ref_loss) <= 1e-10, name
         for n, g in ref_grads.items():
             assert rel_err(result["grads"][n], g) <= 1e-10, (name, n)
+
+
+def test_the_loader_decodes_only_the_pieces_rows(encoder, tmp_path):
+    """A ``RankLoader`` given ``pieces``: each CP rank's pixel rows are exactly the rows it
+    reads (``pixel_rows_read``) of the full decode, and some rank holds a piece."""
+    from cpvlm.data import RankLoader, RowStream, open_source
+    from cpvlm.integrations.hf.tiny_checkpoint import example_records, write_jsonl
+    from cpvlm.vision import split_assignment
+    from cpvlm.vision.pieces import piece_groups
+    from cpvlm.vision.split import pixel_order
+
+    jsonl = write_jsonl(tmp_path / "train.jsonl", example_records(tmp_path, 16, seed=4))
+    source, cp = open_source(str(jsonl)), 3
+
+    def split(units):
+        return split_assignment(units.pixel_counts, units.row_counts, cp)
+
+    def assign(units):
+        return [split(units).units_of(r) for r in range(cp)]
+
+    def pieces(units):
+        orders = [pixel_order(n) for n in units.row_counts]
+        return [piece_groups(orders, split(units), r) for r in range(cp)]
+
+    def loader(c, **kw):
+        stream = RowStream(source, encoder.plan, seq_len=192, window=8, seed=5)
+        return RankLoader(stream, encoder.decode, encoder.ids, cp_rank=c, cp_size=cp, **kw)
+
+    ranks = [loader(c, assign=assign, pieces=pieces) for c in range(cp)]
+    full, sharded = loader(0, decode_mode="all"), 0
+    for _ in range(4):
+        (ref,), rows = full.next_step(), [r.next_step()[0] for r in ranks]
+        if not ref.has_vision:
+            continue
+        units = vision_units(ref.grid_thw, encoder.ids.merge)
+        keys = [k for k in ("pixel_values", "pixel_values_videos") if k in ref.vision]
+        whole = torch.cat([ref.vision[k] for k in keys])
+        for c, row in enumerate(rows):
+            read = pixel_rows_read(units, assign(units)[c], pieces(units)[c])
+            assert torch.equal(torch.cat([row.vision[k] for k in keys]), whole[read])
+        sharded += len(split(units).split)
+    assert sharded > 0
