@@ -15,8 +15,8 @@ whole rows allow (``deal_bound``: the rank with the costliest row holds R - 1 ot
 means over the steps; "time lost" is sum(max) / sum(mean) - 1, the time the slowest replica makes
 the others wait at the gradient sync, in the model.
 
-Measured step time (``--measure``, CPU): the same stream at a quarter of the size (``--scale
-4``: rows of seq_len / 4 tokens, image and frame sides / 2, text / 4) and a tiny Qwen3-VL whose
+Measured step time (``--measure``, CPU): the same stream at 1/16 of the size (``--scale 16``:
+rows of seq_len / 16 tokens, image and frame sides / 4, text / 16) and a tiny Qwen3-VL whose
 modelled shares of vision, attention and per-token decoder work on that stream resemble
 Qwen3-VL-8B's on the full one (``TINY``; both shares in the table). Every row of a step is timed
 once, alone, in one process: forward and backward of each of its documents as its own sequence
@@ -116,17 +116,15 @@ def steps_of(metas, seq_len, per_step, steps, seed=0):
 
 
 TINY = {
-    # text 4 layers of 256 (MLP 3072, 8 heads of 32, 2 KV heads), vocabulary 8192; vision 2
-    # blocks of 128 (MLP 512), patch 8, merge 2: shares like Qwen3-VL-8B's at scale 4 (chosen
-    # from a small grid of widths and depths by the sum of share differences on both mixes)
+    # text 2 layers of 128 (MLP 512, 4 heads of 16, 2 KV heads), vocabulary 2048; vision 1 block
+    # of 32 (MLP 128), patch 8, merge 2: shares like Qwen3-VL-8B's at scale 16 (chosen from a
+    # small grid of widths and depths by the sum of share differences on both mixes)
     "text_config": {
-        "hidden_size": 256, "intermediate_size": 3072, "num_hidden_layers": 4,
-        "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 8192,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 5_000_000.0,
-                            "mrope_section": [8, 4, 4], "mrope_interleaved": True},
+        "hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 2048,
     },
-    "vision_config": {"depth": 2, "hidden_size": 128, "intermediate_size": 512, "num_heads": 4,
-                      "out_hidden_size": 256, "num_position_embeddings": 256},
+    "vision_config": {"depth": 1, "hidden_size": 32, "intermediate_size": 128, "num_heads": 2,
+                      "out_hidden_size": 128, "deepstack_visual_indexes": [0]},
 }  # fmt: skip
 
 
@@ -268,9 +266,9 @@ def main():
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--samples", type=int, default=20000)
     p.add_argument("--measure", action="store_true", help="also time the rows (CPU, minutes)")
-    p.add_argument("--scale", type=int, default=4, help="measured stream: sizes / scale")
+    p.add_argument("--scale", type=int, default=16, help="measured stream: sizes / scale")
     p.add_argument("--measure-rows", type=int, default=2, help="R per DP rank when timing")
-    p.add_argument("--measure-steps", type=int, default=4, help="steps at the largest dp")
+    p.add_argument("--measure-steps", type=int, default=2, help="steps at the largest dp")
     p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args()
     cost = row_cost(qwen3_vl_8b_config())

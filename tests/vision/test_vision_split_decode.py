@@ -163,6 +163,7 @@ def _split_rank(rank, world):
     return results
 
 
+@pytest.mark.timeout(900)  # two families' spawns; minutes on a loaded 2-core machine
 @pytest.mark.parametrize("world", [2, 3])
 def test_split_step_from_pieces_rows_matches_the_one_process_model(world):
     per_rank = run_distributed(_split_rank, world, timeout=600)
