@@ -368,12 +368,11 @@ class VisionDataParallel(nn.Module):
         else:
             expected = sum(units.pixel_counts[u] for u in mine)
             what = f"with local_pixels this rank's units {mine} have"
-            if pieces is not None and len(pieces) != expected:
-                what += f" (or {len(pieces)}, its pieces' groups only)"
         if pixel_values.shape[0] != expected:
             raise ValueError(
                 f"VisionDataParallel: pixel_values has {pixel_values.shape[0]} rows but {what} "
                 f"{expected} patches (sum of t*h*w)"
+                + (f", or {len(pieces)} of its pieces' groups only" if pieces is not None else "")
             )
 
     def _route_plan(self, units, assignment, plan, row_positions, world, rank):
