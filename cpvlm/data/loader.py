@@ -29,7 +29,7 @@ import atexit
 import multiprocessing
 import multiprocessing.util
 import signal
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -46,11 +46,16 @@ from cpvlm.vision.units import VisionUnits, vision_units
 
 BLANK_TOKENS = 16
 
-Decoder = Callable[[VisionItem, Sequence[int] | None], torch.Tensor]
+Decoder = Callable[..., torch.Tensor]
 """``decode(item, temporal)``: pixel rows ``[len(temporal) * h * w, C]`` of the item's temporal
-patches ``temporal`` (``None``: all of them), in the processor's layout; raises ``DataError``."""
+patches ``temporal`` (``None``: all of them), in the processor's layout; raises ``DataError``.
+Under ``vision="split"`` also ``decode(item, temporal, groups)``: of a temporal patch j in
+``groups`` only the rows of the merge groups ``groups[j]`` (``cpvlm.vision.pieces``)."""
 
 Assign = Callable[[VisionUnits], list[list[int]]]
+Pieces = Callable[[VisionUnits], list[dict[int, tuple[int, ...]]]]
+"""Per CP rank, ``{unit: merge groups}`` of the sharded units whose pieces alone it decodes
+(``ContextParallelVLM.vision_pieces``)."""
 
 
 def patch_balanced(cp_size: int) -> Assign:
@@ -70,6 +75,7 @@ class RowJob:
     errors: list[DataError] = field(default_factory=list)
     truncated: int = 0
     error: DataError | None = None  # a sample of the row failed to plan (a source with metas)
+    groups: dict[int, tuple[int, ...]] = field(default_factory=dict)  # units decoded in part
 
 
 @dataclass
@@ -130,25 +136,48 @@ def _unit_layout(ids) -> dict:
     return {"split_frames": ids.split_frames, "sizes": ids.sizes}
 
 
+def select_groups(rows: torch.Tensor, temporal, groups, merge: int) -> torch.Tensor:
+    """Of pixel rows of whole temporal patches ``temporal``, each patch's rows or, for a patch in
+    ``groups``, only its merge groups' rows (what a decoder of pieces returns)."""
+    per_frame, m2 = rows.shape[0] // len(temporal), merge * merge
+    out = []
+    for i, j in enumerate(temporal):
+        frame = rows[i * per_frame : (i + 1) * per_frame]
+        if j in groups:
+            g = torch.tensor(groups[j], dtype=torch.long)
+            frame = frame[(g.unsqueeze(1) * m2 + torch.arange(m2)).reshape(-1)]
+        out.append(frame)
+    return torch.cat(out)
+
+
 def _item_rows(
-    decode: Decoder, item: VisionItem, temporal: list[int] | None, ids: TokenIds | None = None
+    decode: Decoder,
+    item: VisionItem,
+    temporal: list[int] | None,
+    ids: TokenIds | None = None,
+    groups: dict[int, tuple[int, ...]] | None = None,
 ) -> torch.Tensor:
     if item.pixels is not None:  # tokenized samples: the rows are made (or LazyPixels)
         pixels, n = item.pixels, item.patches_per_frame
         if isinstance(pixels, LazyPixels):
             if temporal is None:
                 return pixels.rows()
-            return torch.cat([pixels.rows(j * n, (j + 1) * n) for j in temporal])
-        if temporal is None:
+            rows = torch.cat([pixels.rows(j * n, (j + 1) * n) for j in temporal])
+        elif temporal is None:
             return pixels
-        return torch.cat([pixels[j * n : (j + 1) * n] for j in temporal])
-    rows = decode(item, temporal)
+        else:
+            rows = torch.cat([pixels[j * n : (j + 1) * n] for j in temporal])
+        return select_groups(rows, temporal, groups, ids.merge) if groups else rows
+    rows = decode(item, temporal, groups) if groups else decode(item, temporal)
     # the family's rows per item (LLaVA-OneVision: t crops of s*s rows, whatever its h, w)
     sizes = ids.item_sizes if ids is not None else lambda g: (g[0] * g[1] * g[2], 0)
     if temporal is None:
         need = sizes(item.grid)[0]
     else:
         need = len(temporal) * sizes((1, *item.grid[1:]))[0]
+        if groups:
+            m2 = ids.merge**2
+            need -= sum(sizes((1, *item.grid[1:]))[0] - len(g) * m2 for g in groups.values())
     if rows.dim() != 2 or rows.shape[0] != need:
         raise DataError(
             "vision_token_mismatch",
@@ -193,20 +222,24 @@ def decode_row(job: RowJob, decode: Decoder, temporal_patch: int = 2) -> LocalRo
         return out
     # Units of one item are consecutive: decode each item once, with the temporal patches asked.
     wanted: dict[int, list[int]] = {}
+    pieces: dict[int, dict[int, tuple[int, ...]]] = {}  # item -> temporal patch -> groups
     first_unit = {}
     for u, item in enumerate(units.items):
         first_unit.setdefault(item, u)
     for u in mine:
-        wanted.setdefault(units.items[u], []).append(u - first_unit[units.items[u]])
+        k, j = units.items[u], u - first_unit[units.items[u]]
+        wanted.setdefault(k, []).append(j)
+        if u in job.groups and job.ids.split_frames:
+            pieces.setdefault(k, {})[j] = job.groups[u]
     parts: dict[str, list[torch.Tensor]] = {"pixel_values": [], "pixel_values_videos": []}
     for k, temporal in wanted.items():
         doc, item = (images + videos)[k]
         # a tiled image's tiles are its temporal units; a family whose units are whole items
         # decodes all of the item's rows
-        if not job.ids.split_frames or len(temporal) == item.grid[0]:
+        if (not job.ids.split_frames or len(temporal) == item.grid[0]) and k not in pieces:
             temporal = None
         try:
-            rows = _item_rows(decode, item, temporal, job.ids)
+            rows = _item_rows(decode, item, temporal, job.ids, pieces.get(k))
         except DataError as err:
             out.error = err.at(doc.where)
             return out
@@ -290,6 +323,7 @@ class RankLoader:
         cp_rank: int = 0,
         cp_size: int = 1,
         assign: Assign | None = None,
+        pieces: Pieces | None = None,
         decode_mode: str = "local",
         num_workers: int = 0,
         prefetch: int = 2,
@@ -318,6 +352,7 @@ class RankLoader:
         self.rows_per_step = rows_per_step
         self.dp_rank, self.dp_size, self.cp_rank = dp_rank, dp_size, cp_rank
         self.assign = assign or patch_balanced(cp_size)
+        self.pieces = pieces
         self.decode_mode = decode_mode
         self._start = dict(state) if state else {"window": 0, "row": 0}
         self._state = dict(self._start)
@@ -333,14 +368,17 @@ class RankLoader:
         )
         self._iter = None
 
-    def _units(self, row: PackedPlan) -> list[int] | None:
+    def _units(self, row: PackedPlan) -> tuple[list[int] | None, dict]:
+        """This rank's units of ``row`` (None: all), and the merge groups of those it decodes
+        in part (``pieces``)."""
         if self.decode_mode == "all":
-            return None
+            return None, {}
         grids = row.grid_thw()
         if not len(grids):
-            return []
+            return [], {}
         units = vision_units(grids, self.ids.merge, **_unit_layout(self.ids))
-        return sorted(self.assign(units)[self.cp_rank])
+        groups = self.pieces(units)[self.cp_rank] if self.pieces is not None else {}
+        return sorted(self.assign(units)[self.cp_rank]), groups
 
     def deal(self, slots: list[RowSlot]) -> list[list[int]]:
         """Indices into ``slots`` (one step's) for every DP rank; the same on every rank."""
@@ -397,9 +435,10 @@ class RankLoader:
             for p in [p for p in kept if p < done]:
                 del kept[p]  # plans of rows before a resumed position
             for n, (row, error) in enumerate(planned):
+                units, groups = self._units(row)
                 yield RowJob(
-                    step, row, self.ids, self._units(row), batch[-1].state_after,
-                    errors if n == 0 else [], truncated if n == 0 else 0, error,
+                    step, row, self.ids, units, batch[-1].state_after,
+                    errors if n == 0 else [], truncated if n == 0 else 0, error, groups,
                 )  # fmt: skip
             step += 1
 

@@ -119,7 +119,9 @@ def dp_exchange(groups, dp: int, cp: int) -> DPExchange | None:
     return DPExchange(slices[groups.cp_rank])
 
 
-def build_loader(config: TrainConfig, model_config, groups, *, assign, state=None) -> RankLoader:
+def build_loader(
+    config: TrainConfig, model_config, groups, *, assign, pieces=None, state=None
+) -> RankLoader:
     from cpvlm.integrations.hf.row_cost import row_cost
 
     d = config.data
@@ -143,6 +145,7 @@ def build_loader(config: TrainConfig, model_config, groups, *, assign, state=Non
         cp_rank=groups.cp_rank,
         cp_size=config.parallel.cp,
         assign=assign,
+        pieces=pieces,
         decode_mode=d.decode,
         num_workers=d.num_workers,
         prefetch=d.prefetch,

@@ -263,7 +263,12 @@ def _setup(config: TrainConfig, device: torch.device, resume_from: str | None) -
     out = config.run.out if dist.get_rank() == 0 else None
     run.errors = ErrorLog(out, strict=config.data.strict, start_step=run.start_step)
     run.loader = build_loader(
-        config, model.config, groups, assign=cp_model.vision_assignment, state=data_state
+        config,
+        model.config,
+        groups,
+        assign=cp_model.vision_assignment,
+        pieces=cp_model.vision_pieces,
+        state=data_state,
     )
     return run
 

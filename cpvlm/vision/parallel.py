@@ -37,6 +37,7 @@ from cpvlm.options import CPOptions
 from cpvlm.vision.assign import assign_vision_units
 from cpvlm.vision.cost import VisionCost
 from cpvlm.vision.gather import gather_vision_embeddings
+from cpvlm.vision.pieces import Groups, piece_groups, pixel_rows_read
 from cpvlm.vision.route import route_plan, route_to_owners
 from cpvlm.vision.split import LocalSplit, Piece, SplitAttention, check_orders, local_split
 from cpvlm.vision.split_assign import SplitAssignment, split_assignment
@@ -193,6 +194,17 @@ class VisionDataParallel(nn.Module):
         sa = self.split_assignment(units)
         return [sa.units_of(r) for r in range(sa.cp_size)]
 
+    def pixel_pieces(self, units: VisionUnits) -> list[dict[int, Groups]]:
+        """Per rank, ``{unit: merge groups in pixel order}`` of the sharded units it holds a
+        piece of (mode split; else none): with ``local_pixels`` a rank may pass only those
+        groups' rows of such a unit (``cpvlm.vision.pieces``)."""
+        world = dist.get_world_size(self.group)
+        if self.mode != "split":
+            return [{} for _ in range(world)]
+        orders = [self.encoder.unit_order(g) for g in units.grids]
+        sa = self.split_assignment(units)
+        return [piece_groups(orders, sa, r) for r in range(world)]
+
     def forward(
         self,
         pixel_values: torch.Tensor,
@@ -207,8 +219,9 @@ class VisionDataParallel(nn.Module):
         """Encode this rank's units and return what the unwrapped tower would.
 
         ``local_pixels``: ``pixel_values`` holds only the pixel rows of this rank's units
-        (``pixel_assignment``; split mode: with the units it holds pieces of), in unit order
-        (what a data loader that decodes only these gives); ``grid_thw`` is still every item's.
+        (``pixel_assignment``; split mode: with the units it holds pieces of, whole or only the
+        piece's groups, ``pixel_pieces``), in unit order (what a data loader that decodes only
+        these gives); ``grid_thw`` is still every item's.
 
         allgather mode: all R rows in the tower's order (``plan``/``row_positions`` unused).
         route mode: ``plan`` is the batch's ShardPlan and ``row_positions[g]`` the position of
@@ -285,10 +298,18 @@ class VisionDataParallel(nn.Module):
             check_orders(units, orders)
             sa = self.split_assignment(units)
             mine = sa.units_of(rank) if local_pixels else None
-            self._check_pixels(pixel_values, units, mine)
             local = local_split(units, orders, sa, rank)
-            if local_pixels:  # the batch's row indices -> rows of this rank's units
-                local = replace(local, pixel_index=_rows_within(units, mine, local.pixel_index))
+            read = None
+            if local_pixels:  # only its pieces' groups of a sharded unit, or the whole unit
+                read = pixel_rows_read(units, mine, piece_groups(orders, sa, rank))
+            if read is not None and pixel_values.dim() == 2 and len(pixel_values) == len(read):
+                index = torch.searchsorted(read, local.pixel_index)
+                local = replace(local, pixel_index=index)
+            else:
+                self._check_pixels(pixel_values, units, mine, pieces=read)
+                if local_pixels:  # the batch's row indices -> rows of this rank's units
+                    index = _rows_within(units, mine, local.pixel_index)
+                    local = replace(local, pixel_index=index)
             if not isinstance(plan, ShardPlan) or row_positions is None:
                 raise ValueError("VisionDataParallel: mode='split' needs plan= and row_positions=")
             rp = route_plan(local.row_ranks, row_positions, plan, rank)
@@ -337,7 +358,9 @@ class VisionDataParallel(nn.Module):
 
     # ---- pieces -------------------------------------------------------------------------------
 
-    def _check_pixels(self, pixel_values: torch.Tensor, units: VisionUnits, mine) -> None:
+    def _check_pixels(
+        self, pixel_values: torch.Tensor, units: VisionUnits, mine, pieces=None
+    ) -> None:
         if not isinstance(pixel_values, torch.Tensor) or pixel_values.dim() != 2:
             raise ValueError("VisionDataParallel: pixel_values must be a 2-d tensor [patches, C]")
         if mine is None:
@@ -349,6 +372,7 @@ class VisionDataParallel(nn.Module):
             raise ValueError(
                 f"VisionDataParallel: pixel_values has {pixel_values.shape[0]} rows but {what} "
                 f"{expected} patches (sum of t*h*w)"
+                + (f", or {len(pieces)} of its pieces' groups only" if pieces is not None else "")
             )
 
     def _route_plan(self, units, assignment, plan, row_positions, world, rank):

@@ -396,6 +396,11 @@ class ContextParallelVLM(nn.Module):
         units must use this one)."""
         return self.vision_dp.pixel_assignment(units)
 
+    def vision_pieces(self, units: VisionUnits) -> list[dict[int, tuple[int, ...]]]:
+        """Per CP rank, ``{unit: merge groups}`` of the sharded units it holds a piece of
+        (``vision="split"``; else none): a loader may decode only those groups' pixel rows."""
+        return self.vision_dp.pixel_pieces(units)
+
     def _local_embeddings(self, prep: PreparedBatch, ids_loc, visual_mask_loc, step):
         """``(inputs_embeds [B, L, D], deepstack rows of the local visual positions, units)``.
 

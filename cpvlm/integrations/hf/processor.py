@@ -469,7 +469,11 @@ class ChatEncoder:
 
     # ---- decoding (only the rank that encodes the unit) ---------------------------------------
 
-    def decode(self, item: VisionItem, temporal) -> torch.Tensor:
+    def decode(self, item: VisionItem, temporal, groups=None) -> torch.Tensor:
+        """Pixel rows of ``item``'s temporal patches ``temporal`` (None: all); of a patch j in
+        ``groups`` only the rows of its merge groups ``groups[j]`` (``vision="split"``)."""
+        if groups:
+            return self._decode_pieces(item, temporal, groups)
         if self.media is not None:
             return self.media.decode(item, temporal)
         if item.kind == "image":
@@ -487,6 +491,31 @@ class ChatEncoder:
 
         frames = frames_of(item, temporal, self.video.temporal_patch_size)
         return self.video.pixels(frames, item.grid[1:])
+
+    def _decode_pieces(self, item: VisionItem, temporal, groups) -> torch.Tensor:
+        from cpvlm.data.loader import select_groups
+
+        from .families.chat_media import frames_of
+        from .piece_pixels import image_piece_rows, video_piece_rows
+
+        if self.media is None and item.kind == "image":
+            rows = image_piece_rows(self.image_processor, item.image.load(), item.grid, groups[0])
+            if rows is not None:
+                return rows
+        if self.media is not None or item.kind == "image":  # the whole frame, then the piece
+            return select_groups(self.decode(item, temporal), temporal, groups, self.ids.merge)
+        tp = self.video.temporal_patch_size
+        frames = frames_of(item, temporal, tp)
+        return torch.cat(
+            [
+                video_piece_rows(
+                    self.video, frames[i * tp : (i + 1) * tp], item.grid[1:], groups[j]
+                )
+                if j in groups
+                else self.video.pixels(frames[i * tp : (i + 1) * tp], item.grid[1:])
+                for i, j in enumerate(temporal)
+            ]
+        )
 
 
 def _rebuild(args, kwargs) -> ChatEncoder:

@@ -165,15 +165,24 @@ class VideoSettings:
 
     def pixels(self, frames_THWC: torch.Tensor, grid_hw: tuple[int, int]) -> torch.Tensor:
         """Pixel rows ``[T/tp * h * w, C]`` of uint8 frames (T a multiple of tp)."""
-        p, tp, m = self.patch_size, self.temporal_patch_size, self.merge_size
+        return self.rows(self.resized(frames_THWC, grid_hw))
+
+    def resized(self, frames_THWC: torch.Tensor, grid_hw: tuple[int, int]) -> torch.Tensor:
+        """``[T, C, h*p, w*p]`` uint8: the frames at the grid's size."""
+        p = self.patch_size
         gh, gw = grid_hw
         x = frames_THWC.permute(0, 3, 1, 2).contiguous()
         if tuple(x.shape[-2:]) != (gh * p, gw * p):
             x = F.interpolate(x, size=(gh * p, gw * p), mode="bicubic", antialias=True)
+        return x
+
+    def rows(self, x_TCHW: torch.Tensor) -> torch.Tensor:
+        """Pixel rows of resized frames (or of a band of their merged rows): per pixel rescale
+        and normalise, then patchify."""
         mean = torch.tensor(self.image_mean) * (1.0 / self.rescale_factor)
         std = torch.tensor(self.image_std) * (1.0 / self.rescale_factor)
-        x = x.to(torch.float32).sub(mean.view(-1, 1, 1)).div(std.view(-1, 1, 1))
-        return patchify_video(x, p, m, tp)
+        x = x_TCHW.to(torch.float32).sub(mean.view(-1, 1, 1)).div(std.view(-1, 1, 1))
+        return patchify_video(x, self.patch_size, self.merge_size, self.temporal_patch_size)
 
 
 def patchify_video(x_TCHW: torch.Tensor, p: int, m: int, tp: int) -> torch.Tensor:
