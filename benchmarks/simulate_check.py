@@ -82,7 +82,11 @@ def main() -> None:
             )
             print_table(rows[-1:], list(rows[-1]))
     print_table(rows, list(rows[0]), f"simulated vs real, {args.model} config")
-    write_json(args.out_dir, f"simulate_check_{args.model}", {"spec": str(spec), "loss_chunk": chunk, "rows": rows})
+    write_json(
+        args.out_dir,
+        f"simulate_check_{args.model}",
+        {"spec": str(spec), "loss_chunk": chunk, "rows": rows},
+    )
 
 
 if __name__ == "__main__":

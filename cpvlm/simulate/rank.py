@@ -168,7 +168,8 @@ def simulate_step(
     world = setup.dp * setup.cp
     compute = setup.compute_dtype if setup.compute_dtype != setup.master_dtype else None
     cache = {} if cache is None else cache
-    run_config, depth = reduce_depth(config) if setup.reduced_depth else (config, None)
+    has_vision = bool(spec.images or spec.videos)
+    run_config, depth = reduce_depth(config, has_vision) if setup.reduced_depth else (config, None)
     meta = meta_model(run_config, setup.master_dtype)
     layers = None if depth is None else (depth.text_layers, depth.vision_blocks)
     opt_key = ("optimizer", setup.dp, setup.cp, setup.data_parallel, setup.master_dtype, layers)
@@ -268,11 +269,12 @@ def _add_left_out(
     key = ("shards", world, fsdp, setup.master_dtype)
     if key not in cache:
         cache[key] = shard_bytes(meta_model(config, setup.master_dtype), world, fsdp)
-    full_bytes, full_elems = cache[key]
-    red_bytes, red_elems = shard_bytes(meta, world, fsdp)
+    full_bytes, full_elems, full_tensors = cache[key]
+    red_bytes, red_elems, red_tensors = shard_bytes(meta, world, fsdp)
     elem = torch.empty((), dtype=setup.master_dtype).element_size()
     d_params, d_grads = full_bytes - red_bytes, (full_elems - red_elems) * elem
-    d_opt = 2 * d_grads if setup.optimizer else 0  # AdamW: exp_avg, exp_avg_sq
+    # AdamW: exp_avg, exp_avg_sq, and a float32 step count per parameter
+    d_opt = 2 * d_grads + 4 * (full_tensors - red_tensors) if setup.optimizer else 0
     memory.params += d_params
     memory.grads += d_grads
     memory.optimizer += d_opt
