@@ -9,6 +9,7 @@ real run's figure includes what the gloo collectives allocate and the fake group
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -47,19 +48,20 @@ def test_meta_parameters_become_fake_not_real():
         assert not compat.is_fake(torch.arange(3))  # integers stay real
 
 
+@pytest.mark.timeout(900)  # two simulated steps: ~1 min on 2 quiet cores, minutes when loaded
 def test_reduced_depth_and_optimizer_against_full_depth_and_hand_count():
     """Fewer layers simulated and the rest added (cpvlm.simulate.depth) against the full model,
     both as one rank of FSDP2 over cp 2 with AdamW: the saved bytes, parameter, gradient and
     optimizer shards equal; the optimizer state and step peak as counted by hand."""
     config = TINY_MODELS["qwen3-vl-tiny"](
-        text_config={"num_hidden_layers": 6},
-        vision_config={"depth": 5, "deepstack_visual_indexes": [1, 3]},
-    )
-    spec = SequenceSpec(256, images=((64, 64),), videos=((4, 64, 64),))
+        text_config={"num_hidden_layers": 4},
+        vision_config={"depth": 4, "deepstack_visual_indexes": [1]},
+    )  # one text layer and one vision block left out (cpvlm.simulate.depth)
+    spec = SequenceSpec(160, images=((32, 32),), videos=((2, 32, 32),))
     setup = Setup(cp=2, compute_dtype=None, activation_checkpointing=False)
     full = simulate_step(config, spec, Setup(**{**setup.__dict__, "reduced_depth": False}))
     reduced = simulate_step(config, spec, setup)
-    for name in ("saved", "params", "grads", "optimizer", "peak_opt"):
+    for name in ("saved", "params", "grads", "optimizer"):
         assert getattr(reduced, name) == getattr(full, name), (name, reduced, full)
     # The peak adds every left-out gradient whole: an upper bound, close.
     assert full.peak_fwd_bwd <= reduced.peak_fwd_bwd <= 1.05 * full.peak_fwd_bwd
@@ -68,7 +70,11 @@ def test_reduced_depth_and_optimizer_against_full_depth_and_hand_count():
     # AdamW: exp_avg and exp_avg_sq of the gradient shards and a float32 step per parameter;
     # foreach's step holds one temporary of the gradients' size (sqrt of exp_avg_sq).
     assert full.optimizer == 2 * full.grads + 4 * tensors
-    assert full.peak_opt == full.params + full.grads + full.optimizer + full.grads
+    # Beyond that count: what stays live after the backward (the loss, small per-layer tensors:
+    # 9 KB of 3 MB here), 1% at most.
+    hand = full.params + full.grads + full.optimizer + full.grads
+    for m in (full, reduced):
+        assert hand <= m.peak_opt <= 1.01 * hand, (m.peak_opt, hand)
 
 
 def test_plan_rejects_unknown_model(capsys):
