@@ -9,8 +9,8 @@ dp x cp on fake tensors, bf16 compute on float32 master weights, AdamW, activati
 checkpointing, loss chunk 1024, ring attention), on GPUs of 80 GB; dp = 1 (FSDP2 shards over the
 cp ranks). Columns: the peak of a later step's forward + backward (optimizer state held; GiB),
 its activations (that peak less params+grads+optimizer), the bytes saved for backward,
-params+grads+optimizer, the peak inside the first optimizer step (foreach AdamW; reported, not
-used for "fits"), the longest sequence that fits 80 GB at that cp (activations linear in S from
+params+grads+optimizer, the optimizer step's peak (foreach AdamW: params, grads, 2 states and
+one temporary of the grads' size; the peak column is the larger of it and forward + backward), the longest sequence that fits 80 GB at that cp (activations linear in S from
 the simulated point), "saved x cp": the saved bytes times cp over the first cp's (1.00 = the
 physical 1/cp), and "bound": "weights" where params+grads+optimizer take more than half the GPU,
 else "activations". --models/--kinds/--lengths/--cps choose the grid, --budget-s stops starting
@@ -31,8 +31,22 @@ GPU_GIB = 80 * 10**9 / 2**30  # an "80 GB" GPU
 LENGTHS = {"32k": 32768, "128k": 131072, "512k": 524288, "1M": 1048576}
 MODELS = ("qwen3-vl-8b", "qwen2.5-vl-72b", "qwen3.5-9b", "gemma3-27b")
 CPS = (1, 2, 4, 8, 16, 32, 64)
-# No peer maximum is listed: none could be checked against its source offline.
-PEERS: dict = {}
+# A peer's published maximum sequence for the same model and GPU count: none found (searched:
+# ring attention, USP, LongVILA, torchtitan CP, Megatron CP). The nearest, for another model
+# and GPU count, is listed as such and not put beside our rows.
+PEERS: dict = {
+    "same_model_and_gpus": [],
+    "nearest": [
+        {
+            "peer": "LongVILA (MM-SP)",
+            "model": "LongVILA-8B (VILA, 8B LLM)",
+            "gpus": 256,
+            "max_seq": 2_097_152,
+            "note": "2M-token training on 256 GPUs without gradient checkpointing",
+            "source": "arXiv 2408.10188, abstract",
+        }
+    ],
+}
 
 
 def spec_for(kind: str, seq_len: int):
@@ -49,7 +63,7 @@ def _row(model, kind, name, cp, m, base) -> dict:
     budget = GPU_GIB * G
     seq = LENGTHS[name]
     fixed = m.params + m.grads + m.optimizer
-    fwd_bwd = m.peak_fwd_bwd + m.optimizer  # a later step's forward + backward peak
+    fwd_bwd = m.steady_peak  # a later step's peak: forward + backward with the state held
     act = fwd_bwd - fixed
     cp0, saved0 = base.setdefault((model, kind, name), (cp, m.saved))
     return {
@@ -61,7 +75,7 @@ def _row(model, kind, name, cp, m, base) -> dict:
         "acts_GiB": act / G,
         "saved_GiB": m.saved / G,
         "weights_GiB": fixed / G,
-        "opt_step_GiB": m.peak / G,
+        "opt_step_GiB": m.peak_opt / G,
         "fits": fwd_bwd <= budget,
         "longest": int(seq * (budget - fixed) / act) if budget > fixed and act > 0 else 0,
         "saved_x_cp": m.saved * cp / (saved0 * cp0),
@@ -118,7 +132,7 @@ def main() -> None:
         for cp in args.cps
     ]
     stem = "scale_quick" if args.quick else "scale"
-    clock, configs, rows, base = Clock(), {}, [], {}
+    clock, configs, caches, rows, base = Clock(), {}, {}, [], {}
     for model, kind, name, cp in grid:
         point = {"model": model, "seq": f"{kind} {name}", "cp": cp}
         if args.budget_s is not None and clock.wall() > args.budget_s:
@@ -126,9 +140,10 @@ def main() -> None:
             continue
         if model not in configs:
             configs[model] = load_config(model)
+            caches[model] = {}
         setup = Setup(dp=1, cp=cp, activation_checkpointing=True, loss_chunk=1024)
         try:
-            m = simulate_step(configs[model], spec_for(kind, LENGTHS[name]), setup)
+            m = simulate_step(configs[model], spec_for(kind, LENGTHS[name]), setup, caches[model])
         except (ValueError, RuntimeError, NotImplementedError, MemoryError) as err:
             rows.append({**point, "status": "error", "error": str(err)[:200]})
             print(f"{model} {kind} {name} cp {cp}: {str(err)[:200]}", flush=True)

@@ -1,7 +1,7 @@
 """The simulated rank (cpvlm.simulate, fake tensors) against the real CPU run, cp 1, 2, 4.
 
     python benchmarks/simulate_check.py --model tiny    # qwen3-vl-tiny, 1024 tokens: ~minutes
-    python benchmarks/simulate_check.py --model mid     # benchmarks/memory.py's model, 4096 tokens
+    python benchmarks/simulate_check.py --model mid     # ~400 MB model (MID_TEXT), 4096 tokens
 
 Real: gloo ranks, float32, ring attention, measured by benchmarks/memory.py's StepMemory (live
 tensor bytes, saved-for-backward bytes). Simulated: the same step, one rank at a time, on fake
@@ -18,14 +18,40 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import parser, print_table, write_json  # noqa: E402
 
+# A mid-size Qwen3-VL (~105M parameters, ~420 MB in float32): text hidden 1024, 4 layers,
+# vocabulary 32768; a 2-block vision tower of hidden 256.
+MID_TEXT = {
+    "vocab_size": 32768,
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "max_position_embeddings": 32768,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 5_000_000.0,
+        "mrope_section": [12, 10, 10],
+        "mrope_interleaved": True,
+    },
+}
+MID_VISION = {
+    "depth": 2,
+    "hidden_size": 256,
+    "intermediate_size": 1024,
+    "num_heads": 4,
+    "out_hidden_size": 1024,
+    "num_position_embeddings": 1024,
+}
+
 
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--model", choices=["tiny", "mid"], default="tiny")
     p.add_argument("--cp", type=int, nargs="*", default=[1, 2, 4])
+    p.add_argument("--loss-chunk", type=int, default=0, help="loss chunk (0: whole logits)")
     args = p.parse_args()
-    from memory import VOCAB_DOCS, model_config
-
     from cpvlm.integrations.hf import TINY_MODELS
     from cpvlm.simulate import SequenceSpec
     from cpvlm.testing import run_distributed
@@ -35,13 +61,13 @@ def main() -> None:
         config = TINY_MODELS["qwen3-vl-tiny"]()
         spec = SequenceSpec(1024, images=((128, 128), (64, 96)), videos=((8, 128, 128),), docs=2)
     else:
-        config = model_config()
-        spec = SequenceSpec(4096, images=((256, 256), (384, 384)), docs=len(VOCAB_DOCS))
-    rows = []
+        config = TINY_MODELS["qwen3-vl-tiny"](text_config=MID_TEXT, vision_config=MID_VISION)
+        spec = SequenceSpec(4096, images=((256, 256), (384, 384)), videos=((8, 256, 256),), docs=3)
+    rows, chunk = [], args.loss_chunk or None
     for cp in args.cp:
-        real = run_distributed(real_step, cp, config, spec, "ring", None, timeout=1800)
+        real = run_distributed(real_step, cp, config, spec, "ring", chunk, timeout=1800)
         for rank in range(cp):
-            sim = simulated_step(config, spec, cp, rank, "ring", None)
+            sim = simulated_step(config, spec, cp, rank, "ring", chunk)
             rows.append(
                 {
                     "cp": cp,
@@ -56,7 +82,11 @@ def main() -> None:
             )
             print_table(rows[-1:], list(rows[-1]))
     print_table(rows, list(rows[0]), f"simulated vs real, {args.model} config")
-    write_json(args.out_dir, f"simulate_check_{args.model}", {"spec": str(spec), "rows": rows})
+    write_json(
+        args.out_dir,
+        f"simulate_check_{args.model}",
+        {"spec": str(spec), "loss_chunk": chunk, "rows": rows},
+    )
 
 
 if __name__ == "__main__":

@@ -743,6 +743,45 @@ def memory_tracker():
     from torch.distributed._tools import mem_tracker
 
     class GlobalPeakTracker(mem_tracker.MemTracker):
+        # DTensor's sharding propagation runs each op once more on global-shape fake tensors, in
+        # the enclosing fake mode (``detect_fake_mode()``), which MemTracker takes for the real
+        # op: a sharded optimizer step counted at the unsharded size (issue 30: 27x its state).
+        # Those ops are not tracked; the local ops DTensor then runs are.
+        def __enter__(self):
+            from torch.distributed.tensor import DTensor
+
+            self._propagator = DTensor._op_dispatcher.sharding_propagator
+            inner, self._propagating = self._propagator._propagate_tensor_meta_non_cached, False
+
+            def untracked(*args, **kwargs):
+                self._propagating = True
+                try:
+                    return inner(*args, **kwargs)
+                finally:
+                    self._propagating = False
+
+            self._propagator._propagate_tensor_meta_non_cached = untracked
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            try:
+                return super().__exit__(*exc)
+            finally:
+                del self._propagator._propagate_tensor_meta_non_cached
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if self._propagating:
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+        def reset_peak(self) -> None:
+            """Start the global peak again from the bytes live now."""
+            self._peak_mem.clear()
+            self._peak_mem_snap.clear()
+            for dev, snap in self._curr_mem_snap.items():
+                self._peak_mem[dev] = snap[mem_tracker._TOTAL_KEY]
+                self._peak_mem_snap[dev] = dict(snap)
+
         def _update_peak_stats(self, peak_state) -> None:
             for dev, snap in self._curr_mem_snap.items():
                 if self._peak_mem.get(dev, 0) < snap[mem_tracker._TOTAL_KEY]:

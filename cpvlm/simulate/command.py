@@ -4,7 +4,9 @@
     cpvlm plan --model DIR --seq-len 1048576 --videos 7200x448x448 --gpus 16 --gpu-mem 80 --json
 
 Every candidate (cp dividing the GPUs, dp the rest; attention; activation checkpointing on or off;
-loss chunk) is one rank of the real step simulated on fake tensors (``cpvlm.simulate``).
+loss chunk) is one rank of the real step simulated on fake tensors (``cpvlm.simulate``), least
+memory first; one that needs no less memory than a candidate that did not fit (smaller cp, no
+checkpointing, a larger chunk) is listed as not simulated.
 """
 
 from __future__ import annotations
@@ -65,8 +67,8 @@ def _parser() -> argparse.ArgumentParser:
         "--loss-chunk",
         type=int,
         nargs="*",
-        default=[1024, 0],
-        help="loss chunks to try (0: whole logits)",
+        default=[1024],
+        help="loss chunks to try (0: whole logits, never less memory than a chunk)",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p

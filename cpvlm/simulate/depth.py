@@ -3,8 +3,9 @@
 Every decoder layer of one kind (full or sliding or linear attention, with or without deepstack
 inputs) saves the same bytes for backward on a rank, and so does every vision block of one kind.
 So the simulation runs a copy of the model with a few layers, each kind of layer at least once
-in a place that is not the last (whose interval also holds what follows it), measures what each
-layer saves, and adds the layers left out: ``count x the bytes of the simulated layer of their
+in a place that is neither the first (which also saves, once for all layers, what they share:
+position embeddings, masks) nor the last (whose interval also holds what follows it), measures
+what each layer saves, and adds the layers left out: ``count x the bytes of the simulated layer of their
 kind`` to the activations and to the peak (at which every saved activation is alive: the step's
 peak comes after the forward), and their parameter, gradient and optimizer shards, counted
 exactly from the full config's parameters on the meta device.
@@ -32,11 +33,12 @@ class Depth:
     vision_extra: dict
 
 
-def _text_kinds(config) -> list:
+def _text_kinds(config, vision: bool = True) -> list:
     text = config.text_config
     n = text.num_hidden_layers
     types = list(getattr(text, "layer_types", None) or ["full_attention"] * n)
     deepstack = len(getattr(config.vision_config, "deepstack_visual_indexes", None) or [])
+    deepstack *= vision  # without images or videos, a deepstack layer adds nothing
     return [("deepstack", i) if i < deepstack else types[i] for i in range(n)]
 
 
@@ -57,21 +59,23 @@ def _vision_depth(vision) -> int:
 
 
 def _text_prefix(kinds: list) -> int:
-    """The shortest prefix in which every kind appears before its last layer."""
-    need = set(kinds)
-    for t in range(2, len(kinds) + 1):
-        if set(kinds[: t - 1]) >= need:
+    """The shortest prefix in which every kind with layers left out has one neither first nor
+    last."""
+    for t in range(3, len(kinds) + 1):
+        inner = set(kinds[1 : t - 1])
+        if all(k in inner or kinds[:t].count(k) == kinds.count(k) for k in set(kinds)):
             return t
     return len(kinds)
 
 
-def reduce_depth(config) -> tuple[object, Depth]:
-    """``(reduced config, Depth)``; a model with no more layers than needed is returned as is."""
-    text_kinds, vision_kinds = _text_kinds(config), _vision_kinds(config)
+def reduce_depth(config, vision: bool = True) -> tuple[object, Depth]:
+    """``(reduced config, Depth)``; a model with no more layers than needed is returned as is.
+    ``vision=False``: for a sequence without images or videos."""
+    text_kinds, vision_kinds = _text_kinds(config, vision), _vision_kinds(config)
     t = _text_prefix(text_kinds)
     plain = [k for k in dict.fromkeys(vision_kinds) if not isinstance(k, tuple)]
     deepstack = [k for k in vision_kinds if isinstance(k, tuple)]
-    reduced_vision = plain + deepstack + ([] if deepstack else plain[:1])
+    reduced_vision = plain[:1] + plain + deepstack + ([] if deepstack else plain[:1])
     if len(reduced_vision) >= len(vision_kinds):
         reduced_vision = vision_kinds
     reduced = copy.deepcopy(config)
@@ -86,7 +90,7 @@ def reduce_depth(config) -> tuple[object, Depth]:
     else:
         vision.num_hidden_layers = v
     if deepstack:
-        vision.deepstack_visual_indexes = list(range(len(plain), v))
+        vision.deepstack_visual_indexes = list(range(v - len(deepstack), v))
     if getattr(vision, "fullatt_block_indexes", None) is not None:
         vision.fullatt_block_indexes = [
             i
@@ -103,7 +107,7 @@ def _extra(full: list, reduced: list) -> dict:
     for kind in dict.fromkeys(full):
         left_out = full.count(kind) - reduced.count(kind)
         if left_out:
-            out[reduced.index(kind)] = left_out
+            out[next(i for i in range(1, len(reduced) - 1) if reduced[i] == kind)] = left_out
     return out
 
 
@@ -113,19 +117,21 @@ def vision_blocks(tower: nn.Module) -> nn.ModuleList:
     return max(lists, key=len)
 
 
-def shard_bytes(model: nn.Module, world: int, fsdp: bool) -> tuple[int, int]:
-    """``(parameter bytes, trainable parameter elements)`` one rank holds: FSDP2 keeps dim-0
-    chunks of ``ceil(dim0 / world)`` rows (the largest, rank 0's, padded to on every rank)."""
-    nbytes = elems = 0
+def shard_bytes(model: nn.Module, world: int, fsdp: bool) -> tuple[int, int, int]:
+    """``(parameter bytes, trainable parameter elements, trainable tensors)`` one rank holds:
+    FSDP2 keeps dim-0 chunks of ``ceil(dim0 / world)`` rows (the largest, rank 0's, padded to
+    on every rank)."""
+    nbytes = elems = tensors = 0
     for p in model.parameters():
         n = p.numel()
         if fsdp and p.dim() and world > 1:
             n = math.ceil(p.shape[0] / world) * (n // p.shape[0])
         nbytes += n * p.element_size()
         elems += n if p.requires_grad else 0
+        tensors += p.requires_grad
     for b in model.buffers():
         nbytes += b.numel() * b.element_size()
-    return nbytes, elems
+    return nbytes, elems, tensors
 
 
 def meta_model(config, dtype: torch.dtype) -> nn.Module:

@@ -106,28 +106,61 @@ def candidates(gpus: int, cps, attns, checkpointing, chunks) -> list[Setup]:
     return out
 
 
+def _economy(setup: Setup) -> tuple:
+    """Sort key: the setups that need the least memory first (largest cp, checkpointing on,
+    smallest loss chunk)."""
+    return (-setup.cp, not setup.activation_checkpointing, setup.loss_chunk or 2**62)
+
+
+def _needs_no_more(a: Setup, b: Setup) -> bool:
+    """Whether ``a`` needs no more memory per rank than ``b``: the same attention and ranks, at
+    least b's cp, checkpointing where b has it, a loss chunk no larger."""
+    return (
+        a.attn == b.attn
+        and a.dp * a.cp == b.dp * b.cp
+        and a.cp >= b.cp
+        and (a.activation_checkpointing or not b.activation_checkpointing)
+        and (a.loss_chunk or 2**62) <= (b.loss_chunk or 2**62)
+    )
+
+
 def evaluate(
     config, spec: SequenceSpec, setups, gpu_mem_gib: float, progress=None
 ) -> list[Candidate]:
-    """Simulate every setup (a ValueError of one becomes its ``error``)."""
+    """Simulate the setups, least memory first (a ValueError of one becomes its ``error``). A
+    setup that needs no less memory than one already found not to fit is not simulated (its
+    ``error`` says which)."""
     budget = int(gpu_mem_gib * GiB)
-    out = []
-    for setup in setups:
+    cache: dict = {}  # the optimizer step and shard sizes, shared by the setups of a mesh
+    out, too_big = {}, []
+    for setup in sorted(setups, key=_economy):
         if progress is not None:
             progress.set_description(
                 f"cp={setup.cp} attn={setup.attn} ac={int(setup.activation_checkpointing)} chunk={setup.loss_chunk}"
             )
-        try:
-            memory = simulate_step(config, spec, setup)
-            cand = Candidate(setup, memory, step_s=step_seconds(config, spec, setup))
-            fixed = memory.params + memory.grads + memory.optimizer
-            act = memory.steady_peak - fixed
-            cand.longest = int(spec.seq_len * (budget - fixed) / act) if budget > fixed else 0
-        except (ValueError, NotImplementedError, RuntimeError) as err:
+        over = next((a for a in too_big if _needs_no_more(a, setup)), None)
+        if over is not None:
             cand = Candidate(
-                setup, None, error=f"{type(err).__name__}: {err}".splitlines()[0][:300]
+                setup,
+                None,
+                error=f"not simulated: needs at least the {out[over].memory.steady_peak / GiB:.1f} "
+                f"GiB of cp={over.cp} ac={int(over.activation_checkpointing)} "
+                f"chunk={over.loss_chunk}",
             )
-        out.append(cand)
+        else:
+            try:
+                memory = simulate_step(config, spec, setup, cache)
+                cand = Candidate(setup, memory, step_s=step_seconds(config, spec, setup))
+                fixed = memory.params + memory.grads + memory.optimizer
+                act = memory.steady_peak - fixed
+                cand.longest = int(spec.seq_len * (budget - fixed) / act) if budget > fixed else 0
+                if not cand.fits(budget):
+                    too_big.append(setup)
+            except (ValueError, NotImplementedError, RuntimeError) as err:
+                cand = Candidate(
+                    setup, None, error=f"{type(err).__name__}: {err}".splitlines()[0][:300]
+                )
+        out[setup] = cand
         if progress is not None:
             progress.update(1)
-    return out
+    return [out[s] for s in setups]

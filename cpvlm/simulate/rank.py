@@ -68,8 +68,9 @@ class RankMemory:
     optimizer: int  # AdamW state
     saved: int  # activations saved for backward when the forward ends (the activation memory)
     loss_saved: int  # the part of ``saved`` made by the head and the loss (logits)
-    peak: int  # the step's peak of live bytes (forward, backward, optimizer step)
+    peak: int  # the first step's peak of live bytes (forward, backward, optimizer step)
     peak_fwd_bwd: int  # the peak of forward + backward alone, before the optimizer state exists
+    peak_opt: int = 0  # the optimizer step's peak: params, grads, state and its temporaries
     peak_by_category: dict[str, int] = field(default_factory=dict)  # live at ``peak_fwd_bwd``
     local_len: int = 0
     pixel_bytes: int = 0  # the batch's pixel rows (held before the step; the tower's input)
@@ -78,8 +79,8 @@ class RankMemory:
     @property
     def steady_peak(self) -> int:
         """The peak of a step after the first: forward + backward with the optimizer state
-        already held (the first step's optimizer.step allocates it)."""
-        return max(self.peak, self.peak_fwd_bwd + self.optimizer)
+        already held (the first step's optimizer.step allocates it), or the optimizer step."""
+        return max(self.peak_fwd_bwd + self.optimizer, self.peak_opt)
 
     @property
     def activations(self) -> int:
@@ -149,18 +150,30 @@ def _build(meta_model, setup: Setup):
     return model
 
 
-def simulate_step(config, spec: SequenceSpec, setup: Setup = Setup()) -> RankMemory:
+def simulate_step(
+    config, spec: SequenceSpec, setup: Setup = Setup(), cache: dict | None = None
+) -> RankMemory:
     """One training step of ``config``'s model on ``spec`` for one rank of ``setup``, on fake
     tensors; its bytes (see ``RankMemory``). Raises ValueError for a config or setup cpvlm cannot
-    build, with the reason."""
+    build, with the reason.
+
+    ``cache`` (a dict the caller keeps, one per config) holds what does not depend on the
+    sequence: the optimizer step's bytes (simulated once per mesh and dtype; they depend only on
+    the parameter shards) and the full model's shard sizes. Several calls then cost a forward and
+    backward each."""
     from cpvlm.integrations.hf import ContextParallelVLM, adapter_for
     from cpvlm.parallelize import build_mesh, mesh_groups, parallelize
 
     t0 = time.perf_counter()
     world = setup.dp * setup.cp
     compute = setup.compute_dtype if setup.compute_dtype != setup.master_dtype else None
-    run_config, depth = reduce_depth(config) if setup.reduced_depth else (config, None)
+    cache = {} if cache is None else cache
+    has_vision = bool(spec.images or spec.videos)
+    run_config, depth = reduce_depth(config, has_vision) if setup.reduced_depth else (config, None)
     meta = meta_model(run_config, setup.master_dtype)
+    layers = None if depth is None else (depth.text_layers, depth.vision_blocks)
+    opt_key = ("optimizer", setup.dp, setup.cp, setup.data_parallel, setup.master_dtype, layers)
+    run_optimizer = setup.optimizer and opt_key not in cache
     with fake_world(world, _rank_of(setup)), compat.fake_tensor_mode(), compat.HostIntegers():
         model = _build(meta, setup)
         adapter = adapter_for(model)
@@ -188,7 +201,7 @@ def simulate_step(config, spec: SequenceSpec, setup: Setup = Setup()) -> RankMem
                 raise ValueError("Setup: compute_dtype needs data_parallel='fsdp' in a simulation")
         batch, doc_lens = build_batch(config, spec)
         params = [p for p in cp_model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True) if setup.optimizer else None
+        optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True) if run_optimizer else None
         exclude = {id(t.untyped_storage()) for t in (*model.parameters(), *model.buffers())}
         saved = _Saved(exclude)
         saved.label(adapter.decoder_layers(model), "text")
@@ -205,19 +218,28 @@ def simulate_step(config, spec: SequenceSpec, setup: Setup = Setup()) -> RankMem
             out.loss.backward()
             fwd_bwd = _peak(tracker)
             by_category = _categories(tracker, "peak")
-            grads = _categories(tracker, "current").get("Gradient", 0)
-            if optimizer is not None:
-                optimizer.step()
-            peak = _peak(tracker)
             now = _categories(tracker, "current")
+            if optimizer is not None:
+                tracker.reset_peak()
+                optimizer.step()
+                # The step's bytes beyond the parameters and gradients: the same for every
+                # sequence on this mesh (nothing else is live after the backward).
+                cache[opt_key] = (
+                    _peak(tracker) - now["Total"],
+                    _categories(tracker, "current").get("Optstate", 0),
+                )
+        opt_peak, opt_state = cache.get(opt_key, (0, 0))
+        params = now.get("Parameter", 0) + now.get("Buffer", 0)
+        grads = now.get("Gradient", 0)
         memory = RankMemory(
-            params=now.get("Parameter", 0) + now.get("Buffer", 0),
+            params=params,
             grads=grads,
-            optimizer=now.get("Optstate", 0),
+            optimizer=opt_state,
             saved=saved_bytes,
             loss_saved=loss_saved,
-            peak=peak,
+            peak=max(fwd_bwd, now["Total"] + opt_peak),
             peak_fwd_bwd=fwd_bwd,
+            peak_opt=now["Total"] + opt_peak if setup.optimizer else 0,
             peak_by_category=by_category,
             local_len=out_local_len(batch, setup),
             pixel_bytes=sum(
@@ -225,7 +247,7 @@ def simulate_step(config, spec: SequenceSpec, setup: Setup = Setup()) -> RankMem
             ),
         )
         if depth is not None:
-            _add_left_out(memory, by_layer, depth, config, meta, setup)
+            _add_left_out(memory, by_layer, depth, config, meta, setup, cache)
     memory.seconds = time.perf_counter() - t0
     return memory
 
@@ -236,17 +258,23 @@ def out_local_len(batch, setup: Setup) -> int:
     return ShardPlan(batch["input_ids"].shape[1], setup.cp).local_len
 
 
-def _add_left_out(memory: RankMemory, by_layer: dict, depth, config, meta, setup: Setup) -> None:
+def _add_left_out(
+    memory: RankMemory, by_layer: dict, depth, config, meta, setup: Setup, cache: dict
+) -> None:
     """The layers the reduced model left out: their saved bytes (those of the simulated layer of
     their kind) and their shards of parameters, gradients and optimizer state."""
     acts = sum(n * by_layer.get(("text", i), 0) for i, n in depth.text_extra.items())
     acts += sum(n * by_layer.get(("vision", i), 0) for i, n in depth.vision_extra.items())
     world, fsdp = setup.dp * setup.cp, setup.data_parallel == "fsdp"
-    full_bytes, full_elems = shard_bytes(meta_model(config, setup.master_dtype), world, fsdp)
-    red_bytes, red_elems = shard_bytes(meta, world, fsdp)
+    key = ("shards", world, fsdp, setup.master_dtype)
+    if key not in cache:
+        cache[key] = shard_bytes(meta_model(config, setup.master_dtype), world, fsdp)
+    full_bytes, full_elems, full_tensors = cache[key]
+    red_bytes, red_elems, red_tensors = shard_bytes(meta, world, fsdp)
     elem = torch.empty((), dtype=setup.master_dtype).element_size()
     d_params, d_grads = full_bytes - red_bytes, (full_elems - red_elems) * elem
-    d_opt = 2 * d_grads if setup.optimizer else 0  # AdamW: exp_avg, exp_avg_sq
+    # AdamW: exp_avg, exp_avg_sq, and a float32 step count per parameter
+    d_opt = 2 * d_grads + 4 * (full_tensors - red_tensors) if setup.optimizer else 0
     memory.params += d_params
     memory.grads += d_grads
     memory.optimizer += d_opt
@@ -254,7 +282,9 @@ def _add_left_out(memory: RankMemory, by_layer: dict, depth, config, meta, setup
     # At the forward + backward peak every saved activation is alive; the gradients are counted
     # whole (an upper bound: the peak may come before the last of them lands).
     memory.peak_fwd_bwd += acts + d_params + d_grads
-    memory.peak = max(memory.peak + d_params + d_grads + d_opt, memory.peak_fwd_bwd)
+    if setup.optimizer:  # foreach AdamW's one temporary: sqrt(exp_avg_sq), the grads' size
+        memory.peak_opt += d_params + d_grads + d_opt + d_grads
+    memory.peak = max(memory.peak_opt, memory.peak_fwd_bwd)
 
 
 def _categories(tracker, kind: str) -> dict[str, int]:
