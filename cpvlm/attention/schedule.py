@@ -40,8 +40,7 @@ from operator import itemgetter
 import torch
 
 from cpvlm.attention import bands as bd
-from cpvlm.attention.bands import CAUSAL, FULL, KINDS, MASKED  # noqa: F401 (FULL: re-exported)
-from cpvlm.attention.bands import take
+from cpvlm.attention.bands import CAUSAL, FULL, KINDS, MASKED, take  # noqa: F401 (FULL: re-exported)
 from cpvlm.attention.mask_spec import MaskSpec
 from cpvlm.distributed import compat
 from cpvlm.distributed.shard_plan import ShardPlan
@@ -261,7 +260,10 @@ def _runs(plan: ShardPlan) -> _Runs:
     d1 = torch.searchsorted(ds, b - 1, right=True) - 1
     item, k = bd._expand(d1 - d0 + 1)  # a contiguous range may hold several documents
     doc = take(d0, item) + k
-    g0, g1 = torch.maximum(take(a, item), take(ds, doc)), torch.minimum(take(b, item), take(de, doc))
+    g0, g1 = (
+        torch.maximum(take(a, item), take(ds, doc)),
+        torch.minimum(take(b, item), take(de, doc)),
+    )
     item, doc, g0, g1 = _select(g1 > g0, item, doc, g0, g1)
     rank, l0 = take(rank, item), take(local, item) + g0 - take(a, item)
     l1 = l0 + g1 - g0
@@ -412,7 +414,9 @@ def _blocks(sched: AttentionSchedule, rank: int, rect, w: int) -> tuple[tuple[Se
     joins = _group(cols, step.tolist(), merges, max_hidden)
     kinds = [KINDS[k] for k in cols[4]]
     segs = list(map(tuple.__new__, repeat(Segment), zip(*cols[:4], kinds, cols[5])))
-    for n, d, x, x2, y, y2 in zip(edge.tolist(), *(take(t, edge).tolist() for t in (doc, a, a2, c0, c1))):
+    for n, d, x, x2, y, y2 in zip(
+        edge.tolist(), *(take(t, edge).tolist() for t in (doc, a, a2, c0, c1))
+    ):
         segs[n]._visible = _edge_mask(b, d, x, x2, y, y2)  # built on first use
     if any(joins):
         join = torch.frombuffer(joins, dtype=torch.uint8).bool()
@@ -575,7 +579,12 @@ def _last_step(sched: AttentionSchedule) -> int:
         target = ((runs.rank - i) % w) * d + runs.doc
         q, j = bd._expand(take(count, target))
         k = take(take(first_of, target), q) + j
-        doc, kg, kend, qb_q = take(runs.doc, q), take(runs.gstart, k), take(runs.gend, k), take(qb, q)
+        doc, kg, kend, qb_q = (
+            take(runs.doc, q),
+            take(runs.gstart, k),
+            take(runs.gend, k),
+            take(qb, q),
+        )
         row = b.first_row_reaching(take(qa, q), doc, kg)
         if bool(((row < qb_q) & (b.lo(torch.minimum(row, qb_q - 1), doc) <= kend)).any()):
             return i
