@@ -155,6 +155,7 @@ class AttentionSchedule:
     def __init__(self, plan: ShardPlan, mask: MaskSpec):
         self.plan, self.mask = plan, mask
         self._rows: dict[int, tuple[tuple[Segment, ...], ...]] = {}
+        self._work: dict[int, tuple[list[int], list[int]]] = {}
 
     @property
     def causal(self) -> bool:
@@ -183,7 +184,7 @@ class AttentionSchedule:
         if cp_rank not in self._rows:
             self.plan._check_rank(cp_rank)
             with compat.real_tensors(), _gc_paused():
-                self._rows[cp_rank] = _rank_rows(self, cp_rank)
+                self._rows[cp_rank] = _blocks(self, cp_rank, _rank_rects(self, cp_rank))
         return self._rows[cp_rank]
 
     def segments(self, cp_rank: int, step: int) -> tuple[Segment, ...]:
@@ -195,12 +196,26 @@ class AttentionSchedule:
         with compat.real_tensors():
             return _last_step(self)
 
+    def step_work(self, cp_rank: int) -> tuple[list[int], list[int]]:
+        """Per ring step, rank ``cp_rank``'s kernel calls and computed (query, key) pairs (a
+        MASKED call counted in full): what the cost model reads, counted from the rectangles'
+        arrays without making their segments when the rank's rows are not made yet."""
+        if cp_rank in self._rows:
+            rows = self._rows[cp_rank]
+            return [len(b) for b in rows], [sum(map(_computed, b)) for b in rows]
+        if cp_rank not in self._work:
+            self.plan._check_rank(cp_rank)
+            with compat.real_tensors():
+                rect = _rank_rects(self, cp_rank)
+                self._work[cp_rank] = _step_work(self, rect, self.plan.cp_size)
+        return self._work[cp_rank]
+
     def kernel_calls(self, cp_rank: int) -> int:
         return sum(len(block) for block in self.rank_steps(cp_rank))
 
     def computed_pairs(self, cp_rank: int) -> int:
         """(query, key) pairs rank ``cp_rank`` computes, counting a MASKED call in full."""
-        return sum(_area(seg) if seg.kind == MASKED else seg.pairs for seg in self._all(cp_rank))
+        return sum(map(_computed, self._all(cp_rank)))
 
     def _all(self, cp_rank: int):
         return (seg for block in self.rank_steps(cp_rank) for seg in block)
@@ -288,7 +303,9 @@ def _plain_docs(plan: ShardPlan, mask: MaskSpec) -> torch.Tensor:
     return plain
 
 
-def _rank_rows(sched: AttentionSchedule, r: int) -> tuple[tuple[Segment, ...], ...]:
+def _rank_rects(sched: AttentionSchedule, r: int) -> list[torch.Tensor]:
+    """Rank r's rectangles, joined, ungrouped, in its call order: columns (step, doc, q0, q1,
+    k0, k1, kind, a, a2, c0, c1), the last four the global rows and columns of an edge."""
     plan, b, runs, w = sched.plan, sched._bands, sched._runs, sched.plan.cp_size
     lo_r, hi_r = int(runs.rank_first[r]), int(runs.rank_first[r + 1])
     q_doc, q_l0, q_l1 = runs.doc[lo_r:hi_r], runs.lstart[lo_r:hi_r], runs.lstop[lo_r:hi_r]
@@ -353,8 +370,7 @@ def _rank_rows(sched: AttentionSchedule, r: int) -> tuple[tuple[Segment, ...], .
     perm = torch.argsort(key)
     rect = [x.index_select(0, perm) for x in (step, doc_p, q0, q1, k0, k1, kind, a, a2, c0, c1)]
     rect = _join(rect, cols=True)
-    rect = _join(rect, cols=False)
-    return _blocks(sched, r, rect, w)
+    return _join(rect, cols=False)
 
 
 def _select(keep: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -398,8 +414,10 @@ def _edge_pairs(b: bd.Bands, doc, a, a2, c0, c1) -> torch.Tensor:
     return torch.zeros(a.numel(), dtype=torch.long).index_add_(0, part, per_row)
 
 
-def _blocks(sched: AttentionSchedule, rank: int, rect, w: int) -> tuple[tuple[Segment, ...], ...]:
-    """The segments of every block, grouped, with their overwrite flags, in ring-step order."""
+def _grouping(sched: AttentionSchedule, rect) -> tuple:
+    """(pairs, area, edge, cols, joins) of rectangles ``rect``: visible pairs and area per
+    rectangle, the MASKED edges, the columns as lists, and per rectangle 1 where it joins the
+    call before it (``_group``)."""
     step, doc, q0, q1, k0, k1, kind, a, a2, c0, c1 = rect
     b = sched._bands
     height, width = q1 - q0, k1 - k0
@@ -411,7 +429,38 @@ def _blocks(sched: AttentionSchedule, rank: int, rect, w: int) -> tuple[tuple[Se
     max_hidden = float("inf") if b.block is None else b.block * b.block
     cols = [x.tolist() for x in (q0, q1, k0, k1, kind, pairs)]
     merges = _pair_merges(step, q0, q1, k0, k1, kind, pairs, area, max_hidden)
-    joins = _group(cols, step.tolist(), merges, max_hidden)
+    return pairs, area, edge, cols, _group(cols, step.tolist(), merges, max_hidden)
+
+
+def _step_work(sched: AttentionSchedule, rect, w: int) -> tuple[list[int], list[int]]:
+    """(calls, computed pairs) per ring step of the rectangles ``rect`` once grouped: what
+    ``_blocks`` makes of them, counted without making a segment (a MASKED call counts its
+    bounding box in full)."""
+    step, kind, (q0, q1, k0, k1) = rect[0], rect[6], rect[2:6]
+    pairs, area, _, _, joins = _grouping(sched, rect)
+    computed = torch.where(kind == bd._MASKED, area, pairs)
+    if any(joins):
+        join = torch.frombuffer(joins, dtype=torch.uint8).bool()
+        first = torch.nonzero(~join).squeeze(1)
+        call = torch.cumsum(~join, 0) - 1
+        n = first.numel()
+        box = [
+            torch.zeros(n, dtype=torch.long).scatter_reduce_(0, call, x, op, include_self=False)
+            for x, op in ((q0, "amin"), (q1, "amax"), (k0, "amin"), (k1, "amax"))
+        ]
+        size = torch.bincount(call, minlength=n)
+        own = take(computed, first)
+        computed = torch.where(size > 1, (box[1] - box[0]) * (box[3] - box[2]), own)
+        step = take(step, first)
+    calls = torch.bincount(step, minlength=w)
+    return calls.tolist(), torch.zeros(w, dtype=torch.long).index_add_(0, step, computed).tolist()
+
+
+def _blocks(sched: AttentionSchedule, rank: int, rect) -> tuple[tuple[Segment, ...], ...]:
+    """The segments of every block, grouped, with their overwrite flags, in ring-step order."""
+    step, doc, q0, q1, k0, k1, kind, a, a2, c0, c1 = rect
+    b, w = sched._bands, sched.plan.cp_size
+    pairs, area, edge, cols, joins = _grouping(sched, rect)
     kinds = [KINDS[k] for k in cols[4]]
     segs = list(map(tuple.__new__, repeat(Segment), zip(*cols[:4], kinds, cols[5])))
     for n, d, x, x2, y, y2 in zip(
@@ -533,6 +582,10 @@ def _group(cols, step: list[int], merges: list[int], max_hidden: float) -> bytea
 
 def _area(seg: Segment) -> int:
     return (seg.q_stop - seg.q_start) * (seg.k_stop - seg.k_start)
+
+
+def _computed(seg: Segment) -> int:
+    return _area(seg) if seg.kind == MASKED else seg.pairs
 
 
 def _masked(group: list[Segment], q0, q1, k0, k1, pairs: int, edges: bool) -> Segment:
