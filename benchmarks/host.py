@@ -12,10 +12,13 @@ tokens in D documents over cp ranks, one thread:
   - positions: per-document position ids of a text row (``prepare_batch``'s ``_positions``),
                1D (``[B, S]``) and M-RoPE (``[3, B, S]``, the base adapter's ``rope_index``);
   - vision:    ``assign_vision_units`` of one vision unit per document;
+  - auto:      ``impl="auto"``'s choice (``choose_impl``: the cost model over every candidate,
+               which reads every rank's calls and pairs per step), per layout and mask;
   - route:     one rank's ``route_plan`` of one visual row per 8 tokens.
 Times are process CPU milliseconds (the minimum over ``--repeats``; wall clock beside them), so
 that other work on the machine inflates them less; the reference runs once, where it finishes in
-reasonable time (cp <= 16). ``--before FILE`` prints the figures of an earlier run (e.g. of the
+reasonable time (cp <= 16, and S <= 128k or the headline size; elsewhere its column is empty:
+skipped, not measured). ``--max-seq``/``--max-cp`` cut the grid. ``--before FILE`` prints the figures of an earlier run (e.g. of the
 previous code) side by side with ratios. Run: python benchmarks/host.py [--quick] [--part P]
 """
 
@@ -33,6 +36,7 @@ from _common import parser, print_table, write_json
 
 from cpvlm import ShardPlan
 from cpvlm.attention import schedule as attn_schedule
+from cpvlm.attention.cost import Shapes, choose_impl, estimate_seconds
 from cpvlm.attention.mask_spec import MaskSpec
 from cpvlm.distributed import layout as attn_layout
 from cpvlm.integrations.hf import inputs as hf_inputs
@@ -40,13 +44,13 @@ from cpvlm.integrations.hf.adapter import VLMAdapter
 from cpvlm.vision.assign import assign_vision_units
 from cpvlm.vision.route import route_plan
 
-PARTS = ("plan", "schedule", "positions", "vision", "route")
+PARTS = ("plan", "schedule", "auto", "positions", "vision", "route")
 WINDOW = 4096
 FULL_GRID = [
     (s, d, cp)
     for s in (1 << 15, 1 << 17, 1 << 19, 1 << 20)
     for d in (1, 64, 1024, 4096)
-    for cp in (8, 16, 64)
+    for cp in (8, 16, 32, 64)
     if d * 8 <= s
 ]
 QUICK_GRID = [(1 << 20, 1024, 16)]
@@ -63,6 +67,7 @@ def doc_lens(seq_len: int, docs: int, seed: int = 0) -> list[int]:
 def fresh_caches() -> None:
     attn_layout.build_layout.cache_clear()
     attn_schedule._schedule.cache_clear()
+    estimate_seconds.cache_clear()
 
 
 def timed(fn, repeats: int) -> dict:
@@ -150,6 +155,20 @@ def run(config, parts, repeats) -> list[dict]:
         rows += schedule_rows(
             lens, cp, repeats, reference=cp <= 16 and (config == HEADLINE or s <= 1 << 17)
         )
+    if "auto" in parts:
+        shapes = Shapes(batch=1, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+        for layout in ("head_tail", "balanced"):
+            plan = ShardPlan(s, cp, doc_lens=lens, layout=layout)
+            for name, mask in (
+                ("causal", MaskSpec()),
+                (f"window {WINDOW}", MaskSpec(window=WINDOW)),
+            ):
+                row = {"part": "auto", "layout": layout, "mask": name}
+                row |= timed(lambda p=plan, m=mask: choose_impl(p, m, shapes), repeats)
+                row["impl"] = "->" + "".join(map(str, choose_impl(plan, mask, shapes))).replace(
+                    "None", ""
+                )
+                rows.append(row)
     if "positions" in parts:
         for name, mrope in (("1d", False), ("mrope", True)):
             row = {"part": "positions", "impl": name}
@@ -180,12 +199,20 @@ def main() -> None:
     p.add_argument("--part", choices=(*PARTS, "all"), default="all")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--before", type=str, default=None, help="host.json of an earlier run")
+    p.add_argument("--max-seq", type=int, default=None, help="only grid points with S <= this")
+    p.add_argument("--max-cp", type=int, default=None, help="only grid points with cp <= this")
     args = p.parse_args()
     warnings.filterwarnings("ignore", message=".*non-contiguous.*")
     torch.set_num_threads(1)
     parts = PARTS if args.part == "all" else (args.part,)
     grid = QUICK_GRID if args.quick else FULL_GRID
-    rows = [row for config in grid for row in run(config, parts, args.repeats)]
+    grid = [
+        (s, d, cp) for s, d, cp in grid if s <= (args.max_seq or s) and cp <= (args.max_cp or cp)
+    ]
+    rows = []
+    for n, config in enumerate(grid):
+        print(f"[{n + 1}/{len(grid)}] S={config[0]} docs={config[1]} cp={config[2]}", flush=True)
+        rows += run(config, parts, args.repeats)
     if args.before:
         before = {_key(r): r for r in json.loads(Path(args.before).read_text())["rows"]}
         for row in rows:

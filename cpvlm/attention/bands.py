@@ -69,21 +69,21 @@ class Bands:
     """Strip height under a window; None: pieces are whole runs."""
 
     def lo(self, pos: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
-        start = self.doc_start[doc]
+        start = take(self.doc_start, doc)
         return start if self.window is None else torch.maximum(start, pos - self.window + 1)
 
     def hi(self, pos: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
         if not self.causal:
-            last = self.doc_last[doc]
+            last = take(self.doc_last, doc)
             return last if self.window is None else torch.minimum(last, pos + self.window - 1)
         if not self.span_start.numel():
             return pos
         k, inside = self._span_of(pos)
-        return torch.where(inside, self.span_stop[k] - 1, pos)
+        return torch.where(inside, take(self.span_stop, k) - 1, pos)
 
     def _span_of(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k = (torch.searchsorted(self.span_start, pos, right=True) - 1).clamp(min=0)
-        return k, (self.span_start[k] <= pos) & (pos < self.span_stop[k])
+        return k, (take(self.span_start, k) <= pos) & (pos < take(self.span_stop, k))
 
     def first_row_reaching(self, a: torch.Tensor, doc: torch.Tensor, c0: torch.Tensor):
         """The first row i >= a with hi(i) >= c0 (hi is monotone; may lie past the piece)."""
@@ -94,7 +94,7 @@ class Bands:
         if not self.span_start.numel():
             return torch.maximum(a, c0)
         k, inside = self._span_of(c0)
-        return torch.maximum(a, torch.where(inside, self.span_start[k], c0))
+        return torch.maximum(a, torch.where(inside, take(self.span_start, k), c0))
 
 
 def bands(plan: ShardPlan, mask: MaskSpec) -> Bands:
@@ -116,11 +116,16 @@ def bands(plan: ShardPlan, mask: MaskSpec) -> Bands:
     )
 
 
+def take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[index]`` for a 1-d long ``index`` (index_select: a few times faster than indexing)."""
+    return x.index_select(0, index)
+
+
 def _expand(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(owner, rank within owner) of ``counts.sum()`` items, ``counts[o]`` of them per owner."""
     owner = torch.repeat_interleave(torch.arange(counts.numel()), counts)
     first = torch.cumsum(counts, 0) - counts
-    return owner, torch.arange(owner.numel()) - first[owner]
+    return owner, torch.arange(owner.numel()) - take(first, owner)
 
 
 def pieces(b: Bands, start: torch.Tensor, stop: torch.Tensor):
@@ -128,16 +133,17 @@ def pieces(b: Bands, start: torch.Tensor, stop: torch.Tensor):
     first = torch.searchsorted(b.cuts, start, right=True)
     last = torch.searchsorted(b.cuts, stop, right=False)
     run, k = _expand(last - first + 1)
-    nsub = (last - first + 1)[run]
-    cut = b.cuts[(first[run] + k - 1).clamp(0, max(b.cuts.numel() - 1, 0))] if b.cuts.numel() else k
-    sub_a = torch.where(k == 0, start[run], cut)
-    cut = b.cuts[(first[run] + k).clamp(0, max(b.cuts.numel() - 1, 0))] if b.cuts.numel() else k
-    sub_b = torch.where(k == nsub - 1, stop[run], cut)
+    nsub = take(last - first + 1, run)
+    top = max(b.cuts.numel() - 1, 0)
+    cut = take(b.cuts, (take(first, run) + k - 1).clamp(0, top)) if b.cuts.numel() else k
+    sub_a = torch.where(k == 0, take(start, run), cut)
+    cut = take(b.cuts, (take(first, run) + k).clamp(0, top)) if b.cuts.numel() else k
+    sub_b = torch.where(k == nsub - 1, take(stop, run), cut)
     if b.block is None:
         return run, sub_a, sub_b
     sub, j = _expand(-(-(sub_b - sub_a) // b.block))
-    a = sub_a[sub] + j * b.block
-    return run[sub], a, torch.minimum(a + b.block, sub_b[sub])
+    a = take(sub_a, sub) + j * b.block
+    return take(run, sub), a, torch.minimum(a + b.block, take(sub_b, sub))
 
 
 def pair_parts(b: Bands, doc, a, a2, kg, kend):
@@ -160,8 +166,8 @@ def pair_parts(b: Bands, doc, a, a2, kg, kend):
     c0, c1 = torch.maximum(c0, kg[:, None]), torch.minimum(c1, kend[:, None])
     keep = (c0 <= c1) & seen[:, None]
     keep[:, 1:] &= ~case_b[:, None]
-    pair = torch.arange(a.numel())[:, None].expand_as(c0)
-    return pair[keep], c0[keep], c1[keep], kind[keep]
+    at = torch.nonzero(keep.view(-1)).squeeze(1)
+    return at // 3, take(c0.view(-1), at), take(c1.view(-1), at), take(kind.view(-1), at)
 
 
 def classify_edges(b: Bands, doc, a, a2, c0, c1, kind):

@@ -56,7 +56,7 @@ import torch
 
 from cpvlm.attention.mask_spec import MaskSpec
 from cpvlm.attention.ring import ring_steps
-from cpvlm.attention.schedule import MASKED, attention_schedule
+from cpvlm.attention.schedule import attention_schedule
 from cpvlm.attention.ulysses import head_split
 from cpvlm.distributed.shard_plan import ShardPlan
 
@@ -172,17 +172,11 @@ def _ulysses_bytes(heads, i: int, n: int, shapes: Shapes) -> int:
 # ---- time -------------------------------------------------------------------------------------
 
 
-def _calls_s(segments, heads: int, d: int, m: CostModel) -> float:
+def _calls_s(calls: int, pairs: int, heads: int, d: int, m: CostModel) -> float:
+    """Seconds of ``calls`` kernel calls computing ``pairs`` (query, key) pairs of ``heads``."""
     if heads == 0:
         return 0.0
-    pairs = sum(_computed(s) for s in segments)
-    return len(segments) * m.call_s + pairs * heads * d * m.pair_s
-
-
-def _computed(seg) -> int:
-    return (
-        (seg.q_stop - seg.q_start) * (seg.k_stop - seg.k_start) if seg.kind == MASKED else seg.pairs
-    )
+    return calls * m.call_s + pairs * heads * d * m.pair_s
 
 
 def _message(nbytes: float, peers: int, m: CostModel) -> float:
@@ -195,10 +189,11 @@ def _ring_s(
     """A ring over ``plan``'s ranks: per step, the slowest rank's calls or the transfer."""
     schedule, w = attention_schedule(plan, mask), plan.cp_size
     steps, total = ring_steps(schedule), 0.0
+    work = [schedule.step_work(r) for r in range(w)]
     for i in range(steps):
         calls = max(
-            sum(_calls_s(schedule.segments(r, i), qb - qa, d, m) for qa, qb, _, _ in groups)
-            for r in range(w)
+            sum(_calls_s(n[i], pairs[i], qb - qa, d, m) for qa, qb, _, _ in groups)
+            for n, pairs in work
         )
         kv = _message(kv_bytes, 1, m) if i + 1 < steps else 0.0
         dkv = _message(dkv_bytes, 1, m) if steps > 1 else 0.0
@@ -225,8 +220,8 @@ def estimate_seconds(
             return _ring_s(plan, mask, whole, kv, dkv, d, m)
         schedule = attention_schedule(plan, mask)
         calls = max(
-            sum(_calls_s(schedule.segments(r, i), shapes.q_heads, d, m) for i in range(w))
-            for r in range(w)
+            sum(_calls_s(n[i], pairs[i], shapes.q_heads, d, m) for i in range(w))
+            for n, pairs in map(schedule.step_work, range(w))
         )
         comm = _message((w - 1) * kv, w - 1, m) + _message((w - 1) * dkv, w - 1, m)
         return comm + calls * (1 + m.backward_factor)
@@ -239,8 +234,8 @@ def estimate_seconds(
     groups = heads.groups(busiest)
     view = plan.merge_ranks(u)
     if impl == "ulysses" or view.cp_size == 1:
-        segments = attention_schedule(view, mask).segments(0, 0)
-        calls = sum(_calls_s(segments, qb - qa, d, m) for qa, qb, _, _ in groups)
+        n, pairs = attention_schedule(view, mask).step_work(0)
+        calls = sum(_calls_s(n[0], pairs[0], qb - qa, d, m) for qa, qb, _, _ in groups)
         return comm + calls * (1 + m.backward_factor)
     kv, dkv = (2 * _span(heads.kv_range(busiest)) * u * n * e for e in (shapes.elem, shapes.acc))
     return comm + _ring_s(view, mask, groups, kv, dkv, d, m)

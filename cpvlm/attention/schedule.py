@@ -40,7 +40,7 @@ from operator import itemgetter
 import torch
 
 from cpvlm.attention import bands as bd
-from cpvlm.attention.bands import CAUSAL, FULL, KINDS, MASKED  # noqa: F401 (FULL: re-exported)
+from cpvlm.attention.bands import CAUSAL, FULL, KINDS, MASKED, take  # noqa: F401 (FULL: re-exported)
 from cpvlm.attention.mask_spec import MaskSpec
 from cpvlm.distributed import compat
 from cpvlm.distributed.shard_plan import ShardPlan
@@ -155,6 +155,7 @@ class AttentionSchedule:
     def __init__(self, plan: ShardPlan, mask: MaskSpec):
         self.plan, self.mask = plan, mask
         self._rows: dict[int, tuple[tuple[Segment, ...], ...]] = {}
+        self._work: dict[int, tuple[list[int], list[int]]] = {}
 
     @property
     def causal(self) -> bool:
@@ -183,7 +184,7 @@ class AttentionSchedule:
         if cp_rank not in self._rows:
             self.plan._check_rank(cp_rank)
             with compat.real_tensors(), _gc_paused():
-                self._rows[cp_rank] = _rank_rows(self, cp_rank)
+                self._rows[cp_rank] = _blocks(self, cp_rank, _rank_rects(self, cp_rank))
         return self._rows[cp_rank]
 
     def segments(self, cp_rank: int, step: int) -> tuple[Segment, ...]:
@@ -195,12 +196,26 @@ class AttentionSchedule:
         with compat.real_tensors():
             return _last_step(self)
 
+    def step_work(self, cp_rank: int) -> tuple[list[int], list[int]]:
+        """Per ring step, rank ``cp_rank``'s kernel calls and computed (query, key) pairs (a
+        MASKED call counted in full): what the cost model reads, counted from the rectangles'
+        arrays without making their segments when the rank's rows are not made yet."""
+        if cp_rank in self._rows:
+            rows = self._rows[cp_rank]
+            return [len(b) for b in rows], [sum(map(_computed, b)) for b in rows]
+        if cp_rank not in self._work:
+            self.plan._check_rank(cp_rank)
+            with compat.real_tensors():
+                rect = _rank_rects(self, cp_rank)
+                self._work[cp_rank] = _step_work(self, rect, self.plan.cp_size)
+        return self._work[cp_rank]
+
     def kernel_calls(self, cp_rank: int) -> int:
         return sum(len(block) for block in self.rank_steps(cp_rank))
 
     def computed_pairs(self, cp_rank: int) -> int:
         """(query, key) pairs rank ``cp_rank`` computes, counting a MASKED call in full."""
-        return sum(_area(seg) if seg.kind == MASKED else seg.pairs for seg in self._all(cp_rank))
+        return sum(map(_computed, self._all(cp_rank)))
 
     def _all(self, cp_rank: int):
         return (seg for block in self.rank_steps(cp_rank) for seg in block)
@@ -243,9 +258,10 @@ class _Runs:
 
     def __init__(self, rank, doc, lstart, lstop, gstart, num_docs: int, cp_size: int):
         self.rank, self.doc, self.lstart, self.lstop, self.gstart = rank, doc, lstart, lstop, gstart
+        self.gend = gstart + lstop - lstart - 1
         self.rank_first = torch.searchsorted(rank, torch.arange(cp_size + 1))
         self.by_pos = torch.argsort(gstart)
-        self.doc_first = torch.searchsorted(doc[self.by_pos], torch.arange(num_docs + 1))
+        self.doc_first = torch.searchsorted(take(doc, self.by_pos), torch.arange(num_docs + 1))
 
 
 def _runs(plan: ShardPlan) -> _Runs:
@@ -258,20 +274,21 @@ def _runs(plan: ShardPlan) -> _Runs:
     d0 = torch.searchsorted(ds, a, right=True) - 1
     d1 = torch.searchsorted(ds, b - 1, right=True) - 1
     item, k = bd._expand(d1 - d0 + 1)  # a contiguous range may hold several documents
-    doc = d0[item] + k
-    g0, g1 = torch.maximum(a[item], ds[doc]), torch.minimum(b[item], de[doc])
-    real = g1 > g0
-    item, doc, g0, g1 = item[real], doc[real], g0[real], g1[real]
-    rank, l0 = rank[item], local[item] + g0 - a[item]
+    doc = take(d0, item) + k
+    g0, g1 = (
+        torch.maximum(take(a, item), take(ds, doc)),
+        torch.minimum(take(b, item), take(de, doc)),
+    )
+    item, doc, g0, g1 = _select(g1 > g0, item, doc, g0, g1)
+    rank, l0 = take(rank, item), take(local, item) + g0 - take(a, item)
     l1 = l0 + g1 - g0
     # Ranges that meet (a rank's two middle chunks) make one run.
     new = torch.ones(doc.numel(), dtype=torch.bool)
     new[1:] = (rank[1:] != rank[:-1]) | (doc[1:] != doc[:-1]) | (g0[1:] != g1[:-1])
     first = torch.nonzero(new).squeeze(1)
     last = torch.cat([first[1:], first.new_tensor([doc.numel()])]) - 1
-    return _Runs(
-        rank[first], doc[first], l0[first], l1[last], g0[first], len(plan.doc_lens), plan.cp_size
-    )
+    rank, doc, l0, g0 = (take(x, first) for x in (rank, doc, l0, g0))
+    return _Runs(rank, doc, l0, take(l1, last), g0, len(plan.doc_lens), plan.cp_size)
 
 
 # ---- one rank's rows --------------------------------------------------------------------------
@@ -286,7 +303,9 @@ def _plain_docs(plan: ShardPlan, mask: MaskSpec) -> torch.Tensor:
     return plain
 
 
-def _rank_rows(sched: AttentionSchedule, r: int) -> tuple[tuple[Segment, ...], ...]:
+def _rank_rects(sched: AttentionSchedule, r: int) -> list[torch.Tensor]:
+    """Rank r's rectangles, joined, ungrouped, in its call order: columns (step, doc, q0, q1,
+    k0, k1, kind, a, a2, c0, c1), the last four the global rows and columns of an edge."""
     plan, b, runs, w = sched.plan, sched._bands, sched._runs, sched.plan.cp_size
     lo_r, hi_r = int(runs.rank_first[r]), int(runs.rank_first[r + 1])
     q_doc, q_l0, q_l1 = runs.doc[lo_r:hi_r], runs.lstart[lo_r:hi_r], runs.lstop[lo_r:hi_r]
@@ -300,18 +319,17 @@ def _rank_rows(sched: AttentionSchedule, r: int) -> tuple[tuple[Segment, ...], .
         touch[1:] = (q_doc[1:] != q_doc[:-1]) | (q_l0[1:] == q_l1[:-1])
         bad = torch.zeros(len(plan.doc_lens), dtype=torch.bool)
         bad[q_doc[~touch]] = True
-        square = _plain_docs(plan, sched.mask)[q_doc] & ~bad[q_doc]
+        square = take(_plain_docs(plan, sched.mask) & ~bad, q_doc)
 
     # (query run, key run) pairs of one document, key runs in global order.
-    count = runs.doc_first[q_doc + 1] - runs.doc_first[q_doc]
+    count = take(runs.doc_first, q_doc + 1) - take(runs.doc_first, q_doc)
     qp, j = bd._expand(count)
-    kp = runs.by_pos[runs.doc_first[q_doc[qp]] + j]
-    k_rank = runs.rank[kp]
-    kg = runs.gstart[kp]
-    kend = kg + runs.lstop[kp] - runs.lstart[kp] - 1
-    doc = q_doc[qp]
-    keep = ~(square[qp] & (k_rank == r))
-    keep &= (kg <= b.hi(q_g1[qp] - 1, doc)) & (kend >= b.lo(q_g0[qp], doc))
+    doc = take(q_doc, qp)
+    kp = take(runs.by_pos, take(runs.doc_first, doc) + j)
+    kg = take(runs.gstart, kp)
+    kend = take(runs.gend, kp)
+    keep = ~(take(square, qp) & (take(runs.rank, kp) == r))
+    keep &= (kg <= b.hi(take(q_g1, qp) - 1, doc)) & (kend >= b.lo(take(q_g0, qp), doc))
     qp, kp, kg, kend, doc = _select(keep, qp, kp, kg, kend, doc)
 
     # Each pair against every piece of its query run, then the parts of each.
@@ -319,18 +337,18 @@ def _rank_rows(sched: AttentionSchedule, r: int) -> tuple[tuple[Segment, ...], .
     p_count = torch.bincount(p_run, minlength=q_doc.numel())
     p_first = torch.cumsum(p_count, 0) - p_count
     pair, j = bd._expand(p_count[qp])
-    piece = p_first[qp[pair]] + j
-    a, a2 = p_a[piece], p_a2[piece]
-    part, c0, c1, kind = bd.pair_parts(b, doc[pair], a, a2, kg[pair], kend[pair])
-    pair = pair[part]
-    a, a2, doc_p = a[part], a2[part], doc[pair]
+    piece = take(p_first, take(qp, pair)) + j
+    a, a2 = take(p_a, piece), take(p_a2, piece)
+    part, c0, c1, kind = bd.pair_parts(b, take(doc, pair), a, a2, take(kg, pair), take(kend, pair))
+    pair = take(pair, part)
+    a, a2, doc_p = take(a, part), take(a2, part), take(doc, pair)
     kind = bd.classify_edges(b, doc_p, a, a2, c0, c1, kind)
     seen = kind >= 0
     pair, a, a2, c0, c1, kind, doc_p = _select(seen, pair, a, a2, c0, c1, kind, doc_p)
-    qr, kr = qp[pair], kp[pair]
-    q0 = q_l0[qr] + a - q_g0[qr]
-    shift = runs.lstart[kr] - runs.gstart[kr]
-    step = (r - runs.rank[kr]) % w
+    qr, kr = take(qp, pair), take(kp, pair)
+    q0 = take(q_l0 - q_g0, qr) + a
+    shift = take(runs.lstart - runs.gstart, kr)
+    step = (r - take(runs.rank, kr)) % w
 
     q1, k0, k1 = q0 + a2 - a, c0 + shift, c1 + 1 + shift
     order = torch.arange(step.numel())
@@ -339,10 +357,11 @@ def _rank_rows(sched: AttentionSchedule, r: int) -> tuple[tuple[Segment, ...], .
         first = torch.ones(sq.numel(), dtype=torch.bool)
         first[1:] = q_doc[sq[1:]] != q_doc[sq[:-1]]
         at = torch.nonzero(first).squeeze(1)
-        s0, s1 = sq[at], sq[torch.cat([at[1:] - 1, at.new_tensor([sq.numel() - 1])])]
+        s0, s1 = take(sq, at), take(sq, torch.cat([at[1:] - 1, at.new_tensor([sq.numel() - 1])]))
         zero = torch.zeros(s0.numel(), dtype=torch.long)
         causal = torch.full_like(zero, bd._CAUSAL)
-        new = (zero, q_doc[s0], q_l0[s0], q_l1[s1], q_l0[s0], q_l1[s1], causal, zero, zero, zero)
+        d0, l0, l1 = take(q_doc, s0), take(q_l0, s0), take(q_l1, s1)
+        new = (zero, d0, l0, l1, l0, l1, causal, zero, zero, zero)
         old = (step, doc_p, q0, q1, k0, k1, kind, a, a2, c0)
         step, doc_p, q0, q1, k0, k1, kind, a, a2, c0 = (torch.cat(x) for x in zip(old, new))
         c1, order = torch.cat([c1, zero]), torch.cat([order, zero])
@@ -351,8 +370,7 @@ def _rank_rows(sched: AttentionSchedule, r: int) -> tuple[tuple[Segment, ...], .
     perm = torch.argsort(key)
     rect = [x.index_select(0, perm) for x in (step, doc_p, q0, q1, k0, k1, kind, a, a2, c0, c1)]
     rect = _join(rect, cols=True)
-    rect = _join(rect, cols=False)
-    return _blocks(sched, r, rect, w)
+    return _join(rect, cols=False)
 
 
 def _select(keep: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -378,26 +396,28 @@ def _join(rect: list[torch.Tensor], cols: bool) -> list[torch.Tensor]:
     start[1:] = ~same
     first = torch.nonzero(start).squeeze(1)
     last = torch.cat([first[1:], first.new_tensor([step.numel()])]) - 1
-    out = [x[first] for x in rect]
+    out = [take(x, first) for x in rect]
     if cols:
-        out[5] = k1[last]
+        out[5] = take(k1, last)
     else:
-        out[3] = q1[last]
+        out[3] = take(q1, last)
     return out
 
 
 def _edge_pairs(b: bd.Bands, doc, a, a2, c0, c1) -> torch.Tensor:
     """Visible pairs of MASKED edge parts (rows [a, a2), columns [c0, c1]), summed per part."""
     part, j = bd._expand(a2 - a)
-    row, d = a[part] + j, doc[part]
-    lo = torch.maximum(b.lo(row, d), c0[part])
-    hi = torch.minimum(b.hi(row, d), c1[part])
+    row, d = take(a, part) + j, take(doc, part)
+    lo = torch.maximum(b.lo(row, d), take(c0, part))
+    hi = torch.minimum(b.hi(row, d), take(c1, part))
     per_row = (hi - lo + 1).clamp(min=0)
     return torch.zeros(a.numel(), dtype=torch.long).index_add_(0, part, per_row)
 
 
-def _blocks(sched: AttentionSchedule, rank: int, rect, w: int) -> tuple[tuple[Segment, ...], ...]:
-    """The segments of every block, grouped, with their overwrite flags, in ring-step order."""
+def _grouping(sched: AttentionSchedule, rect) -> tuple:
+    """(pairs, area, edge, cols, joins) of rectangles ``rect``: visible pairs and area per
+    rectangle, the MASKED edges, the columns as lists, and per rectangle 1 where it joins the
+    call before it (``_group``)."""
     step, doc, q0, q1, k0, k1, kind, a, a2, c0, c1 = rect
     b = sched._bands
     height, width = q1 - q0, k1 - k0
@@ -405,14 +425,47 @@ def _blocks(sched: AttentionSchedule, rank: int, rect, w: int) -> tuple[tuple[Se
     pairs = torch.where(kind == bd._CAUSAL, height * (height + 1) // 2, area)
     edge = torch.nonzero(kind == bd._MASKED).squeeze(1)
     if edge.numel():
-        pairs[edge] = _edge_pairs(b, doc[edge], a[edge], a2[edge], c0[edge], c1[edge])
+        pairs[edge] = _edge_pairs(b, *(take(x, edge) for x in (doc, a, a2, c0, c1)))
     max_hidden = float("inf") if b.block is None else b.block * b.block
     cols = [x.tolist() for x in (q0, q1, k0, k1, kind, pairs)]
     merges = _pair_merges(step, q0, q1, k0, k1, kind, pairs, area, max_hidden)
-    joins = _group(cols, step.tolist(), merges, max_hidden)
+    return pairs, area, edge, cols, _group(cols, step.tolist(), merges, max_hidden)
+
+
+def _step_work(sched: AttentionSchedule, rect, w: int) -> tuple[list[int], list[int]]:
+    """(calls, computed pairs) per ring step of the rectangles ``rect`` once grouped: what
+    ``_blocks`` makes of them, counted without making a segment (a MASKED call counts its
+    bounding box in full)."""
+    step, kind, (q0, q1, k0, k1) = rect[0], rect[6], rect[2:6]
+    pairs, area, _, _, joins = _grouping(sched, rect)
+    computed = torch.where(kind == bd._MASKED, area, pairs)
+    if any(joins):
+        join = torch.frombuffer(joins, dtype=torch.uint8).bool()
+        first = torch.nonzero(~join).squeeze(1)
+        call = torch.cumsum(~join, 0) - 1
+        n = first.numel()
+        box = [
+            torch.zeros(n, dtype=torch.long).scatter_reduce_(0, call, x, op, include_self=False)
+            for x, op in ((q0, "amin"), (q1, "amax"), (k0, "amin"), (k1, "amax"))
+        ]
+        size = torch.bincount(call, minlength=n)
+        own = take(computed, first)
+        computed = torch.where(size > 1, (box[1] - box[0]) * (box[3] - box[2]), own)
+        step = take(step, first)
+    calls = torch.bincount(step, minlength=w)
+    return calls.tolist(), torch.zeros(w, dtype=torch.long).index_add_(0, step, computed).tolist()
+
+
+def _blocks(sched: AttentionSchedule, rank: int, rect) -> tuple[tuple[Segment, ...], ...]:
+    """The segments of every block, grouped, with their overwrite flags, in ring-step order."""
+    step, doc, q0, q1, k0, k1, kind, a, a2, c0, c1 = rect
+    b, w = sched._bands, sched.plan.cp_size
+    pairs, area, edge, cols, joins = _grouping(sched, rect)
     kinds = [KINDS[k] for k in cols[4]]
     segs = list(map(tuple.__new__, repeat(Segment), zip(*cols[:4], kinds, cols[5])))
-    for n, d, x, x2, y, y2 in zip(edge.tolist(), *(t[edge].tolist() for t in (doc, a, a2, c0, c1))):
+    for n, d, x, x2, y, y2 in zip(
+        edge.tolist(), *(take(t, edge).tolist() for t in (doc, a, a2, c0, c1))
+    ):
         segs[n]._visible = _edge_mask(b, d, x, x2, y, y2)  # built on first use
     if any(joins):
         join = torch.frombuffer(joins, dtype=torch.uint8).bool()
@@ -436,10 +489,11 @@ def _blocks(sched: AttentionSchedule, rank: int, rect, w: int) -> tuple[tuple[Se
             calls.append(_masked(segs[a0:a1], bq0, bq1, bk0, bk1, total, edges))
             at = a1
         segs = calls + segs[at:]
-        step = step[first]
+        step = take(step, first)
     bounds = torch.searchsorted(step, torch.arange(w + 1)).tolist()
-    runs, mine = sched._runs, sched._runs.rank == rank
-    real = list(zip(runs.lstart[mine].tolist(), runs.lstop[mine].tolist()))
+    runs = sched._runs
+    lo, hi = int(runs.rank_first[rank]), int(runs.rank_first[rank + 1])
+    real = list(zip(runs.lstart[lo:hi].tolist(), runs.lstop[lo:hi].tolist()))
     _mark_overwrites(segs, bounds[1], real, sched.plan.local_len)
     return tuple(tuple(segs[bounds[i] : bounds[i + 1]]) for i in range(w))
 
@@ -530,6 +584,10 @@ def _area(seg: Segment) -> int:
     return (seg.q_stop - seg.q_start) * (seg.k_stop - seg.k_start)
 
 
+def _computed(seg: Segment) -> int:
+    return _area(seg) if seg.kind == MASKED else seg.pairs
+
+
 def _masked(group: list[Segment], q0, q1, k0, k1, pairs: int, edges: bool) -> Segment:
     """The masked call of the rectangles ``group`` (their bounding box, visible pairs, and
     whether one of them is an edge's mask)."""
@@ -565,17 +623,22 @@ def _last_step(sched: AttentionSchedule) -> int:
     the key run's start sees no further than the key run's end), from i = W - 1 down."""
     plan, b, runs, w = sched.plan, sched._bands, sched._runs, sched.plan.cp_size
     d = len(plan.doc_lens)
-    key = runs.rank * d + runs.doc
+    # Runs are in (rank, document) order: a table of each (rank, document)'s first run and count.
+    count = torch.bincount(runs.rank * d + runs.doc, minlength=w * d)
+    first_of = torch.cumsum(count, 0) - count
     qa = runs.gstart
     qb = qa + runs.lstop - runs.lstart
     for i in range(w - 1, 0, -1):
         target = ((runs.rank - i) % w) * d + runs.doc
-        first = torch.searchsorted(key, target)
-        q, j = bd._expand(torch.searchsorted(key, target, right=True) - first)
-        k = first[q] + j
-        doc, kg = runs.doc[q], runs.gstart[k]
-        kend = kg + runs.lstop[k] - runs.lstart[k] - 1
-        row = b.first_row_reaching(qa[q], doc, kg)
-        if bool(((row < qb[q]) & (b.lo(torch.minimum(row, qb[q] - 1), doc) <= kend)).any()):
+        q, j = bd._expand(take(count, target))
+        k = take(take(first_of, target), q) + j
+        doc, kg, kend, qb_q = (
+            take(runs.doc, q),
+            take(runs.gstart, k),
+            take(runs.gend, k),
+            take(qb, q),
+        )
+        row = b.first_row_reaching(take(qa, q), doc, kg)
+        if bool(((row < qb_q) & (b.lo(torch.minimum(row, qb_q - 1), doc) <= kend)).any()):
             return i
     return 0

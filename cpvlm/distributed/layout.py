@@ -40,6 +40,7 @@ balanced length are balanced.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -222,15 +223,22 @@ def _place(doc_lens, w, order, k, tokens, works, rest):
     whole_on = [-1] * len(doc_lens)
     cap = -(-(sum(tokens) + rest) // w)
     ranks = range(w)
+    by_work = [(works[q], q) for q in ranks]  # a heap: the least work first (ties: lower rank)
+    heapq.heapify(by_work)
     for d in order[k:]:
         n = doc_lens[d]
-        room, r = cap - n, -1
-        for q in ranks:  # the least work among the ranks with room (ties: lower rank)
-            if tokens[q] <= room and (r < 0 or works[q] < works[r]):
-                r = q
-        if r < 0:
-            r = min(ranks, key=lambda q: (tokens[q], works[q], q))
-        whole_on[d] = r
+        r = by_work[0][1]
+        fast = tokens[r] <= cap - n
+        if not fast:  # rare: the least loaded rank is full; the next with room, or the emptiest
+            room = [q for _, q in sorted(by_work) if tokens[q] <= cap - n]
+            r = room[0] if room else min(ranks, key=lambda q: (tokens[q], works[q], q))
+            by_work.remove((works[r], r))
         tokens[r] += n
         works[r] += n * (n + 1) // 2
+        whole_on[d] = r
+        if fast:
+            heapq.heapreplace(by_work, (works[r], r))
+        else:
+            heapq.heapify(by_work)
+            heapq.heappush(by_work, (works[r], r))
     return tuple(whole_on), tokens, works

@@ -183,7 +183,22 @@ class ShardPlan:
     def indices(self, cp_rank: int) -> torch.Tensor:
         """Global positions (in the padded sequence) held by ``cp_rank``, in local order."""
         self._check_rank(cp_rank)
-        return self._all_indices[cp_rank]
+        if "_all_indices" in self.__dict__:
+            return self._all_indices[cp_rank]
+        cache = self.__dict__.setdefault("_rank_indices", {})
+        if cp_rank not in cache:
+            cache[cp_rank] = self._indices_of(cp_rank)
+        return cache[cp_rank]
+
+    def _indices_of(self, cp_rank: int) -> torch.Tensor:
+        """``indices(cp_rank)`` from that rank's ranges alone (a step needs only its own)."""
+        first = torch.searchsorted(
+            self._ranges[:, 0].contiguous(), torch.tensor([cp_rank, cp_rank + 1])
+        )
+        mine = self._ranges[int(first[0]) : int(first[1])]
+        a, length = mine[:, 1], mine[:, 2] - mine[:, 1]
+        offset = torch.repeat_interleave(a - (torch.cumsum(length, 0) - length), length)
+        return offset + torch.arange(self.local_len)
 
     @cached_property
     def owners(self) -> torch.Tensor:

@@ -77,3 +77,61 @@ def test_schedule_equals_the_reference_on_many_documents_and_long_windows():
         for mask in (MaskSpec(), MaskSpec(window=150), MaskSpec(causal=False, window=40)):
             for view in (plan, plan.merge_ranks(2), plan.merge_ranks(4)):
                 _assert_same(view, mask)
+
+
+class _ReferenceSchedule:
+    """The reference rows in the place of ``attention_schedule``'s: calls and computed pairs per
+    step counted from its segments, as the cost model counted them before ``step_work``."""
+
+    def __init__(self, plan: ShardPlan, mask: MaskSpec):
+        self.rows = reference_steps(plan, mask)
+        busy = [i for rows in self.rows for i, block in enumerate(rows) if block]
+        self.last_step = max(busy, default=0)
+
+    def step_work(self, r: int):
+        computed = [
+            sum(
+                (s.q_stop - s.q_start) * (s.k_stop - s.k_start) if s.kind == MASKED else s.pairs
+                for s in block
+            )
+            for block in self.rows[r]
+        ]
+        return [len(block) for block in self.rows[r]], computed
+
+
+def test_cost_model_equals_its_value_on_the_reference_rows(monkeypatch):
+    # impl="auto" reads calls and pairs per rank and step (step_work, from arrays, no segments);
+    # on the reference rows every estimate and the choice must be the same, float for float.
+    from cpvlm.attention import cost
+
+    lens = [3] * 40 + [300, 5, 520, 2, 2]
+    shapes = cost.Shapes(batch=1, q_heads=8, kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+    cases = []
+    for layout in ("head_tail", "balanced"):
+        plan = ShardPlan(sum(lens), 4, doc_lens=lens, layout=layout)
+        for mask in (MaskSpec(), MaskSpec(window=150), MaskSpec(causal=False, window=40)):
+            options = cost.candidates(plan.cp_size)
+            got = [cost.estimate_seconds(i, plan, mask, shapes, u) for i, u in options]
+            cases.append((plan, mask, options, got, cost.choose_impl(plan, mask, shapes)))
+    # Segments made first: step_work then counts the rows instead (the other path).
+    plan = ShardPlan(sum(lens), 4, doc_lens=lens)
+    cost.estimate_seconds.cache_clear()
+    rows = attention_schedule(plan, MaskSpec())
+    rows.steps  # noqa: B018
+    cases.append(
+        (
+            plan,
+            MaskSpec(),
+            [("ring", None)],
+            [cost.estimate_seconds("ring", plan, True, shapes)],
+            None,
+        )
+    )
+    cost.estimate_seconds.cache_clear()
+    monkeypatch.setattr(cost, "attention_schedule", lambda p, m: _ReferenceSchedule(p, m))
+    for plan, mask, options, got, chosen in cases:
+        want = [cost.estimate_seconds(i, plan, mask, shapes, u) for i, u in options]
+        assert got == want, (plan, mask)
+        if chosen is not None:
+            assert chosen == cost.choose_impl(plan, mask, shapes), (plan, mask)
+    cost.estimate_seconds.cache_clear()
