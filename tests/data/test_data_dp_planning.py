@@ -193,6 +193,21 @@ def test_deal_bound_is_below_the_best_deal_and_the_deal_near_it():
         got = max_over_mean(costs, dp_deal(costs, dp))
         assert deal_bound(costs, dp) <= optimum + 1e-12 <= got + 2e-12, (costs, dp)
         assert got <= 1.1 * optimum, (costs, dp, got, optimum)
+        if per_rank == 2:  # two rows a rank: the deal is the optimum
+            assert abs(got - optimum) <= 1e-12, (costs, dp, got, optimum)
+
+
+def test_two_rows_a_rank_are_paired_costliest_with_cheapest():
+    """At R = 2 the lowest top load pairs the k-th costliest row with the k-th cheapest (the
+    exchange argument); the deal must reach it on long-tailed steps at dp 8 and 16."""
+    rng = random.Random(2)
+    for _ in range(40):
+        dp = rng.choice([8, 16])
+        costs = _long_tailed_costs(rng, 2 * dp)
+        top = sorted(costs, reverse=True)
+        optimum = max(top[k] + top[2 * dp - 1 - k] for k in range(dp))
+        shares = dp_deal(costs, dp)
+        assert max(sum(costs[i] for i in s) for s in shares) == optimum, (dp, costs)
 
 
 def test_row_cost_counts_decoder_attention_and_vision():
