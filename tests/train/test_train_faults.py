@@ -111,26 +111,34 @@ def _session(sid):
     return found
 
 
+def _signal_the_group_after(out, steps, sig, code):
+    """Start a 1000-step run on ``out``, send ``sig`` to its process group after ``steps``
+    steps, and check that it exits ``code`` with no traceback and the one line naming the step
+    it checkpointed; that step."""
+    proc = _start(_train_cmd(out, "--steps", "1000"))
+    try:
+        _wait_for_steps(proc, out, steps)
+        os.killpg(proc.pid, sig)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == code, stderr[-3000:]
+    stopped = len(_metrics(out))
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == (
+        f"cpvlm train: stopped by {sig.name} after step {stopped} of 1000: checkpoint "
+        f"{out / 'checkpoints' / f'step_{stopped:08d}'} written; continue with --resume --out {out}"
+    )
+    return stopped
+
+
 @linux_only
 def test_sigterm_to_the_process_group_checkpoints_and_resumes_exactly(tmp_path, reference):
     """The DataLoader workers (2 per rank) and the fork server get SIGTERM too: they ignore it,
     the ranks finish the step and checkpoint it, and the run exits 143 with one line."""
     out = tmp_path / "run"
-    proc = _start(_train_cmd(out, "--steps", "1000"))
-    try:
-        _wait_for_steps(proc, out, 3)
-        os.killpg(proc.pid, signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=120)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 143, stderr[-3000:]
-    stopped = len(_metrics(out))
-    assert "Traceback" not in stderr, stderr[-3000:]
-    assert stderr.strip().splitlines()[-1] == (
-        f"cpvlm train: stopped by SIGTERM after step {stopped} of 1000: checkpoint "
-        f"{out / 'checkpoints' / f'step_{stopped:08d}'} written; continue with --resume --out {out}"
-    )
+    stopped = _signal_the_group_after(out, 3, signal.SIGTERM, 143)
     assert 3 <= stopped < STEPS
     assert newest_intact(out)[0].name == f"step_{stopped:08d}"
     _same(_resume(out), reference[1])
@@ -158,21 +166,7 @@ def test_sigint_a_second_signal_and_a_killed_rank(tmp_path):
     3. Rank 1 killed (SIGKILL, CPVLM_FAULT=kill) at the start of the second resumed step: every
        process ends within seconds, the launcher names rank 1 and the signal, exit 1."""
     out = tmp_path / "run"
-    proc = _start(_train_cmd(out, "--steps", "1000"))
-    try:
-        _wait_for_steps(proc, out, 2)
-        os.killpg(proc.pid, signal.SIGINT)
-        _, stderr = proc.communicate(timeout=120)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130, stderr[-3000:]
-    stopped = len(_metrics(out))
-    assert "Traceback" not in stderr, stderr[-3000:]
-    assert stderr.strip().splitlines()[-1] == (
-        f"cpvlm train: stopped by SIGINT after step {stopped} of 1000: checkpoint "
-        f"{out / 'checkpoints' / f'step_{stopped:08d}'} written; continue with --resume --out {out}"
-    )
+    stopped = _signal_the_group_after(out, 2, signal.SIGINT, 130)
     assert newest_intact(out) == (out / "checkpoints" / f"step_{stopped:08d}", [])
 
     cmd = _train_cmd(out, "--steps", "1000", "--resume")
