@@ -262,6 +262,8 @@ class _Runs:
         self.rank_first = torch.searchsorted(rank, torch.arange(cp_size + 1))
         self.by_pos = torch.argsort(gstart)
         self.doc_first = torch.searchsorted(take(doc, self.by_pos), torch.arange(num_docs + 1))
+        self.sorted_gstart = take(gstart, self.by_pos)
+        self.sorted_gend = take(self.gend, self.by_pos)
 
 
 def _runs(plan: ShardPlan) -> _Runs:
@@ -321,16 +323,21 @@ def _rank_rects(sched: AttentionSchedule, r: int) -> list[torch.Tensor]:
         bad[q_doc[~touch]] = True
         square = take(_plain_docs(plan, sched.mask) & ~bad, q_doc)
 
-    # (query run, key run) pairs of one document, key runs in global order.
-    count = take(runs.doc_first, q_doc + 1) - take(runs.doc_first, q_doc)
-    qp, j = bd._expand(count)
-    doc = take(q_doc, qp)
-    kp = take(runs.by_pos, take(runs.doc_first, doc) + j)
-    kg = take(runs.gstart, kp)
-    kend = take(runs.gend, kp)
-    keep = ~(take(square, qp) & (take(runs.rank, kp) == r))
-    keep &= (kg <= b.hi(take(q_g1, qp) - 1, doc)) & (kend >= b.lo(take(q_g0, qp), doc))
-    qp, kp, kg, kend, doc = _select(keep, qp, kp, kg, kend, doc)
+    # (query run, key run) pairs of one document that see each other, key runs in global order:
+    # lo, hi are monotone and runs in global order disjoint, so the key runs a query run sees
+    # (kg <= hi(its last row), kend >= lo(its first)) are one stretch, found by bisection.
+    first = torch.maximum(
+        torch.searchsorted(runs.sorted_gend, b.lo(q_g0, q_doc)), take(runs.doc_first, q_doc)
+    )
+    stop = torch.minimum(
+        torch.searchsorted(runs.sorted_gstart, b.hi(q_g1 - 1, q_doc), right=True),
+        take(runs.doc_first, q_doc + 1),
+    )
+    qp, j = bd._expand((stop - first).clamp(min=0))
+    kp = take(runs.by_pos, take(first, qp) + j)
+    if sched.causal and bool(square.any()):
+        qp, kp = _select(~(take(square, qp) & (take(runs.rank, kp) == r)), qp, kp)
+    doc, kg, kend = take(q_doc, qp), take(runs.gstart, kp), take(runs.gend, kp)
 
     # Each pair against every piece of its query run, then the parts of each.
     p_run, p_a, p_a2 = bd.pieces(b, q_g0, q_g1)
