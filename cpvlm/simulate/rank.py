@@ -66,12 +66,15 @@ class RankMemory:
     params: int  # this rank's parameters (FSDP2: its shard), buffers included
     grads: int  # its gradients after the backward (FSDP2: sharded)
     optimizer: int  # AdamW state
-    saved: int  # activations saved for backward when the forward ends (the activation memory)
-    loss_saved: int  # the part of ``saved`` made by the head and the loss (logits)
+    saved: int  # bytes saved for backward when the forward ends, parameters' shards excluded
+    loss_saved: int  # the part of ``saved`` the tracker attributes to the logits and loss
+    saved_gathered: int  # the part that is full-size parameters FSDP2 gathered (lm_head's weight)
     peak: int  # the first step's peak of live bytes (forward, backward, optimizer step)
     peak_fwd_bwd: int  # the peak of forward + backward alone, before the optimizer state exists
     peak_opt: int = 0  # the optimizer step's peak: params, grads, state and its temporaries
     peak_by_category: dict[str, int] = field(default_factory=dict)  # live at ``peak_fwd_bwd``
+    gathered: int = 0  # at ``peak_fwd_bwd``: full-size parameters FSDP2 gathered, its buffers
+    loss: int = 0  # at ``peak_fwd_bwd``: the logits and loss (forward or backward)
     local_len: int = 0
     pixel_bytes: int = 0  # the batch's pixel rows (held before the step; the tower's input)
     seconds: float = 0.0  # simulation time
@@ -87,8 +90,22 @@ class RankMemory:
         """What the step needs beyond parameters, gradients and optimizer state."""
         return self.steady_peak - self.params - self.grads - self.optimizer
 
+    @property
+    def saved_activations(self) -> int:
+        """The saved bytes less the logits/loss and gathered parameters: the model's activations
+        saved for backward."""
+        return self.saved - self.loss_saved - self.saved_gathered
+
+    @property
+    def peak_activations(self) -> int:
+        """``activations`` less the gathered parameters and the logits/loss live at the peak
+        (when the steady peak is the optimizer step's, nothing is subtracted)."""
+        at_fwd_bwd = self.steady_peak == self.peak_fwd_bwd + self.optimizer
+        return self.activations - (self.gathered + self.loss if at_fwd_bwd else 0)
+
     def as_dict(self) -> dict:
-        return {**asdict(self), "steady_peak": self.steady_peak, "activations": self.activations}
+        derived = ("steady_peak", "activations", "saved_activations", "peak_activations")
+        return {**asdict(self), **{name: getattr(self, name) for name in derived}}
 
 
 @contextlib.contextmanager
@@ -104,26 +121,30 @@ def fake_world(world_size: int, rank: int = 0):
 
 
 class _Saved:
-    """Bytes saved for backward, once per storage, parameters excluded; by region."""
+    """Bytes saved for backward, once per storage, parameters excluded; by region (the layer
+    that saved it) and by the tracker's category of its storage."""
 
-    def __init__(self, exclude: set[int]):
+    def __init__(self, exclude: set[int], category_of):
         self.exclude = exclude
+        self.category_of = category_of
         self.region = "model"
-        self.storages: dict[int, tuple[weakref.ref, str]] = {}
+        self.storages: dict[int, tuple[weakref.ref, object, str | None]] = {}
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         if t.layout == torch.strided:
             storage = t.untyped_storage()
             key = id(storage)
             if key not in self.exclude and key not in self.storages:
-                self.storages[key] = (weakref.ref(storage), self.region)
+                self.storages[key] = (weakref.ref(storage), self.region, self.category_of(t))
         return t
 
-    def bytes(self, region=None) -> int:
+    def bytes(self, region=None, category=None, not_category=None) -> int:
         total = 0
-        for ref, where in self.storages.values():
+        for ref, where, cat in self.storages.values():
             storage = ref()
-            if storage is not None and region in (None, where):
+            if storage is None or region not in (None, where) or category not in (None, cat):
+                continue
+            if not_category is None or cat != not_category:
                 total += storage.nbytes()
         return total
 
@@ -201,33 +222,42 @@ def simulate_step(
                 raise ValueError("Setup: compute_dtype needs data_parallel='fsdp' in a simulation")
         batch, doc_lens = build_batch(config, spec)
         params = [p for p in cp_model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True) if run_optimizer else None
         exclude = {id(t.untyped_storage()) for t in (*model.parameters(), *model.buffers())}
-        saved = _Saved(exclude)
+        tracker = compat.memory_tracker()
+        tracker.track_external(runner)
+        saved = _Saved(exclude, tracker.category_of)
         saved.label(adapter.decoder_layers(model), "text")
         saved.label(vision_blocks(adapter.vision_tower(model)), "vision")
-        text_model = adapter.text_model(model)
-        text_model.register_forward_hook(lambda *_: setattr(saved, "region", "loss"))
-        tracker = compat.memory_tracker()
-        tracker.track_external(runner, *([optimizer] if optimizer else []))
+        adapter.text_model(model).register_forward_hook(
+            lambda _m, _a, output: _after_decoder(saved, tracker, output)
+        )
         with tracker:
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                 out = runner(**batch, doc_lens=doc_lens)
-            saved_bytes, loss_saved = saved.bytes(), saved.bytes("loss")
-            by_layer = {key: saved.bytes(key) for key in {w for _, w in saved.storages.values()}}
+            saved_bytes = saved.bytes()
+            loss_saved = saved.bytes(category=compat.LOSS)
+            saved_gathered = saved.bytes(category=compat.GATHERED)
+            by_layer = {  # what each layer saved, less any gathered parameter it holds
+                key: saved.bytes(key, not_category=compat.GATHERED)
+                for key in {w for _, w, _ in saved.storages.values()}
+            }
+            # The backward starts in the loss, until its gradient reaches the decoder's output
+            # (``_after_decoder``'s hook pops it).
+            tracker.push(compat.LOSS)
             out.loss.backward()
             fwd_bwd = _peak(tracker)
             by_category = _categories(tracker, "peak")
             now = _categories(tracker, "current")
-            if optimizer is not None:
+            if run_optimizer:
                 tracker.reset_peak()
-                optimizer.step()
+                optimizer = _optimizer_step(params)
                 # The step's bytes beyond the parameters and gradients: the same for every
                 # sequence on this mesh (nothing else is live after the backward).
                 cache[opt_key] = (
                     _peak(tracker) - now["Total"],
                     _categories(tracker, "current").get("Optstate", 0),
                 )
+                del optimizer  # its state is counted while it lives
         opt_peak, opt_state = cache.get(opt_key, (0, 0))
         params = now.get("Parameter", 0) + now.get("Buffer", 0)
         grads = now.get("Gradient", 0)
@@ -237,10 +267,13 @@ def simulate_step(
             optimizer=opt_state,
             saved=saved_bytes,
             loss_saved=loss_saved,
+            saved_gathered=saved_gathered,
             peak=max(fwd_bwd, now["Total"] + opt_peak),
             peak_fwd_bwd=fwd_bwd,
             peak_opt=now["Total"] + opt_peak if setup.optimizer else 0,
             peak_by_category=by_category,
+            gathered=by_category.get(compat.GATHERED, 0),
+            loss=by_category.get(compat.LOSS, 0),
             local_len=out_local_len(batch, setup),
             pixel_bytes=sum(
                 v.numel() * v.element_size() for k, v in batch.items() if k.startswith("pixel")
@@ -250,6 +283,34 @@ def simulate_step(
             _add_left_out(memory, by_layer, depth, config, meta, setup, cache)
     memory.seconds = time.perf_counter() - t0
     return memory
+
+
+def _optimizer_step(params) -> torch.optim.Optimizer:
+    """One foreach AdamW step, on each parameter's local shard and its gradient's: the same local
+    ops (and bytes) DTensor runs for a sharded parameter, without DTensor's sharding propagation
+    of every foreach op (half a simulation's time at 8B)."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    with torch.no_grad():
+        shards = [local(p) if isinstance(p, DTensor) else p for p in params]
+    for shard, p in zip(shards, params):
+        if shard is not p:
+            shard.grad = local(p.grad)
+    optimizer = torch.optim.AdamW(shards, lr=1e-4, foreach=True)
+    optimizer.step()
+    return optimizer
+
+
+def _after_decoder(saved: _Saved, tracker, output) -> None:
+    """The decoder's forward ended: what is saved from here on is the head's and the loss's; in
+    the backward, the loss phase ends when the gradient of the decoder's output is made."""
+    saved.region = "loss"
+    hidden = output.last_hidden_state
+    if hidden.requires_grad:
+        hidden.register_hook(lambda grad: tracker.pop(compat.LOSS))
 
 
 def out_local_len(batch, setup: Setup) -> int:
