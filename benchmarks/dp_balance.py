@@ -2,7 +2,7 @@
 on a long-tailed mix (a few long videos, many short image chats) and a text-heavy mix.
 
     python benchmarks/dp_balance.py             # about a minute (modelled costs)
-    python benchmarks/dp_balance.py --measure   # and measured step times (minutes, CPU)
+    python benchmarks/dp_balance.py --measure   # and measured step times (~10 CPU minutes)
 
 The rows are the stream ``cpvlm train`` makes (``RowStream``: seeded order, windows of 64
 samples packed first-fit decreasing into rows of ``--seq-len`` tokens), from samples whose sizes
@@ -15,21 +15,28 @@ whole rows allow (``deal_bound``: the rank with the costliest row holds R - 1 ot
 means over the steps; "time lost" is sum(max) / sum(mean) - 1, the time the slowest replica makes
 the others wait at the gradient sync, in the model.
 
-Measured step time (``--measure``, CPU): the same stream at 1/16 of the size (``--scale 16``:
-rows of seq_len / 16 tokens, image and frame sides / 4, text / 16) and a tiny Qwen3-VL whose
-modelled shares of vision, attention and per-token decoder work on that stream resemble
-Qwen3-VL-8B's on the full one (``TINY``; both shares in the table). Every row of a step is timed
-once, alone, in one process: forward and backward of each of its documents as its own sequence
-(what per-document attention in a packed row computes), best of ``--repeats``; a DP rank's step
-time is the sum of its rows' (its rows run one after another, as gradient accumulation does),
-so one machine measures every rank of dp 2, 4, 8 without running them at once, and both deals
-are timed on the same rows. The cost deal uses the tiny model's ``RowCost`` (what ``cpvlm
-train`` would use for it). Figures: mean over steps of max/mean measured rank time.
+Measured step time (``--measure``, CPU): the same stream at 1/4 of the size (``--scale 4``: rows
+of seq_len / 4 tokens, image and frame sides / 2, text / 4) and a tiny Qwen3-VL whose modelled
+shares of vision, attention and per-token decoder work on that stream resemble Qwen3-VL-8B's on
+the full one (``TINY``). Each packed row runs as ``cpvlm train`` runs it, through
+``ContextParallelVLM`` at cp 1 with its ``doc_lens`` (per-document attention), forward and
+backward, timed in CPU seconds (``process_time``, one thread), median of ``--repeats`` taken round
+all rows in turn; a DP rank's step time is the sum of its rows' (its rows run one after another,
+as gradient accumulation does), so one process measures every rank of dp 2, 4, 8, and all deals
+are timed on the same rows. Deals: by tokens (``dp_split``), by the tiny model's ``RowCost``
+(what ``cpvlm train`` uses), by that cost plus a per-document constant ("fitted"), and by the
+measured times themselves ("oracle", in hindsight: what whole rows allow). The constants come
+from ``--calibration`` other rows (another seed's, each cut to a random number of its first
+documents), fitted by least squares: seconds = a * MACs + b * documents + c; the same fit over
+the parts (``PARTS``: decoder, attention and vision MACs, documents, the row) gives the measured
+shares of step time. Figures: mean over steps of max/mean, and the correlation of modelled with
+measured rank time over every (step, rank) of the token and cost deals.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import random
 import statistics
 import time
@@ -116,16 +123,18 @@ def steps_of(metas, seq_len, per_step, steps, seed=0):
 
 
 TINY = {
-    # text 2 layers of 128 (MLP 512, 4 heads of 16, 2 KV heads), vocabulary 2048; vision 1 block
-    # of 32 (MLP 128), patch 8, merge 2: shares like Qwen3-VL-8B's at scale 16 (chosen from a
-    # small grid of widths and depths by the sum of share differences on both mixes)
+    # text 3 layers of 256 (MLP 768, 2 heads of 32), vocabulary 2048; vision 1 block of 64 (MLP
+    # 256), patch 8, merge 2: modelled shares like Qwen3-VL-8B's at scale 4 (chosen from a grid of
+    # heads, depths, widths and vocabularies by the sum of share differences on both mixes)
     "text_config": {
-        "hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 2048,
+        "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 3,
+        "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 2048,
     },
-    "vision_config": {"depth": 1, "hidden_size": 32, "intermediate_size": 128, "num_heads": 2,
-                      "out_hidden_size": 128, "deepstack_visual_indexes": [0]},
+    "vision_config": {"depth": 1, "hidden_size": 64, "intermediate_size": 256, "num_heads": 2,
+                      "out_hidden_size": 256, "deepstack_visual_indexes": [0]},
 }  # fmt: skip
+# what a row's measured time is fitted on (``row_parts``)
+PARTS = ("token", "attention", "vision", "document", "row")
 
 
 def shares(cost, docs) -> dict:
@@ -180,80 +189,174 @@ def modelled(cost, mix, dp, rows, seq_len, steps, samples, seed):
     return out
 
 
+def row_parts(cost, slot) -> list[int]:
+    """A row's modelled forward MACs by part (decoder per token, attention pairs, vision tower),
+    its document count, and 1 (the row): what its measured time is fitted on (``PARTS``)."""
+    docs = list(zip(slot.metas, slot.lengths, strict=True))
+    return [
+        cost.token * sum(n for _, n in docs),
+        cost.pair * sum(n * (n + 1) // 2 for _, n in docs),
+        sum(cost.vision.unit_cost(g) for m, _ in docs for g in m.image_grids + m.video_grids),
+        len(docs),
+        1,
+    ]
+
+
+def fit_parts(parts, seconds) -> list[float]:
+    """Least-squares seconds per unit of each of ``PARTS`` (columns scaled for conditioning)."""
+    import numpy as np
+
+    x, y = np.array(parts, dtype=float), np.array(seconds)
+    norm = np.abs(x).max(axis=0)
+    coef, *_ = np.linalg.lstsq(x / norm, y, rcond=None)
+    return (coef / norm).tolist()
+
+
 def _doc_batch(config, meta, n):
-    """A one-document batch of ``meta``'s grids and ``n`` tokens (text-only documents cut)."""
+    """A one-document batch of ``meta``'s grids and exactly ``n`` tokens where its items allow
+    (the synthetic template adds vision start/end tokens: the text makes up the difference)."""
     from cpvlm.integrations.hf import SampleSpec, synthetic_batch
 
+    def build(text_len):
+        spec = SampleSpec(
+            images=tuple((h, w) for _, h, w in meta.image_grids),
+            videos=tuple(meta.video_grids),
+            text_len=max(1, text_len),
+        )
+        return synthetic_batch(config, [spec], seed=n)
+
     vision = sum(t * h * w // 4 for t, h, w in meta.image_grids + meta.video_grids)
-    spec = SampleSpec(
-        images=tuple((h, w) for _, h, w in meta.image_grids),
-        videos=tuple(meta.video_grids),
-        text_len=max(1, n - vision),
-    )
-    return synthetic_batch(config, [spec], seed=n)
+    batch = build(n - vision)
+    extra = batch["input_ids"].shape[1] - n
+    return build(n - vision - extra) if extra else batch
 
 
-def _row_seconds(model, config, slot, repeats):
-    """Forward and backward of every document of ``slot``, each alone; best of ``repeats``."""
-    batches = [_doc_batch(config, m, n) for m, n in zip(slot.metas, slot.lengths, strict=True)]
-    best = float("inf")
+def _row_batch(config, slot):
+    """``(batch, doc_lens)``: the packed row ``cpvlm train`` runs for ``slot``."""
+    from cpvlm.integrations.hf import pack_documents
+
+    parts = [_doc_batch(config, m, n) for m, n in zip(slot.metas, slot.lengths, strict=True)]
+    return pack_documents(parts), [p["input_ids"].shape[1] for p in parts]
+
+
+def time_rows(runner, batches, repeats) -> tuple[list[float], float]:
+    """Median CPU seconds of forward + backward of each packed row through ``runner`` (the CP
+    model at cp 1), the repeats going round every row in turn (slow spells of a loaded machine
+    spread over all rows); and the median spread (max - min) / median of a row's repeats."""
+    model = runner.model
+    out, spreads = [[] for _ in batches], []
+    batch, lens = batches[0]
+    runner(**batch, doc_lens=lens).loss.backward()  # warm-up
     for _ in range(repeats):
-        start = time.perf_counter()
-        for batch in batches:
-            model(**batch).loss.backward()
-        best = min(best, time.perf_counter() - start)
-        model.zero_grad(set_to_none=True)
-    return best
+        for i, (batch, lens) in enumerate(batches):
+            model.zero_grad(set_to_none=True)
+            start = time.process_time()
+            runner(**batch, doc_lens=lens).loss.backward()
+            out[i].append(time.process_time() - start)
+    medians = [statistics.median(t) for t in out]
+    spreads = [(max(t) - min(t)) / m for t, m in zip(out, medians, strict=True)]
+    return medians, statistics.median(spreads)
 
 
-def measured(mix, dps, rows, seq_len, steps, samples, scale, repeats, seed):
-    """Measured step time max/mean across DP ranks at each dp, token deal and cost deal (the
-    method in the module docstring); each row timed once, all dp on the same rows."""
+def _pearson(a, b) -> float:
+    return statistics.correlation([float(v) for v in a], [float(v) for v in b])
+
+
+def measured(mix, dps, rows, seq_len, steps, samples, scale, repeats, calibration, seed):
+    """Measured step time max/mean across DP ranks at each dp, token deal, cost deal and the
+    fitted cost deal (the method in the module docstring); each row timed once for all dp."""
     import copy
 
     import torch
+    import torch.distributed as dist
     from transformers import AutoModelForImageTextToText
 
     from cpvlm.data.balance import dp_deal, max_over_mean
     from cpvlm.data.packing import dp_split
-    from cpvlm.integrations.hf import row_cost
+    from cpvlm.data.rows import RowSlot
+    from cpvlm.integrations.hf import ContextParallelVLM, row_cost
     from cpvlm.integrations.hf.families.qwen3_vl import tiny_qwen3_vl_config
 
     config = tiny_qwen3_vl_config(**copy.deepcopy(TINY))
     cost = row_cost(config)
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_config(config).train()
+    runner = ContextParallelVLM(model, dist.group.WORLD)  # cp 1: the step cpvlm train runs
     rng = random.Random(seed)
     metas = [MIXES[mix](rng, seq_len, scale) for _ in range(samples)]
-    top = max(dps)
-    stream = [s for step in steps_of(metas, seq_len, rows * top, steps, seed) for s in step]
-    seconds = [_row_seconds(model, config, slot, repeats) for slot in stream]
+    stream = [s for step in steps_of(metas, seq_len, rows * max(dps), steps, seed) for s in step]
+    # calibration rows: another seed's rows, each cut to a random number of its first documents
+    # (tokens, attention, vision and documents then vary apart from each other)
+    rng = random.Random(seed + 1)
+    metas = [MIXES[mix](rng, seq_len, scale) for _ in range(samples)]
+    calib = [s for step in steps_of(metas, seq_len, calibration, 1, seed + 1) for s in step]
+    calib = [
+        RowSlot(s.positions[:k], s.metas[:k], s.lengths[:k])
+        for s in calib
+        for k in [rng.randint(1, len(s.metas))]
+    ]
+    load = os.getloadavg()[0]
+    seconds, spread = time_rows(runner, [_row_batch(config, s) for s in calib + stream], repeats)
+    load = (load + os.getloadavg()[0]) / 2
+    calib_seconds, seconds = seconds[: len(calib)], seconds[len(calib) :]
+    coef = fit_parts([row_parts(cost, s) for s in calib], calib_seconds)  # the shares
+    parts = [row_parts(cost, s) for s in stream]
     costs = [slot_cost(cost, s) for s in stream]
+    totals = [sum(c * p[k] for p in parts) for k, c in enumerate(coef)]
+    # the fitted cost model: RowCost's MACs plus a per-document and a per-row constant; the row's
+    # drops out of the deal (every rank holds R rows), the document's is in MAC equivalents
+    per_mac, per_doc, per_row = fit_parts(
+        [[slot_cost(cost, s), len(s.metas), 1] for s in calib], calib_seconds
+    )
+    doc_macs = per_doc / per_mac
+    fitted = [c + doc_macs * len(s.metas) for c, s in zip(costs, stream, strict=True)]
+    predicted = [per_mac * f + per_row for f in fitted]
+    info = {
+        "mix": mix,
+        "rows_timed": len(stream),
+        "calibration_rows": len(calib),
+        "row_seconds_mean": statistics.mean(seconds),
+        "repeat_spread": spread,
+        "load": load,
+        **{f"s_per_{k}": c for k, c in zip(PARTS, coef, strict=True)},
+        **{f"measured_{k}": t / sum(totals) for k, t in zip(PARTS, totals, strict=True)},
+        "fit_s_per_gmac": per_mac * 1e9,
+        "fit_s_per_document": per_doc,
+        "fit_s_per_row": per_row,
+        "document_over_row_macs": doc_macs / statistics.mean(costs),
+        "row_corr_cost": _pearson(costs, seconds),
+        "row_corr_fitted": _pearson(predicted, seconds),
+    }
     out = []
     for dp in dps:
-        per, per_model = {"tokens": [], "cost": []}, {"tokens": [], "cost": []}
+        names = ("tokens", "cost", "fitted", "oracle")
+        per = {f"{n}_{w}": [] for n in names for w in ("measured", "modelled")}
+        ranks = {"cost": ([], []), "fitted": ([], [])}  # modelled, measured per (step, rank, deal)
         for k in range(0, len(stream), rows * dp):
             idx = range(k, k + rows * dp)
-            slots = [stream[i] for i in idx]
             deals = {
-                "tokens": dp_split([s.num_tokens for s in slots], dp),
+                "tokens": dp_split([stream[i].num_tokens for i in idx], dp),
                 "cost": dp_deal([costs[i] for i in idx], dp),
+                "fitted": dp_deal([round(fitted[i]) for i in idx], dp),
+                "oracle": dp_deal([round(seconds[i] * 1e6) for i in idx], dp),  # hindsight
             }
             for name, shares_ in deals.items():
-                per[name].append(max_over_mean([seconds[i] for i in idx], shares_))
-                per_model[name].append(max_over_mean([costs[i] for i in idx], shares_))
+                per[f"{name}_measured"].append(max_over_mean([seconds[i] for i in idx], shares_))
+                per[f"{name}_modelled"].append(max_over_mean([costs[i] for i in idx], shares_))
+                for s in shares_ if name in ("tokens", "cost") else []:
+                    for model_, values in (("cost", costs), ("fitted", predicted)):
+                        ranks[model_][0].append(sum(values[idx[i]] for i in s))
+                        ranks[model_][1].append(sum(seconds[idx[i]] for i in s))
         out.append(
             {
-                "mix": mix, "dp": dp, "R": rows, "steps": len(per["cost"]),
-                "tokens_measured": statistics.mean(per["tokens"]),
-                "cost_measured": statistics.mean(per["cost"]),
-                "tokens_modelled": statistics.mean(per_model["tokens"]),
-                "cost_modelled": statistics.mean(per_model["cost"]),
-                "row_seconds_mean": statistics.mean(seconds),
+                "mix": mix, "dp": dp, "R": rows, "steps": len(per["cost_measured"]),
+                **{k: statistics.mean(v) for k, v in per.items()},
+                "rank_corr_cost": _pearson(*ranks["cost"]),
+                "rank_corr_fitted": _pearson(*ranks["fitted"]),
             }
         )  # fmt: skip
     docs = [(m, n) for s in stream for m, n in zip(s.metas, s.lengths, strict=True)]
-    return out, shares(cost, docs)
+    return out, {**info, **{f"modelled_{k}": v for k, v in shares(cost, docs).items()}}
 
 
 def main():
@@ -266,10 +369,11 @@ def main():
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--samples", type=int, default=20000)
     p.add_argument("--measure", action="store_true", help="also time the rows (CPU, minutes)")
-    p.add_argument("--scale", type=int, default=16, help="measured stream: sizes / scale")
+    p.add_argument("--scale", type=int, default=4, help="measured stream: sizes / scale")
     p.add_argument("--measure-rows", type=int, default=2, help="R per DP rank when timing")
-    p.add_argument("--measure-steps", type=int, default=2, help="steps at the largest dp")
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--measure-steps", type=int, default=6, help="steps at the largest dp")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--calibration", type=int, default=24, help="rows per mix to fit times on")
     args = p.parse_args()
     cost = row_cost(qwen3_vl_8b_config())
     results = [
@@ -289,39 +393,49 @@ def main():
     }
     if args.measure:
         import torch
+        import torch.distributed as dist
 
         torch.set_num_threads(1)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         timed, share_rows = [], []
         for mix in MIXES:
-            rows_, tiny_shares = measured(
-                mix, args.dp, args.measure_rows, args.seq_len // args.scale,
-                args.measure_steps, args.samples // args.scale, args.scale, args.repeats, seed=0,
+            rows_, info = measured(
+                mix, args.dp, args.measure_rows, args.seq_len // args.scale, args.measure_steps,
+                args.samples // args.scale, args.scale, args.repeats, args.calibration, seed=0,
             )  # fmt: skip
             timed += rows_
             full = _stream_docs(mix, args.seq_len, args.samples)
-            share_rows.append(
-                {"mix": mix, **{f"8B_{k}": v for k, v in shares(cost, full).items()},
-                 **{f"tiny_{k}": v for k, v in tiny_shares.items()}}
-            )  # fmt: skip
+            share_rows.append({**info, **{f"8B_{k}": v for k, v in shares(cost, full).items()}})
+        dist.destroy_process_group()
+        keys = ["token", "attention", "vision"]
+        cols = ["mix"] + [f"{w}_{k}" for k in keys for w in ("8B", "modelled", "measured")]
+        cols += ["measured_document", "measured_row", "row_corr_cost", "row_corr_fitted"]
+        cols += ["fit_s_per_document", "document_over_row_macs"]
+        cols += ["repeat_spread", "load"]
         print_table(
             share_rows,
-            list(share_rows[0]),
-            "modelled cost shares: Qwen3-VL-8B on the stream, the tiny model at --scale",
+            cols,
+            "shares of step time: modelled (Qwen3-VL-8B on the full stream; the tiny model on "
+            "the measured one) and measured (fitted on the calibration rows)",
         )
-        cols = ["mix", "dp", "R", "steps", "tokens_measured", "cost_measured"]
-        cols += ["tokens_modelled", "cost_modelled", "row_seconds_mean"]
+        cols = ["mix", "dp", "R", "steps", "tokens_modelled", "tokens_measured", "cost_modelled"]
+        cols += ["cost_measured", "fitted_measured", "oracle_measured", "rank_corr_cost"]
+        cols += ["rank_corr_fitted"]
         print_table(
             timed,
             cols,
-            "measured step time across DP ranks (max/mean, mean over steps; each row timed alone "
-            "in one process, a rank's time = sum of its rows')",
+            "step time across DP ranks (max/mean, mean over steps): modelled and measured, a "
+            "rank's time the sum of its rows' (each row timed through the CP model at cp 1)",
         )
         payload["measured"] = {
-            "method": "each row timed once alone in one process (forward+backward of each "
-            "document, best of repeats, 1 thread); a DP rank's step time = sum of its rows'",
+            "method": "each packed row through ContextParallelVLM at cp 1 (what cpvlm train "
+            "runs), forward + backward, CPU seconds (process_time, 1 thread), median of "
+            "repeats taken round all rows; a DP rank's step time = sum of its rows'",
             "scale": args.scale,
             "rows_per_rank": args.measure_rows,
             "repeats": args.repeats,
+            "calibration_rows": args.calibration,
+            "parts": PARTS,
             "tiny": TINY,
             "shares": share_rows,
             "results": timed,

@@ -184,12 +184,13 @@ def _message(nbytes: float, peers: int, m: CostModel) -> float:
 
 
 def _ring_s(
-    plan: ShardPlan, mask: MaskSpec | bool, groups, kv_bytes: float, dkv_bytes: float, d, m
+    plan: ShardPlan, mask: MaskSpec | bool, groups, kv_bytes: float, dkv_bytes: float, d, m, ranks
 ):
-    """A ring over ``plan``'s ranks: per step, the slowest rank's calls or the transfer."""
+    """A ring over ``plan``'s ranks: per step, the slowest rank's calls or the transfer (the
+    slowest of the first ``ranks`` ranks: a lower bound when that is not all of them)."""
     schedule, w = attention_schedule(plan, mask), plan.cp_size
     steps, total = ring_steps(schedule), 0.0
-    work = [schedule.step_work(r) for r in range(w)]
+    work = [schedule.step_work(r) for r in range(min(ranks, w))]
     for i in range(steps):
         calls = max(
             sum(_calls_s(n[i], pairs[i], qb - qa, d, m) for qa, qb, _, _ in groups)
@@ -211,17 +212,31 @@ def estimate_seconds(
     device_type: str = "cpu",
 ) -> float:
     """Modelled seconds of one layer's CP attention, forward + backward, on the slowest rank."""
+    return _estimate(impl, plan, mask, shapes, ulysses_size, device_type, plan.cp_size)
+
+
+def _view_ranks(impl: str, ulysses_size: int | None, plan: ShardPlan) -> int:
+    """The ranks whose schedule rows ``impl`` reads (one per Ulysses group)."""
+    if impl == "ulysses":
+        return 1
+    return plan.cp_size if impl in ("ring", "allgather") else plan.cp_size // ulysses_size
+
+
+def _estimate(impl, plan, mask, shapes, ulysses_size, device_type, ranks: int) -> float:
+    """``estimate_seconds`` from the rows of the first ``ranks`` ranks of the schedule it reads
+    (``_view_ranks``): the slowest of them stands for the slowest rank, so with fewer than all
+    it is a lower bound (every term is a max over ranks, summed: monotone), with all exact."""
     m, d, w = cost_model(device_type), shapes.head_dim, plan.cp_size
     n = shapes.batch * plan.local_len * d
     if impl in ("ring", "allgather"):
         kv, dkv = (2 * shapes.kv_heads * n * size for size in (shapes.elem, shapes.acc))
         whole = ((0, shapes.q_heads, 0, shapes.kv_heads),)
         if impl == "ring":
-            return _ring_s(plan, mask, whole, kv, dkv, d, m)
+            return _ring_s(plan, mask, whole, kv, dkv, d, m, ranks)
         schedule = attention_schedule(plan, mask)
         calls = max(
             sum(_calls_s(n[i], pairs[i], shapes.q_heads, d, m) for i in range(w))
-            for n, pairs in map(schedule.step_work, range(w))
+            for n, pairs in map(schedule.step_work, range(min(ranks, w)))
         )
         comm = _message((w - 1) * kv, w - 1, m) + _message((w - 1) * dkv, w - 1, m)
         return comm + calls * (1 + m.backward_factor)
@@ -238,14 +253,32 @@ def estimate_seconds(
         calls = sum(_calls_s(n[0], pairs[0], qb - qa, d, m) for qa, qb, _, _ in groups)
         return comm + calls * (1 + m.backward_factor)
     kv, dkv = (2 * _span(heads.kv_range(busiest)) * u * n * e for e in (shapes.elem, shapes.acc))
-    return comm + _ring_s(view, mask, groups, kv, dkv, d, m)
+    return comm + _ring_s(view, mask, groups, kv, dkv, d, m, ranks)
 
 
 def choose_impl(
     plan: ShardPlan, mask: MaskSpec | bool, shapes: Shapes, device_type: str = "cpu"
 ) -> tuple[str, int | None]:
-    """The (impl, ulysses_size) with the smallest ``estimate_seconds`` (``impl="auto"``);
-    ``mask`` a MaskSpec or a bool (``MaskSpec(causal=mask)``): the schedule counts its work."""
+    """The (impl, ulysses_size) with the smallest ``estimate_seconds`` (``impl="auto"``; ties:
+    the earlier candidate); ``mask`` a MaskSpec or a bool (``MaskSpec(causal=mask)``): the
+    schedule counts its work.
+
+    Each rank's rows cost about the same, so the candidates are tried by the ranks they read,
+    fewest first, and a candidate is dropped as soon as a lower bound from some of its ranks
+    (1, 2, 4, ...) already loses to the best so far: the same pick as estimating every one in
+    full, without every rank's rows of a ring that cannot win."""
     options = candidates(plan.cp_size)
-    times = [estimate_seconds(i, plan, mask, shapes, u, device_type) for i, u in options]
-    return options[min(range(len(options)), key=lambda k: (times[k], k))]
+    order = sorted(range(len(options)), key=lambda k: (_view_ranks(*options[k], plan), k))
+    best = None
+    for k in order:
+        impl, u = options[k]
+        total, ranks = _view_ranks(impl, u, plan), 1
+        while best is not None and ranks < total:
+            bound = _estimate(impl, plan, mask, shapes, u, device_type, ranks)
+            if (bound, k) > best:
+                break
+            ranks *= 2
+        else:
+            exact = estimate_seconds(impl, plan, mask, shapes, u, device_type)
+            best = min(best or (exact, k), (exact, k))
+    return options[best[1]]
