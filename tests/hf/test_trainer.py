@@ -1,10 +1,11 @@
 """transformers.Trainer and TRL's SFTTrainer under cpvlm's CP (cpvlm.integrations.hf.trainer, .trl),
 through the examples a user copies, under torchrun on CPU (gloo), float64, tiny models.
 
-Each configuration is one torchrun launch of an example, reused by every check on it. A run at
-cp 2 (dp 1) and at dp 2 x cp 2 (gradient accumulation halved: the same global batch of 4 rows)
-must log the same 3 losses in trainer_state.json and end with the same weights as the one-process
-run (cp 1); the evaluation after training (a padded batch whose middle half, CP rank 1's share,
+Each configuration is one run of an example, reused by every check on it; the runs of one world
+size share one torchrun launch (tests/hf/_trainer_runs.py runs the example scripts one after
+another in the same processes). A run at cp 2 (dp 1) and at dp 2 x cp 2 (gradient accumulation
+halved: the same global batch of 4 rows) must log the same 3 losses in trainer_state.json and end
+with the same weights as the one-process run (cp 1); the evaluation after training (a padded batch whose middle half, CP rank 1's share,
 holds no label) must give the loss of the saved model's own forward (cpvlm.verify's reference).
 Launches are the suite's time (each process imports transformers): the family-specific part (the
 model's CP forward, positions, padded eval) runs at cp 2 for both families, the dp x cp
@@ -36,38 +37,84 @@ from cpvlm.integrations.hf.trainer import check_trainer_args  # noqa: E402
 from cpvlm.verify import reference_loss_and_grads, rel_err  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+WORLD_RUNS = Path(__file__).with_name("_trainer_runs.py")
 TOL = 1e-10
-# The module's launches (torchrun of 1, 2 and 4 processes, each importing transformers) run in
-# the first test that needs them: several minutes on 2 cores, beyond the suite's 300 s default.
+# The module's three launches (torchrun worlds of 1, 2 and 4 processes, each importing
+# transformers) run in the first test that needs them: minutes on 2 cores, beyond the suite's
+# 300 s default.
 pytestmark = pytest.mark.timeout(900)
+
+QWEN3 = ("--model", "qwen3-vl-tiny", "--eval", "--save-steps", "2")
+QWEN25 = ("--model", "qwen2.5-vl-tiny", "--eval", "--save-steps", "2")
+PACK, LORA = ("--packing", "--batch-size", "2"), ("--lora-r", "4")
+# name: (processes, example, flags). The runs of one world size share one launch (in this order,
+# an FSDP run not first: tests/hf/_trainer_runs.py); "qwen3 resume" continues from a copy of
+# "qwen3 cp2"'s checkpoint-2.
+RUNS = {
+    "qwen3 cp1": (1, "hf_trainer.py", ("--cp", "1", "--grad-accum", "4", *QWEN3)),
+    "qwen2.5 cp1": (1, "hf_trainer.py", ("--cp", "1", "--grad-accum", "4", *QWEN25)),
+    "trl cp1": (1, "trl_sft.py", ("--cp", "1", "--grad-accum", "2", *PACK)),
+    "trl lora cp1": (1, "trl_sft.py", ("--cp", "1", "--grad-accum", "2", *PACK, *LORA)),
+    "qwen3 cp2": (2, "hf_trainer.py", ("--cp", "2", "--grad-accum", "4", *QWEN3)),
+    "qwen2.5 cp2": (2, "hf_trainer.py", ("--cp", "2", "--grad-accum", "4", *QWEN25)),
+    "trl lora cp2": (2, "trl_sft.py", ("--cp", "2", "--grad-accum", "2", *PACK, *LORA)),
+    "qwen3 resume": (2, "hf_trainer.py", ("--cp", "2", "--grad-accum", "4", *QWEN3, "--resume")),
+    "qwen3 dp2 cp2": (4, "hf_trainer.py", ("--cp", "2", "--grad-accum", "2", *QWEN3)),
+    "trl dp2 cp2": (4, "trl_sft.py", ("--cp", "2", "--grad-accum", "1", *PACK)),
+    "qwen3 fsdp": (
+        4,
+        "hf_trainer.py",
+        ("--cp", "2", "--grad-accum", "2", "--model", "qwen3-vl-tiny", "--eval", "--fsdp"),
+    ),
+}
+
+
+def _launch_world(nproc: int, root: Path) -> dict[str, Path]:
+    """Every run of ``nproc`` processes, in one torchrun launch; ``{name: output dir}``."""
+    names = [name for name, (n, _, _) in RUNS.items() if n == nproc]
+    outs = {name: root / name.replace(" ", "_").replace(".", "") for name in names}
+    runs = []
+    for name in names:
+        _, example, flags = RUNS[name]
+        argv = ["--output-dir", str(outs[name]), "--dtype", "float64", *flags]
+        copy = []
+        if name == "qwen3 resume":
+            copy = [[str(outs["qwen3 cp2"] / "checkpoint-2"), str(outs[name] / "checkpoint-2")]]
+        runs.append({"script": str(EXAMPLES / example), "argv": argv, "copy": copy})
+    spec = root / "runs.json"
+    spec.write_text(json.dumps(runs, indent=1))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    cmd += [str(WORLD_RUNS), str(spec)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    done = Path(f"{spec}.done")
+    if proc.returncode != 0 and "terminate called without an active exception" in proc.stderr:
+        # Known, not yet fixed: once in CI a rank aborted at interpreter exit, after its runs
+        # had finished and saved (gloo's threads at shutdown). Launch once more, afresh; a
+        # second failure fails the test.
+        for out in outs.values():
+            shutil.rmtree(out, ignore_errors=True)
+        done.unlink(missing_ok=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    finished = [names[int(i)] for i in done.read_text().split()] if done.exists() else []
+    assert proc.returncode == 0, (
+        f"{' '.join(cmd)}\nfinished: {finished}\n{spec.read_text()}\n{proc.stderr[-4000:]}"
+    )
+    assert finished == names, finished
+    return outs
 
 
 @pytest.fixture(scope="module")
-def launch(tmp_path_factory):
-    """``launch(example, nproc, *args)`` -> the output dir of that run (each run once)."""
-    done = {}
+def run(tmp_path_factory):
+    """``run(name)`` -> the output dir of that run of RUNS (its world launched once)."""
+    worlds = {}
 
-    def run(example: str, nproc: int, *args: str, out: Path | None = None) -> Path:
-        key = (example, nproc, *args, out)
-        if key not in done:
-            out = out or tmp_path_factory.mktemp(example.split(".")[0])
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
-            cmd += [str(EXAMPLES / example), "--output-dir", str(out), "--dtype", "float64", *args]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-            if (
-                proc.returncode != 0
-                and "terminate called without an active exception" in proc.stderr
-            ):
-                # Known, not yet fixed: once in CI a rank aborted at interpreter exit, after its
-                # run had finished and saved (gloo's threads at shutdown). Run it once more,
-                # afresh; a second failure fails the test.
-                shutil.rmtree(out, ignore_errors=True)
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-            assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stderr[-4000:]}"
-            done[key] = out
-        return done[key]
+    def out(name: str) -> Path:
+        nproc = RUNS[name][0]
+        if nproc not in worlds:
+            worlds[nproc] = _launch_world(nproc, tmp_path_factory.mktemp(f"world{nproc}"))
+        return worlds[nproc][name]
 
-    return run
+    return out
 
 
 def _history(out: Path) -> list[dict]:
@@ -100,10 +147,9 @@ def _example_module():
     return module
 
 
-@pytest.mark.parametrize("family", ["qwen3-vl-tiny", "qwen2.5-vl-tiny"])
-def test_trainer_example_at_cp2_and_dp2_x_cp2_is_the_one_process_run(family, launch):
-    common = ("--model", family, "--eval", "--save-steps", "2")
-    ref = launch("hf_trainer.py", 1, "--cp", "1", "--grad-accum", "4", *common)
+@pytest.mark.parametrize("family", ["qwen3", "qwen2.5"])
+def test_trainer_example_at_cp2_and_dp2_x_cp2_is_the_one_process_run(family, run):
+    ref = run(f"{family} cp1")
     # The eval after training: the loss of the saved model's own forward (from_pretrained).
     example = _example_module()
     model = build_model(str(ref), dtype=torch.float64)
@@ -115,48 +161,37 @@ def test_trainer_example_at_cp2_and_dp2_x_cp2_is_the_one_process_run(family, lau
     assert (padded[:, plan.indices(1)] != -100).sum() == 0  # CP rank 1 holds no label
     want, _ = reference_loss_and_grads(model, batch)
     # dp 2 x cp 2 on the first family only (the dp x cp composition does not depend on it).
-    configs = (
-        ((1, 1, 4), (2, 2, 4), (4, 2, 2)) if family == "qwen3-vl-tiny" else ((1, 1, 4), (2, 2, 4))
-    )
-    for nproc, cp, accum in configs:
-        out = launch("hf_trainer.py", nproc, "--cp", str(cp), "--grad-accum", str(accum), *common)
+    names = ["cp1", "cp2", "dp2 cp2"] if family == "qwen3" else ["cp1", "cp2"]
+    for name in names:
+        out = run(f"{family} {name}")
         (eval_loss,) = _losses(out, "eval_loss")
-        assert rel_err(eval_loss, want) <= TOL, (nproc, cp, eval_loss, want)
-        if nproc > 1:
+        assert rel_err(eval_loss, want) <= TOL, (name, eval_loss, want)
+        if name != "cp1":
             _assert_same_run(out, ref)
 
 
-def test_trainer_example_under_fsdp2_at_dp2_x_cp2_is_the_one_process_run(launch):
+def test_trainer_example_under_fsdp2_at_dp2_x_cp2_is_the_one_process_run(run):
     """accelerate's FSDP2 (fsdp_config version 2, full state dict) over the 4 ranks instead of
     DDP: the same losses, eval loss and saved weights as the cp 1 run (the first test's)."""
-    common = ("--model", "qwen3-vl-tiny", "--eval")
-    ref = launch("hf_trainer.py", 1, "--cp", "1", "--grad-accum", "4", *common, "--save-steps", "2")
-    out = launch("hf_trainer.py", 4, "--cp", "2", "--grad-accum", "2", *common, "--fsdp")
+    ref, out = run("qwen3 cp1"), run("qwen3 fsdp")
     _assert_same_run(out, ref)
     assert rel_err(_losses(out, "eval_loss"), _losses(ref, "eval_loss")) <= TOL
 
 
-def test_resume_from_checkpoint_continues_exactly(launch, tmp_path):
+def test_resume_from_checkpoint_continues_exactly(run):
     """Step 3 resumed from checkpoint-2 (weights, optimizer, scheduler, data position) at cp 2
     ends where the uninterrupted run ends."""
-    common = ("--model", "qwen3-vl-tiny", "--eval", "--save-steps", "2")
-    whole = launch("hf_trainer.py", 2, "--cp", "2", "--grad-accum", "4", *common)
-    shutil.copytree(whole / "checkpoint-2", tmp_path / "checkpoint-2")
-    launch("hf_trainer.py", 2, "--cp", "2", "--grad-accum", "4", *common, "--resume", out=tmp_path)
-    _assert_same_run(tmp_path, whole)
+    resumed, whole = run("qwen3 resume"), run("qwen3 cp2")
+    _assert_same_run(resumed, whole)
 
 
-@pytest.mark.parametrize("lora", [(), ("--lora-r", "4")], ids=["full", "lora4"])
-def test_trl_example_with_packing_at_cp2_and_dp2_x_cp2_is_the_one_process_run(lora, launch):
-    common = ("--packing", "--batch-size", "2", *lora)
-    ref = launch("trl_sft.py", 1, "--cp", "1", "--grad-accum", "2", *common)
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora4"])
+def test_trl_example_with_packing_at_cp2_and_dp2_x_cp2_is_the_one_process_run(lora, run):
     # One topology each (the packing, loss and gradient-sync path is the same for both): the
     # full model (every weight, the vision tower's too) at dp 2 x cp 2, LoRA (the frozen base
     # under DDP) at cp 2 with gradient accumulation.
-    configs = ((4, 2, 1),) if not lora else ((2, 2, 2),)
-    for nproc, cp, accum in configs:
-        out = launch("trl_sft.py", nproc, "--cp", str(cp), "--grad-accum", str(accum), *common)
-        _assert_same_run(out, ref)
+    ref = run("trl lora cp1" if lora else "trl cp1")
+    _assert_same_run(run("trl lora cp2" if lora else "trl dp2 cp2"), ref)
     if lora:  # the adapter was written and trained (its B starts at zero)
         assert any("lora_B" in k and _weights(ref)[k].abs().sum() > 0 for k in _weights(ref))
 

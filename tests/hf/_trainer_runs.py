@@ -1,0 +1,65 @@
+"""Run several example scripts one after another in one torchrun world, for tests/hf/test_trainer.py.
+
+    torchrun --nproc-per-node N tests/hf/_trainer_runs.py RUNS.json
+
+RUNS.json is a list of ``{"script": path, "argv": [...], "copy": [[src, dst], ...]}``. Each run is
+the script itself, executed as ``torchrun script argv`` would (``runpy`` as ``__main__``), so the
+lines a user copies are the lines tested; what the world shares is the processes (each imports
+transformers, TRL, PEFT and accelerate once, which is most of a launch's time) and the process
+group. The group is destroyed once, after the last run: the scripts' ``end_training()`` is
+deferred, since a default group made again in the same processes would read the addresses of the
+group before from torchrun's store under the same keys (the race ``cpvlm.train.launcher.
+torchrun_store`` describes). Between runs, accelerate's per-``Accelerator`` state is cleared, as
+in a new process. ``copy`` copies directories before the run (rank 0, then a barrier). Rank 0
+appends the index of every finished run to ``RUNS.json.done``.
+"""
+
+import json
+import runpy
+import shutil
+import sys
+
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState, PartialState
+from accelerate.utils import DistributedType
+
+
+def main() -> None:
+    spec = sys.argv[1]
+    with open(spec) as f:
+        runs = json.load(f)
+    lead = lambda: not dist.is_initialized() or dist.get_rank() == 0  # noqa: E731
+    end_training = Accelerator.end_training
+    Accelerator.end_training = lambda self: None  # deferred: see the module docstring
+    group_state = None  # accelerate's record of the process group, made by the first run
+    try:
+        for index, run in enumerate(runs):
+            if group_state is not None:  # as in a new process, but for the process group
+                AcceleratorState._reset_state(reset_partial_state=False)
+                GradientState._reset_state()
+                PartialState._shared_state.clear()
+                PartialState._shared_state.update(group_state)  # undoes an FSDP run's type
+            for src, dst in run.get("copy", []):
+                if lead():
+                    shutil.copytree(src, dst)
+                if dist.is_initialized():
+                    dist.barrier()
+            sys.argv = [run["script"], *run["argv"]]
+            runpy.run_path(run["script"], run_name="__main__")
+            if group_state is None:
+                group_state = dict(PartialState._shared_state)
+                assert group_state["distributed_type"] != DistributedType.FSDP, (
+                    "an FSDP run first: put it after another, whose state is a new process's"
+                )
+            if lead():
+                with open(spec + ".done", "a") as f:
+                    f.write(f"{index}\n")
+    finally:
+        Accelerator.end_training = end_training
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
