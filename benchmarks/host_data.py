@@ -1,33 +1,45 @@
 """Data planning per rank against dp 1 to 16: every rank planning every sample (before) against
 planning split over DP (after), and against a source that knows its samples' sizes.
 
-    python benchmarks/host_data.py   # the committed run (best of 3): ~15 minutes on 2 busy cores
-    python benchmarks/host_data.py --quick --out-dir DIR  # dp 1 2 4, one repeat: a trial
+    python benchmarks/host_data.py   # the committed run: ~5 minutes on 2 cores
+    python benchmarks/host_data.py --quick --out-dir DIR  # dp 1 2 4, fewer samples: a trial
 
 The data of ``benchmarks/data.py`` (JPEG photos of 320x240 to 1920x1080 pixels, videos as
-frame folders, text-only samples) planned by the tiny Qwen3-VL checkpoint's processor (chat
-template, tokenizer, image headers): rows of 4096 tokens, packing windows of 64 samples, 16
-rows a step over all DP ranks (R = 16 / dp each), the same steps at every dp.
+frame folders, text-only samples; ``--samples`` distinct conversations, cycled by the stream's
+epochs) planned by the tiny Qwen3-VL checkpoint's processor (chat template, tokenizer, image
+headers): rows of 4096 tokens, packing windows of 64 samples, 16 rows a step over all DP ranks
+(R = 16 / dp each), the same ``--steps`` at every dp: ~``--steps`` x 16 rows, about 3 samples a
+row, so that even a dp-16 rank plans dozens of samples, not a handful.
 
 The DP ranks of one CP slice run as threads of this process, each with its own ``RankLoader``
 (the same code as ``cpvlm train``), exchanging through queues instead of a gloo group (the
-plans are pickled as they would be for the wire); a rank's planning time is its thread's CPU
-seconds for the steps (``time.thread_time``: planning, packing, dealing, pickling), best of the
-repeats (the repeats go round every dp and mode in turn, so that a slow spell of a shared
-machine falls on all of them). Milliseconds per rank and step window, the slowest rank. Columns:
+plans are pickled as they would be for the wire). A rank's time is its thread's CPU seconds for
+the steps (``time.thread_time``: planning, packing, dealing, pickling; waiting is not counted);
+the processor's ``plan`` calls of all threads take one lock, so that two ranks never plan at once
+on the shared cores (which would inflate each one's CPU time). Each (dp, mode) is run
+``--repeats`` times, the repeats going round every dp and mode in turn (a slow spell of a shared
+machine falls on all of them); figures are medians over the repeats. Columns:
 - before: every rank plans every sample (``exchange=None``, what every rank did before);
 - split: DP rank d plans window positions d, d + dp, ..., the metas and then the plans are
   exchanged (``DPExchange``'s protocol);
 - metas: the source knows each sample's ``SampleMeta`` (a prepared cache): a rank plans only
   the samples of its own rows.
-``split_plan_ms``: of ``split_ms``, the time in the processor's ``plan`` alone (no exchange, no
-packing or pickling). plan calls are counted (``RowStream.plan_calls``); ``*_ratio``: to dp 1,
-ideal 1/dp; ``*_vs_ideal``: ratio x dp (1 is exactly 1/dp; the issue asks 0.8..1.2 at dp <= 8).
+``*_max_ms`` / ``*_mean_ms``: the slowest rank's and the ranks' mean milliseconds for the steps;
+``split_plan_max_ms``: of those, the time in the processor's ``plan`` alone; ``*_calls``: plan calls
+of the busiest rank (``RowStream.plan_calls``); ``plan_call_ms``: CPU ms per plan call (all ranks'
+plan time over all their calls, split mode: the same samples at every dp, so a figure that moves
+with dp says the machine, not the split, changed); ``split_imbalance``: slowest rank over mean
+(samples differ tenfold in cost, text to 2500-token photo sets, and the split deals positions, not
+costs); ``*_ratio``: to dp 1, ideal 1/dp; ``*_vs_ideal``: ratio x dp (1 is exactly 1/dp; the
+issue asks 0.8..1.2 at dp <= 8), of the slowest rank (``max``) and of the mean rank (``mean``).
+``load``: ``os.getloadavg()`` (1 min) at the start and end of the run.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
+import statistics
 import tempfile
 import threading
 import time
@@ -85,23 +97,28 @@ class KnownMetas:
 
 
 class TimedPlan:
-    """``plan`` that adds up the calling thread's CPU seconds in it."""
+    """``plan`` that adds up the calling thread's CPU seconds in it; one plan at a time over
+    all threads (``lock``)."""
 
-    def __init__(self, plan):
-        self.plan, self.seconds = plan, 0.0
+    def __init__(self, plan, lock):
+        self.plan, self.lock, self.seconds = plan, lock, 0.0
 
     def __call__(self, record):
-        t0 = time.thread_time()
-        try:
-            return self.plan(record)
-        finally:
-            self.seconds += time.thread_time() - t0
+        with self.lock:
+            t0 = time.thread_time()
+            try:
+                return self.plan(record)
+            finally:
+                self.seconds += time.thread_time() - t0
+
+
+PLAN_LOCK = threading.Lock()
 
 
 def _rank_work(encoder, source, dp, d, steps, exchange, out):
     from cpvlm.data import RankLoader, RowStream
 
-    plan = TimedPlan(encoder.plan)
+    plan = TimedPlan(encoder.plan, PLAN_LOCK)
     stream = RowStream(source, plan, seq_len=SEQ_LEN, window=WINDOW, seed=0)
     loader = RankLoader(
         stream, encoder.decode, encoder.ids, rows_per_step=ROWS_PER_STEP // dp,
@@ -135,6 +152,32 @@ def _run(encoder, source, dp, steps, mode):
     return out
 
 
+def _median(runs, fn):
+    return statistics.median(fn(got) for got in runs)
+
+
+def _summary(runs, mode: str) -> dict:
+    """Medians over the repeats of one (dp, mode): each run is a list of per-rank results
+    ``(cpu_s, plan_calls, docs, plan_s)``."""
+    out = {
+        f"{mode}_max_ms": 1e3 * _median(runs, lambda g: max(r[0] for r in g)),
+        f"{mode}_mean_ms": 1e3 * _median(runs, lambda g: sum(r[0] for r in g) / len(g)),
+        f"{mode}_calls": max(r[1] for r in runs[0]),
+    }
+    if mode == "split":
+        out["split_plan_max_ms"] = 1e3 * _median(runs, lambda g: max(r[3] for r in g))
+        out["split_plan_mean_ms"] = 1e3 * _median(runs, lambda g: sum(r[3] for r in g) / len(g))
+        out["split_calls_total"] = sum(r[1] for r in runs[0])
+        out["plan_call_ms"] = 1e3 * _median(
+            runs, lambda g: sum(r[3] for r in g) / max(1, sum(r[1] for r in g))
+        )
+        out["split_imbalance"] = _median(
+            runs, lambda g: max(r[0] for r in g) / (sum(r[0] for r in g) / len(g))
+        )
+        out["docs"] = sum(r[2] for r in runs[0])
+    return out
+
+
 def main():
     from data import MAX_PIXELS, VIDEO_MAX_PIXELS, make_data
     from transformers import AutoConfig
@@ -145,15 +188,16 @@ def main():
     from cpvlm.integrations.hf.tiny_checkpoint import make_tiny_checkpoint
 
     p = parser(__doc__)
-    p.add_argument("--samples", type=int, default=48)
-    p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--samples", type=int, default=160, help="distinct conversations")
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dp", type=int, nargs="+", default=DP)
-    p.add_argument("--quick", action="store_true", help="dp 1 2 4, one repeat")
+    p.add_argument("--quick", action="store_true", help="dp 1 2 4, 48 samples, 4 steps, 2 repeats")
     args = p.parse_args()
     if args.quick:
-        args.dp, args.repeats = [1, 2, 4], 1
+        args.dp, args.samples, args.steps, args.repeats = [1, 2, 4], 48, 4, 2
     modes = ("before", "split", "metas")
+    load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         jsonl = make_data(root / "data", args.samples)
@@ -163,51 +207,47 @@ def main():
             video_max_pixels=VIDEO_MAX_PIXELS,
         )  # fmt: skip
         source = open_source(str(jsonl))
-        metas = [meta_of(encoder.plan(source[i])) for i in range(len(source))]
+        metas = [meta_of(encoder.plan(source[i])) for i in range(len(source))]  # also a warm-up
         known = KnownMetas(source, metas)
-        best: dict = {}  # (dp, mode): the ranks' results of the run whose slowest rank was fastest
+        runs: dict = {}  # (dp, mode): the ranks' results of every repeat
         for _ in range(args.repeats):
             for dp in args.dp:
                 for mode, src in zip(modes, (source, source, known)):
-                    got = _run(encoder, src, dp, args.steps, mode)
-                    old = best.get((dp, mode))
-                    if old is None or max(g[0] for g in got) < max(g[0] for g in old):
-                        best[dp, mode] = got
+                    runs.setdefault((dp, mode), []).append(_run(encoder, src, dp, args.steps, mode))
         results = []
         for dp in args.dp:
             row = {"dp": dp}
             for mode in modes:
-                got = best[dp, mode]
-                row[f"{mode}_ms"] = 1e3 * max(g[0] for g in got)
-                row[f"{mode}_calls"] = max(g[1] for g in got)
-                if mode != "before":
-                    row[f"{mode}_calls_mean"] = sum(g[1] for g in got) / len(got)
-                if mode == "split":
-                    row["split_plan_ms"] = 1e3 * max(g[3] for g in got)
-            row["docs"] = sum(g[2] for g in best[dp, "split"])
+                row.update(_summary(runs[dp, mode], mode))
             results.append(row)
+    load.append(os.getloadavg()[0])
     base = results[0] if results[0]["dp"] == 1 else None
+    ratios = ["before_max", "split_max", "split_mean", "split_plan_max", "metas_max"]
     for r in results:
         r["ideal"] = 1 / r["dp"]
         if not base:
             continue
-        for mode in ("before", "split", "split_plan", "metas"):
-            r[f"{mode}_ratio"] = r[f"{mode}_ms"] / base[f"{mode}_ms"]
-        for mode in ("split", "split_plan", "metas"):
-            r[f"{mode}_vs_ideal"] = r[f"{mode}_ratio"] * r["dp"]
-    cols = ["dp", "before_ms", "split_ms", "split_plan_ms", "metas_ms"]
-    cols += ["before_calls", "split_calls", "metas_calls", "ideal"]
-    cols += ["before_ratio", "split_ratio", "metas_ratio"]
-    cols += ["split_vs_ideal", "split_plan_vs_ideal", "metas_vs_ideal"]
-    print_table(results, cols, "data planning per rank (slowest rank; CPU ms of the steps)")
+        for name in ratios:
+            r[f"{name}_ratio"] = r[f"{name}_ms"] / base[f"{name}_ms"]
+        for name in ratios[1:]:
+            r[f"{name}_vs_ideal"] = r[f"{name}_ratio"] * r["dp"]
+    cols = ["dp", "before_max_ms", "split_max_ms", "split_mean_ms", "split_plan_max_ms"]
+    cols += ["metas_max_ms", "before_calls", "split_calls", "metas_calls", "plan_call_ms"]
+    cols += ["split_imbalance"]
+    print_table(results, cols, "data planning per rank (CPU ms of the steps; medians of repeats)")
     if base:
+        cols = ["dp", "ideal", "before_max_ratio", "split_max_ratio", "split_max_vs_ideal"]
+        cols += ["split_mean_vs_ideal", "split_plan_max_vs_ideal", "metas_max_vs_ideal"]
+        print_table(results, cols, "against dp 1 (vs_ideal: ratio x dp)")
         near = [r for r in results if r["dp"] <= 8]
-        worst = max(near, key=lambda r: abs(r["split_vs_ideal"] - 1))
-        print(
-            f"split planning vs 1/dp at dp <= 8: worst {worst['split_vs_ideal']:.2f} at dp "
-            f"{worst['dp']} ({'within' if abs(worst['split_vs_ideal'] - 1) <= 0.2 else 'outside'}"
-            " 20%)"
-        )
+        for name in ("split_max", "split_mean"):
+            worst = max(near, key=lambda r, n=name: abs(r[f"{n}_vs_ideal"] - 1))
+            v = worst[f"{name}_vs_ideal"]
+            print(
+                f"{name} vs 1/dp at dp <= 8: worst {v:.2f} at dp {worst['dp']} "
+                f"({'within' if abs(v - 1) <= 0.2 else 'outside'} 20%)"
+            )
+    print(f"load average (1 min): {load[0]:.1f} at the start, {load[1]:.1f} at the end")
     write_json(
         args.out_dir,
         "host_data",
@@ -218,6 +258,7 @@ def main():
             "steps": args.steps,
             "samples": args.samples,
             "repeats": args.repeats,
+            "load": load,
             "results": results,
         },
     )

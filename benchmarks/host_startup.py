@@ -1,13 +1,12 @@
 """Start-up of ``cpvlm train`` on N conversations, from the JSONL file and from a ``cpvlm prepare``
 folder of it.
 
-    python benchmarks/host_startup.py                # N = 100k: prepare plans them all (long)
+    python benchmarks/host_startup.py --samples 10000 30000 100000  # the committed run
     python benchmarks/host_startup.py --quick --out-dir DIR  # N = 500, one repeat: a trial run
-    python benchmarks/host_startup.py --samples 10000 --repeats 2  # the committed run
 
-The committed run (N = 10k) took 20 minutes on 2 cores shared with six other jobs, ``prepare``
-348 s of it (2 workers, ~29 samples/s): planning is per sample, so N = 100k would prepare for
-about an hour there (its time falls with --workers).
+Planning is per sample (~2 to 3 CPU ms a conversation of this data), so ``prepare`` and every
+sample's size from the JSONL file grow as N; the N = 10k, 30k and 100k rows show that scaling
+measured, not extrapolated (``--sizes-max`` below N would scale the JSONL figure, and says so).
 
 Data: the conversations of ``cpvlm.integrations.hf.tiny_checkpoint.example_records`` (text, one
 or two PNG images, 3-5 frame videos; one or two turns), cycled to N lines of one JSONL file, and
@@ -21,23 +20,29 @@ what a start costs in data, per source:
   what a rank does before its first step;
 - ``all_sizes_s``: every sample's length and grids, what planning a whole epoch (or a
   length-aware plan of the dataset) costs one process: ``encoder.plan`` of every JSONL sample,
-  ``meta(i)`` of every prepared one. Planning is per sample, so the JSONL figure is measured on
-  the first ``all_sizes_measured`` samples (``--sizes-max``) and scaled to N where that is fewer;
+  ``meta(i)`` of every prepared one, wall seconds and CPU seconds (``all_sizes_cpu_s``); the
+  JSONL figure is measured on the first ``all_sizes_measured`` samples (``--sizes-max``, default
+  all) and scaled to N only where that is fewer;
 - ``train_start_s`` (unless ``--no-train``): wall time of ``cpvlm train --steps 1`` (CP 1, one
   rank process), start to exit: imports, the rank's spawn, model build, the first step;
   ``first_step_data_s``: that step's wait for data (``data_time_s`` of metrics.jsonl: the
-  loader's start, planning the first window, decoding pixels).
+  loader's start, planning the first window, decoding pixels); ``train_cpu_s``: the CPU seconds
+  of that command and its rank processes.
 
-``prepare_s``: ``cpvlm prepare`` of the N samples with ``--workers`` processes, paid once;
+``prepare_s``: ``cpvlm prepare`` of the N samples with ``--workers`` processes, paid once
+(``prepare_cpu_s``: its CPU seconds, workers included; ``prepare_cpu_ms_per_sample``);
 ``prepare_again_s``: the same command on the finished folder (checks the key, plans nothing).
 Cheap parts are the best of ``--repeats`` runs; ``all_sizes_s`` of the JSONL file and
 ``train_start_s`` are one run each. Ratios are JSONL over prepared, measured in the same run.
+``load``: ``os.getloadavg()`` (1 min) when each row was finished (the machine may be shared:
+wall seconds there are inflated, CPU seconds much less).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -45,8 +50,8 @@ from pathlib import Path
 
 from _common import Clock, cores, parser, print_table, write_json
 
-SAMPLES, QUICK_SAMPLES = [100_000], [500]
-WINDOW, SEQ_LEN, REPEATS, SIZES_MAX = 64, 1024, 3, 2000
+SAMPLES, QUICK_SAMPLES = [10_000, 30_000, 100_000], [500]
+WINDOW, SEQ_LEN, REPEATS = 64, 1024, 3
 
 
 def _write_data(folder: Path, n: int) -> tuple[Path, Path]:
@@ -94,9 +99,16 @@ def _first_rows(ckpt: Path, spec: str) -> None:
     next(RowStream(source, plan, seq_len=SEQ_LEN, window=WINDOW).rows())
 
 
-def _all_sizes(ckpt: Path, spec: str, most: int) -> tuple[float, int]:
-    """Seconds to read every sample's size (scaled to all N from the first ``most`` samples of
-    a JSONL file; all of a prepared folder), and the samples measured."""
+def _children_cpu() -> float:
+    """CPU seconds of this process's finished (waited-for) children and theirs."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _all_sizes(ckpt: Path, spec: str, most: int | None) -> tuple[float, float, int]:
+    """Wall and CPU seconds to read every sample's size (scaled to all N from the first ``most``
+    samples of a JSONL file where that is fewer; all of a prepared folder), and the samples
+    measured."""
     from cpvlm.data import open_source
     from cpvlm.data.prepared import PreparedSource
 
@@ -106,17 +118,18 @@ def _all_sizes(ckpt: Path, spec: str, most: int) -> tuple[float, int]:
         clock = Clock()
         for i in range(n):
             total += source.meta(i).tokens
-        return clock.wall(), n
+        return clock.wall(), clock.cpu(), n
     _, encoder = _encoder(ckpt)
-    measured = min(n, most)
+    measured = n if most is None else min(n, most)
     clock = Clock()
     for i in range(measured):
         total += len(encoder.plan(source[i]))  # the example data has no bad samples
-    return clock.wall() * n / measured, measured
+    return clock.wall() * n / measured, clock.cpu() * n / measured, measured
 
 
-def _train_start(ckpt: Path, spec: str, out: Path) -> tuple[float, float]:
-    """Wall seconds of ``cpvlm train --steps 1``, and its first step's wait for data."""
+def _train_start(ckpt: Path, spec: str, out: Path) -> tuple[float, float, float]:
+    """Wall seconds of ``cpvlm train --steps 1``, its first step's wait for data, and its CPU
+    seconds (the command and its ranks)."""
     cmd = [
         sys.executable,
         "-m",
@@ -138,13 +151,13 @@ def _train_start(ckpt: Path, spec: str, out: Path) -> tuple[float, float]:
         str(out),
         "--overwrite",
     ]
-    clock = Clock()
+    clock, cpu = Clock(), _children_cpu()
     done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
-    wall = clock.wall()
+    wall, cpu = clock.wall(), _children_cpu() - cpu
     first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
-    return wall, first["data_time_s"]
+    return wall, first["data_time_s"], cpu
 
 
 def main() -> None:
@@ -152,7 +165,10 @@ def main() -> None:
     p.add_argument("--samples", type=int, nargs="+", default=None, help="dataset sizes N")
     p.add_argument("--quick", action="store_true", help=f"N = {QUICK_SAMPLES}, one repeat")
     p.add_argument(
-        "--sizes-max", type=int, default=SIZES_MAX, help="JSONL samples planned for all_sizes_s"
+        "--sizes-max",
+        type=int,
+        default=None,
+        help="JSONL samples planned for all_sizes_s (default: all N; fewer are scaled to N)",
     )
     p.add_argument("--workers", type=int, default=cores(), help="cpvlm prepare processes")
     p.add_argument("--repeats", type=int, default=REPEATS, help="runs of the cheap parts")
@@ -170,9 +186,9 @@ def main() -> None:
         for n in args.samples:
             ckpt, jsonl = _write_data(folder, n)
             cache = folder / f"prepared_{n}"
-            clock = Clock()
+            clock, children = Clock(), _children_cpu()
             prepare_dataset(str(ckpt), str(jsonl), cache, workers=args.workers, progress=False)
-            prepare_s = clock.wall()
+            prepare_s, prepare_cpu_s = clock.wall(), clock.cpu() + _children_cpu() - children
             clock = Clock()
             prepare_dataset(str(ckpt), str(jsonl), cache, workers=args.workers, progress=False)
             prepare_again_s = clock.wall()
@@ -185,23 +201,34 @@ def main() -> None:
                 r["first_rows_s"] = _best(
                     lambda spec=spec, ckpt=ckpt: _first_rows(ckpt, spec), args.repeats
                 )
-                r["all_sizes_s"], r["all_sizes_measured"] = _all_sizes(ckpt, spec, args.sizes_max)
+                sizes = _all_sizes(ckpt, spec, args.sizes_max)
+                r["all_sizes_s"], r["all_sizes_cpu_s"], r["all_sizes_measured"] = sizes
                 if args.train:
                     run = folder / f"run_{name}"
-                    r["train_start_s"], r["first_step_data_s"] = _train_start(ckpt, spec, run)
+                    start = _train_start(ckpt, spec, run)
+                    r["train_start_s"], r["first_step_data_s"], r["train_cpu_s"] = start
                 if name == "prepared":
                     r["prepare_s"] = prepare_s
+                    r["prepare_cpu_s"] = prepare_cpu_s
+                    r["prepare_cpu_ms_per_sample"] = 1e3 * prepare_cpu_s / n
                     r["prepare_samples_per_s"] = n / prepare_s
                     r["prepare_again_s"] = prepare_again_s
+                r["load"] = os.getloadavg()[0]
                 per[name] = r
                 rows.append(r)
-            keys = ["open_s", "first_rows_s", "all_sizes_s"]
+            keys = ["open_s", "first_rows_s", "all_sizes_s", "all_sizes_cpu_s"]
             keys += ["train_start_s", "first_step_data_s"] * args.train
             ratios.append({"samples": n, **{k: per["jsonl"][k] / per["prepared"][k] for k in keys}})
-            print(f"N={n}: prepared in {prepare_s:.1f} s with {args.workers} workers")
-    columns = ["samples", "source", "open_s", "first_rows_s", "all_sizes_s", "all_sizes_measured"]
-    columns += ["train_start_s", "first_step_data_s"] * args.train
-    columns += ["prepare_s", "prepare_again_s"]
+            print(
+                f"N={n}: prepared in {prepare_s:.1f} s ({prepare_cpu_s:.1f} CPU s) with "
+                f"{args.workers} workers",
+                flush=True,
+            )
+    columns = ["samples", "source", "open_s", "first_rows_s", "all_sizes_s", "all_sizes_cpu_s"]
+    columns += ["all_sizes_measured"]
+    columns += ["train_start_s", "train_cpu_s", "first_step_data_s"] * args.train
+    columns += ["prepare_s", "prepare_cpu_s", "prepare_cpu_ms_per_sample", "prepare_again_s"]
+    columns += ["load"]
     print_table(rows, columns, "cpvlm train start-up: JSONL file vs cpvlm prepare folder")
     print_table(ratios, ["samples", *keys], "JSONL / prepared")
     write_json(

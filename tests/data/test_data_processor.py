@@ -297,3 +297,42 @@ def test_video_file_default_fps_and_bad_files(checkpoint, tmp_path):
     assert info.value.reason == "missing_media"
     with pytest.raises(DataError, match="fps must be > 0"):
         plan(clip, fps=0)
+
+
+def test_tokens_spliced_from_the_placeholders_equal_the_expanded_text_tokenized(checkpoint, media):
+    """``ExpandedTokenizer`` (the raw rendering tokenized, each replacement once) against the
+    tokenizer on the whole expanded text: the same ids and offsets, also where it must fall
+    back (a replacement that begins with text, a placeholder that is not an added token)."""
+    from cpvlm.integrations.hf.expanded_text import ExpandedTokenizer, Rendering
+
+    _, encoder = checkpoint
+    tok = encoder.tokenizer
+    splice = ExpandedTokenizer(tok)
+    pad = encoder.processor.image_token
+    for messages in _conversations(media):
+        plan = encoder.plan(Record(0, "test", {"messages": messages}, None))
+        raw = encoder._render(messages)
+        full = Rendering(raw, *encoder._expand(raw, list(plan.images), []))
+        cases = [full]
+        if full.expansion:  # the same text with a replacement that begins with text
+            r = dict(full.expansion[0], replacement="x y" + full.expansion[0]["replacement"])
+            c, d = r["new_span"]
+            r["new_span"] = (c, d + 3)
+            text = full.text[:c] + "x y" + full.text[c:]
+            later = [
+                dict(e, new_span=(e["new_span"][0] + 3, e["new_span"][1] + 3))
+                for e in full.expansion[1:]
+            ]
+            cases.append(Rendering(raw, text, [r, *later]))
+        for k, case in enumerate(cases):
+            whole = []
+            splice._whole = lambda *a, whole=whole: (
+                whole.append(1) or type(splice)._whole(splice, *a)
+            )
+            ref = tok(case.text, return_offsets_mapping=True)
+            ids, offsets = splice(case, True)
+            assert ids == ref["input_ids"]
+            assert [tuple(o) for o in offsets] == [tuple(o) for o in ref["offset_mapping"]]
+            # the images' placeholders are spliced; the text-led replacement falls back
+            assert bool(whole) == (k == 1 or not case.expansion)
+    assert pad in splice.clean

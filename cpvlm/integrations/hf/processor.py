@@ -47,6 +47,7 @@ from cpvlm.data.media import image_ref, video_frames
 from cpvlm.data.sample import SamplePlan, TokenIds, VisionItem, check_tokens, plan_tokenized
 from cpvlm.data.sources import Record
 
+from .expanded_text import ExpandedTokenizer, Rendering
 from .registry import adapter_for
 
 
@@ -196,6 +197,7 @@ class ChatEncoder:
         self.ids = adapter_token_ids(model_config)
         model_type = model_config.model_type
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
+        self._tokenize = ExpandedTokenizer(self.tokenizer)
         self.image_processor = AutoImageProcessor.from_pretrained(
             self.model_dir, local_files_only=True
         )
@@ -295,16 +297,14 @@ class ChatEncoder:
             raise DataError("bad_record", "no 'messages' list (or 'input_ids') in the record")
         messages, images, videos = self._vision_items(_clean(messages), data, record.base_dir)
         rendered = self._render(messages)
-        text = self._expand(rendered, images, videos)
-        enc = self.tokenizer(
-            text,
-            add_special_tokens=not self._starts_with_bos(text),
-            return_offsets_mapping=self.train_on == "assistant",
+        full = Rendering(rendered, *self._expand(rendered, images, videos))
+        ids, offsets = self._tokenize(
+            full, not self._starts_with_bos(full.text), self.train_on == "assistant"
         )
-        input_ids = torch.tensor(enc["input_ids"], dtype=torch.long)
+        input_ids = torch.tensor(ids, dtype=torch.long)
         if self.train_on == "assistant":
-            spans = self._assistant_spans(messages, images, videos, text)
-            labels = self._labels_in_spans(input_ids, enc["offset_mapping"], spans)
+            spans = self._assistant_spans(messages, images, videos, full)
+            labels = self._labels_in_spans(input_ids, offsets, spans)
             if not spans or bool((labels == IGNORE_INDEX).all()):
                 raise DataError(
                     "no_assistant_turn", "nothing to learn (no assistant turn with text)"
@@ -385,8 +385,9 @@ class ChatEncoder:
         )
         return prompts[0]
 
-    def _expand(self, text: str, images, videos) -> str:
-        """The processor's own placeholder expansion, for the planned grids."""
+    def _expand(self, text: str, images, videos) -> tuple[str, list[dict]]:
+        """The processor's own placeholder expansion, for the planned grids; with the offsets of
+        each replacement (``get_text_with_replacements``' ``span`` / ``new_span``)."""
         p = self.processor
         if self.media is not None:
             m = self.media
@@ -415,25 +416,43 @@ class ChatEncoder:
         video_repl = [p.replace_video_token(video_inputs, video_idx=i) for i in range(len(videos))]
         return self._replace(text, images, videos, image_repl, video_repl)
 
-    def _replace(self, text: str, images, videos, image_repl, video_repl) -> str:
+    def _placeholders(self, text: str) -> tuple[int, int]:
         p = self.processor
         n_video = text.count(p.video_token) if getattr(p, "video_token", None) else 0
-        n_image = text.count(p.image_token)
+        return text.count(p.image_token), n_video
+
+    def _replace(self, text: str, images, videos, image_repl, video_repl):
+        p = self.processor
+        n_image, n_video = self._placeholders(text)
         if (n_image, n_video) != (len(images), len(videos)):
             raise DataError(
                 "vision_token_mismatch",
                 f"the chat template wrote {n_image} image and {n_video} video placeholders for "
                 f"{len(images)} images and {len(videos)} videos",
             )
-        expanded, _ = p.get_text_with_replacements([text], image_repl, video_repl)
-        return expanded[0]
+        expanded, offsets = p.get_text_with_replacements([text], image_repl, video_repl)
+        return expanded[0], (offsets[0] if offsets else [])
+
+    def _expanded_prefix(self, raw: str, images, videos, full: Rendering) -> str:
+        """``raw`` (a rendering of a prefix of the conversation, with the first ``len(images)``
+        images and ``len(videos)`` videos) expanded: cut from the expanded whole where ``raw``
+        is a prefix of the whole's rendering (replacement i depends on item i alone), else
+        expanded on its own (which also reports a placeholder count that does not match)."""
+        cut = full.expanded_offset(len(raw))
+        if (
+            cut is not None
+            and full.raw.startswith(raw)
+            and self._placeholders(raw) == (len(images), len(videos))
+        ):
+            return full.text[:cut]
+        return self._expand(raw, images, videos)[0]
 
     def _starts_with_bos(self, text: str) -> bool:
         bos = self.tokenizer.bos_token
         return bos is not None and text.startswith(bos)
 
-    def _assistant_spans(self, messages, images, videos, full: str) -> list[tuple[int, int]]:
-        """Character spans of the assistant turns in the expanded text ``full``."""
+    def _assistant_spans(self, messages, images, videos, full: Rendering) -> list[tuple[int, int]]:
+        """Character spans of the assistant turns in the expanded text ``full.text``."""
         spans = []
         n_img = n_vid = 0
         for i, message in enumerate(messages):
@@ -445,11 +464,18 @@ class ChatEncoder:
                 counts = (0, 0)
             if message["role"] == "assistant":
                 prefix = self._render(messages[:i], generation_prompt=True)
-                upto = self._render(messages[: i + 1])
-                start = len(self._expand(prefix, images[:n_img], videos[:n_vid]))
-                upto = self._expand(upto, images[: n_img + counts[0]], videos[: n_vid + counts[1]])
+                # the last turn's conversation is the whole: rendered already
+                upto = full.raw if i + 1 == len(messages) else self._render(messages[: i + 1])
+                start = len(self._expanded_prefix(prefix, images[:n_img], videos[:n_vid], full))
+                upto = self._expanded_prefix(
+                    upto, images[: n_img + counts[0]], videos[: n_vid + counts[1]], full
+                )
                 end = len(upto.rstrip())
-                if not (full.startswith(upto) and upto[:start] == full[:start] and start <= end):
+                if not (
+                    full.text.startswith(upto)
+                    and upto[:start] == full.text[:start]
+                    and start <= end
+                ):
                     raise DataError(
                         "bad_record",
                         "the chat template does not render the conversation up to an assistant "
@@ -461,11 +487,12 @@ class ChatEncoder:
 
     @staticmethod
     def _labels_in_spans(input_ids, offsets, spans) -> torch.Tensor:
-        labels = torch.full_like(input_ids, IGNORE_INDEX)
-        for t, (a, b) in enumerate(offsets):
-            if b > a and any(s <= a and b <= e for s, e in spans):
-                labels[t] = input_ids[t]
-        return labels
+        """The ids of the tokens whose characters lie inside a span (and have some), else -100."""
+        ab = torch.tensor(offsets, dtype=torch.long).reshape(-1, 2)
+        se = torch.tensor(spans, dtype=torch.long).reshape(-1, 2)
+        a, b = ab[:, :1], ab[:, 1:]
+        inside = ((se[:, 0] <= a) & (b <= se[:, 1])).any(dim=1) & (ab[:, 1] > ab[:, 0])
+        return torch.where(inside, input_ids, IGNORE_INDEX)
 
     # ---- decoding (only the rank that encodes the unit) ---------------------------------------
 
