@@ -130,10 +130,10 @@ class LocalRow:
         )  # fmt: skip
 
 
-def _unit_layout(ids) -> dict:
-    """``vision_units`` keywords of the family's units: frames or whole items, so sized (the
-    units ``VisionDataParallel`` assigns)."""
-    return {"split_frames": ids.split_frames, "sizes": ids.sizes}
+def _unit_layout(ids, row) -> dict:
+    """``vision_units`` keywords of the family's units of ``row``: frames or whole items, so
+    sized, of their kinds (the units ``VisionDataParallel`` assigns)."""
+    return {"split_frames": ids.split_frames, "sizes": ids.sizes, "kinds": row.kinds()}
 
 
 def select_groups(rows: torch.Tensor, temporal, groups, merge: int) -> torch.Tensor:
@@ -170,14 +170,14 @@ def _item_rows(
         return select_groups(rows, temporal, groups, ids.merge) if groups else rows
     rows = decode(item, temporal, groups) if groups else decode(item, temporal)
     # the family's rows per item (LLaVA-OneVision: t crops of s*s rows, whatever its h, w)
-    sizes = ids.item_sizes if ids is not None else lambda g: (g[0] * g[1] * g[2], 0)
+    sizes = ids.item_sizes if ids is not None else lambda g, _: (g[0] * g[1] * g[2], 0)
     if temporal is None:
-        need = sizes(item.grid)[0]
+        need = sizes(item.grid, item.kind)[0]
     else:
-        need = len(temporal) * sizes((1, *item.grid[1:]))[0]
+        frame = sizes((1, *item.grid[1:]), item.kind)[0]
+        need = len(temporal) * frame
         if groups:
-            m2 = ids.merge**2
-            need -= sum(sizes((1, *item.grid[1:]))[0] - len(g) * m2 for g in groups.values())
+            need -= sum(frame - len(g) * ids.merge**2 for g in groups.values())
     if rows.dim() != 2 or rows.shape[0] != need:
         raise DataError(
             "vision_token_mismatch",
@@ -211,7 +211,7 @@ def decode_row(job: RowJob, decode: Decoder, temporal_patch: int = 2) -> LocalRo
         seconds = [it.second_per_grid for _, it in videos]
         if any(s is not None for s in seconds):
             vision["second_per_grid_ts"] = torch.tensor([s or 0.0 for s in seconds])
-    units = vision_units(grids, job.ids.merge, **_unit_layout(job.ids))
+    units = vision_units(grids, job.ids.merge, **_unit_layout(job.ids, row))
     mine = list(range(units.num_units)) if job.units is None else job.units
     out = LocalRow(
         job.step, row.input_ids, row.labels, row.doc_lens, job.ids, vision, job.units is not None,
@@ -376,7 +376,7 @@ class RankLoader:
         grids = row.grid_thw()
         if not len(grids):
             return [], {}
-        units = vision_units(grids, self.ids.merge, **_unit_layout(self.ids))
+        units = vision_units(grids, self.ids.merge, **_unit_layout(self.ids, row))
         groups = self.pieces(units)[self.cp_rank] if self.pieces is not None else {}
         return sorted(self.assign(units)[self.cp_rank]), groups
 

@@ -67,6 +67,10 @@ class PackedPlan:
         grids = [it.grid for _, it in self.images + self.videos]
         return torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
 
+    def kinds(self) -> tuple[str, ...]:
+        """The kind of each row of ``grid_thw()``."""
+        return ("image",) * len(self.images) + ("video",) * len(self.videos)
+
 
 @dataclass(frozen=True)
 class RowSlot:

@@ -55,17 +55,17 @@ class TokenIds:
     types: Callable[[torch.Tensor], torch.Tensor] | None = field(
         default=None, compare=False, repr=False
     )
-    sizes: Callable[[tuple[int, int, int]], tuple[int, int]] | None = field(
+    sizes: Callable[[tuple[int, int, int], str], tuple[int, int]] | None = field(
         default=None, compare=False, repr=False
     )
-    """``grid -> (pixel rows, tokens)`` of an item (None: t*h*w and t*h*w/m**2)."""
+    """``(grid, kind) -> (pixel rows, tokens)`` of an item (None: t*h*w and t*h*w/m**2)."""
     split_frames: bool = True
     """A video's temporal frames (a tiled image's tiles) are vision units of their own; else
     every item is one unit (the tower needs all of it at once)."""
 
-    def item_sizes(self, grid: tuple[int, int, int]) -> tuple[int, int]:
+    def item_sizes(self, grid: tuple[int, int, int], kind: str) -> tuple[int, int]:
         if self.sizes is not None:
-            return self.sizes(grid)
+            return self.sizes(grid, kind)
         t, h, w = grid
         return t * h * w, t * h * w // self.merge**2
 
@@ -170,7 +170,7 @@ def check_tokens(plan: SamplePlan, ids: TokenIds) -> None:
         ("video", 2, ids.video, plan.videos),
     ):
         have = int((types == type_id).sum())
-        need = sum(ids.item_sizes(it.grid)[1] for it in items)
+        need = sum(ids.item_sizes(it.grid, kind)[1] for it in items)
         if have != need:
             grids = [list(it.grid) for it in items]
             rule = "the family's rule" if ids.sizes else f"t*h*w/{ids.merge}**2 each"
@@ -212,7 +212,7 @@ def _tokenized_items(raw, kind, pix_key, grid_key, ids) -> tuple[VisionItem, ...
     grids = [tuple(int(v) for v in g) for g in torch.as_tensor(grid).long().reshape(-1, 3)]
     if not isinstance(pixels, LazyPixels):
         pixels = torch.as_tensor(pixels)
-    patches = sum(ids.item_sizes(g)[0] for g in grids)
+    patches = sum(ids.item_sizes(g, kind)[0] for g in grids)
     if len(pixels.shape) != 2 or pixels.shape[0] != patches:
         raise DataError(
             "vision_token_mismatch",
@@ -223,7 +223,7 @@ def _tokenized_items(raw, kind, pix_key, grid_key, ids) -> tuple[VisionItem, ...
     seconds = None if seconds is None else torch.as_tensor(seconds).reshape(-1).tolist()
     items, start = [], 0
     for i, g in enumerate(grids):
-        n = ids.item_sizes(g)[0]
+        n = ids.item_sizes(g, kind)[0]
         sec = None if seconds is None else float(seconds[i])
         rows = (
             pixels.window(start, n) if isinstance(pixels, LazyPixels) else pixels[start : start + n]

@@ -128,7 +128,7 @@ class SyntheticVLMData:
             grids = [grid for k, grid in items if k == kind]
             if not grids:
                 continue
-            rows = sum(self.adapter.item_sizes(g)[0] for g in grids)
+            rows = sum(self.adapter.item_sizes(g, kind)[0] for g in grids)
             width = self.adapter.pixel_width
             make = RandomRows(self._sample_seed(index, pix_key), width)
             sample[pix_key] = LazyPixels(make, rows, width)

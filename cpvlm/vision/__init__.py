@@ -14,9 +14,10 @@ from cpvlm.vision.parallel import VisionDataParallel
 from cpvlm.vision.route import RoutePlan, route_plan, route_to_owners
 from cpvlm.vision.split import SplitAttention, UnitOrder
 from cpvlm.vision.split_assign import SplitAssignment, split_assignment
-from cpvlm.vision.units import VisionUnits, vision_units
+from cpvlm.vision.units import KINDS, VisionUnits, vision_units
 
 __all__ = [
+    "KINDS",
     "RoutePlan",
     "SplitAssignment",
     "SplitAttention",

@@ -110,11 +110,15 @@ class VisionDataParallel(nn.Module):
         cost: the tower's cost model, by which units are balanced over ranks. Default: what
             ``encoder.vision_cost()`` returns if the encoder has that method, else the patch
             count (``VisionCost.patches()``). Every rank must pass the same one.
-        unit_sizes: ``grid -> (pixel rows, output rows)`` of a unit, for a tower whose layout is
-            not t*h*w pixel rows and t*h*w/m**2 output rows (see ``vision_units``); it also sizes
-            the dummy frame (1, m, m) of a rank without units.
+        unit_sizes: ``(grid, kind) -> (pixel rows, output rows)`` of a unit, for a tower whose
+            layout is not t*h*w pixel rows and t*h*w/m**2 output rows (see ``vision_units``); it
+            also sizes the dummy frame (1, m, m), an image, of a rank without units.
         attn, attn_options: ``mode="split"``: the ``cp_attention`` impl (and its keywords) of
             the tower's attention over the sharded units.
+
+    Kinds: ``forward(..., kinds=)`` gives each item's kind (``"image"`` or ``"video"``); the
+    encoder is then called as ``encoder(pixel_values, grid_thw, kinds=)`` with its units' kinds
+    (without, every item is an image and the encoder gets no ``kinds``).
 
     Split protocol (``mode="split"``): ``encoder.unit_order(grid) -> UnitOrder`` (the tower's
     order of a unit's merge groups and its windows) and ``encoder.encode_local(pixel_rows,
@@ -169,9 +173,13 @@ class VisionDataParallel(nn.Module):
             except ValueError as err:
                 raise ValueError(f"VisionDataParallel: {err}") from None
 
-    def units(self, grid_thw: torch.Tensor) -> VisionUnits:
+    def units(self, grid_thw: torch.Tensor, kinds=None) -> VisionUnits:
         return vision_units(
-            grid_thw, self.merge_size, split_frames=self.split_frames, sizes=self.unit_sizes
+            grid_thw,
+            self.merge_size,
+            split_frames=self.split_frames,
+            sizes=self.unit_sizes,
+            kinds=kinds,
         )
 
     def assignment(self, units: VisionUnits) -> list[list[int]]:
@@ -210,6 +218,7 @@ class VisionDataParallel(nn.Module):
         pixel_values: torch.Tensor,
         grid_thw: torch.Tensor,
         *,
+        kinds=None,
         plan: ShardPlan | None = None,
         row_positions: torch.Tensor | None = None,
         local_pixels: bool = False,
@@ -221,7 +230,8 @@ class VisionDataParallel(nn.Module):
         ``local_pixels``: ``pixel_values`` holds only the pixel rows of this rank's units
         (``pixel_assignment``; split mode: with the units it holds pieces of, whole or only the
         piece's groups, ``pixel_pieces``), in unit order (what a data loader that decodes only
-        these gives); ``grid_thw`` is still every item's.
+        these gives); ``grid_thw`` is still every item's. ``kinds``: every item's kind (see
+        the class docstring).
 
         allgather mode: all R rows in the tower's order (``plan``/``row_positions`` unused).
         route mode: ``plan`` is the batch's ShardPlan and ``row_positions[g]`` the position of
@@ -238,12 +248,12 @@ class VisionDataParallel(nn.Module):
             step = StepAgreement()
         if self.mode == "split":
             out, encoded = self._forward_split(
-                pixel_values, grid_thw, plan, row_positions, local_pixels, step
+                pixel_values, grid_thw, kinds, plan, row_positions, local_pixels, step
             )
             return (out, encoded) if with_unit_count else out
         try:
             units, assignment, rp, tensors, has_deepstack = self._encode_local(
-                pixel_values, grid_thw, plan, row_positions, local_pixels
+                pixel_values, grid_thw, kinds, plan, row_positions, local_pixels
             )
         except ValueError as err:
             # Found by this rank alone (a tower that returned too few rows, inputs that differ
@@ -264,10 +274,10 @@ class VisionDataParallel(nn.Module):
         out = _join_output(moved, has_deepstack)
         return (out, len(assignment[dist.get_rank(self.group)])) if with_unit_count else out
 
-    def _encode_local(self, pixel_values, grid_thw, plan, row_positions, local_pixels):
+    def _encode_local(self, pixel_values, grid_thw, kinds, plan, row_positions, local_pixels):
         """``(units, assignment, route plan or None, this rank's rows, has_deepstack)``."""
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        units = self.units(grid_thw)
+        units = self.units(grid_thw, kinds)
         assignment = self.assignment(units)
         self._check_pixels(pixel_values, units, assignment[rank] if local_pixels else None)
         rp = None
@@ -281,19 +291,23 @@ class VisionDataParallel(nn.Module):
             pix = pixel_values
             if not local_pixels:
                 pix = pix.index_select(0, units.pixel_index(mine).to(pixel_values.device))
-            out = self.encoder(pix, units.grid_thw(mine).to(grid_thw.device))
-            tensors, has_deepstack = _split_output(out)
+            grid = units.grid_thw(mine).to(grid_thw.device)
+            with_kinds = {} if kinds is None else {"kinds": units.kinds_of(mine)}
+            tensors, has_deepstack = _split_output(self.encoder(pix, grid, **with_kinds))
             self._check_output(tensors, has_deepstack, sum(units.row_counts[u] for u in mine))
         else:
-            tensors, has_deepstack = self._placeholders(pixel_values, grid_thw.device)
+            tensors, has_deepstack = self._placeholders(pixel_values, grid_thw.device, kinds)
         return units, assignment, rp, tensors, has_deepstack
 
-    def _forward_split(self, pixel_values, grid_thw, plan, row_positions, local_pixels, step):
-        """Mode split: ``(this rank's visual rows, units and pieces it encoded)``."""
+    def _forward_split(
+        self, pixel_values, grid_thw, kinds, plan, row_positions, local_pixels, step
+    ):
+        """Mode split: ``(this rank's visual rows, units and pieces it encoded)``. Its towers
+        treat an image and a video frame alike (the default item sizes): pieces have no kind."""
         rank = dist.get_rank(self.group)
         facts, error = {}, None
         try:
-            units = self.units(grid_thw)
+            units = self.units(grid_thw, kinds)
             orders = [self.encoder.unit_order(g) for g in units.grids]
             check_orders(units, orders)
             sa = self.split_assignment(units)
@@ -410,7 +424,7 @@ class VisionDataParallel(nn.Module):
         dims = [self.out_dims] if isinstance(self.out_dims, int) else list(self.out_dims)
         return [(d, self.dtype) for d in dims]
 
-    def _placeholders(self, pixel_values: torch.Tensor, device: torch.device):
+    def _placeholders(self, pixel_values: torch.Tensor, device: torch.device, kinds):
         if self.out_dims is not None:
             tensors = [
                 torch.zeros(0, d, dtype=dt, device=pixel_values.device)
@@ -418,10 +432,12 @@ class VisionDataParallel(nn.Module):
             ]
             return tensors, not isinstance(self.out_dims, int)
         m = self.merge_size
-        pixels, rows = (m * m, 1) if self.unit_sizes is None else self.unit_sizes((1, m, m))
+        sizes = self.unit_sizes
+        pixels, rows = (m * m, 1) if sizes is None else sizes((1, m, m), "image")
         dummy_pix = pixel_values.new_zeros(pixels, pixel_values.shape[1])
         dummy_grid = torch.tensor([[1, m, m]], dtype=torch.long, device=device)
-        tensors, has_deepstack = _split_output(self.encoder(dummy_pix, dummy_grid))
+        with_kinds = {} if kinds is None else {"kinds": ("image",)}
+        tensors, has_deepstack = _split_output(self.encoder(dummy_pix, dummy_grid, **with_kinds))
         # One m x m frame is one merged row: this catches a wrong merge_size on empty ranks too.
         self._check_output(tensors, has_deepstack, rows)
         return [t[:0] for t in tensors], has_deepstack

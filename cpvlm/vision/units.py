@@ -2,7 +2,9 @@
 
 Legend: N items (images or videos, rows of ``grid_thw``), U units, m = spatial merge size.
 A grid (t, h, w) is in patch units; an item has t*h*w pixel rows (one per patch, C*tp*p*p values)
-and t*h*w/m**2 output rows (one per merged token).
+and t*h*w/m**2 output rows (one per merged token). Every item and unit has a kind, ``"image"`` or
+``"video"`` (``KINDS``), carried beside its grid: a tower whose layout differs by kind
+(LLaVA-OneVision pools a video's frames, packs an image's crops) sizes and encodes a unit by both.
 
 In the Qwen-VL layout the pixel rows of a video are frame-major, and so are its output rows. A
 video of grid (t, h, w) is therefore the contiguous concatenation of t frame units of grid
@@ -19,6 +21,19 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
+
+KINDS = ("image", "video")
+"""The kinds of a vision item, in the order the tower takes them (images, then videos)."""
+
+
+def check_kinds(kinds, n: int) -> tuple[str, ...]:
+    """``kinds`` (one per item; None: every item an image) as a tuple, validated."""
+    if kinds is None:
+        return ("image",) * n
+    kinds = tuple(kinds)
+    if len(kinds) != n or any(k not in KINDS for k in kinds):
+        raise ValueError(f"kinds must be {n} of {KINDS} (one per grid_thw row), got {kinds!r}")
+    return kinds
 
 
 def check_merge_size(merge_size: object) -> int:
@@ -53,11 +68,13 @@ def grid_list(grid_thw: torch.Tensor, merge_size: int) -> list[tuple[int, int, i
 class VisionUnits:
     """The units of a batch of vision items, identical on every rank (a function of the grids).
 
-    ``grids[u]`` is unit u's (t, h, w); ``items[u]`` the item it comes from. Units are in item
-    order (frames of a video consecutive), so unit-order row concatenation equals item order.
+    ``grids[u]`` is unit u's (t, h, w), ``kinds[u]`` its kind (its item's), ``items[u]`` the
+    item it comes from. Units are in item order (frames of a video consecutive), so unit-order
+    row concatenation equals item order.
     """
 
     grids: tuple[tuple[int, int, int], ...]
+    kinds: tuple[str, ...]
     items: tuple[int, ...]
     merge_size: int
     num_items: int
@@ -97,6 +114,10 @@ class VisionUnits:
         chosen = self.grids if units is None else [self.grids[u] for u in units]
         return torch.tensor(chosen, dtype=torch.long).reshape(-1, 3)
 
+    def kinds_of(self, units: list[int] | None = None) -> tuple[str, ...]:
+        """The kinds of the given units (all by default), beside ``grid_thw(units)``."""
+        return self.kinds if units is None else tuple(self.kinds[u] for u in units)
+
     def pixel_index(self, units: list[int]) -> torch.Tensor:
         """Indices of the given units' pixel rows, in the order of ``units``."""
         return _ranges(self.pixel_offsets, units)
@@ -122,8 +143,9 @@ def _ranges(offsets: list[int], units: list[int]) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
 
 
-UnitSizes = Callable[[tuple[int, int, int]], tuple[int, int]]
-"""``sizes(grid) -> (pixel rows, output rows)`` of a unit of ``grid`` in a tower's own layout."""
+UnitSizes = Callable[[tuple[int, int, int], str], tuple[int, int]]
+"""``sizes(grid, kind) -> (pixel rows, output rows)`` of a unit of ``grid`` and ``kind`` in a
+tower's own layout."""
 
 
 def vision_units(
@@ -132,28 +154,30 @@ def vision_units(
     *,
     split_frames: bool = True,
     sizes: UnitSizes | None = None,
+    kinds=None,
 ) -> VisionUnits:
     """Units of the items of ``grid_thw``: one per image, one per temporal frame of a video.
 
     With ``split_frames=False`` a video stays one unit (for towers that attend across frames).
     ``sizes``: the pixel and output rows of a unit of a grid, for a tower whose layout is not the
     Qwen-VL one (LLaVA-OneVision: an image's crops and its packed rows); default t*h*w and
-    t*h*w/m**2.
+    t*h*w/m**2. ``kinds``: each item's kind (``KINDS``; None: every item an image).
     Raises ValueError for a malformed grid or one whose h, w are not multiples of ``merge_size``.
     """
     merge_size = check_merge_size(merge_size)
-    grids, items = [], []
-    for i, (t, h, w) in enumerate(grid_list(grid_thw, merge_size)):
-        if split_frames:
-            grids.extend([(1, h, w)] * t)
-            items.extend([i] * t)
-        else:
-            grids.append((t, h, w))
-            items.append(i)
+    item_grids = grid_list(grid_thw, merge_size)
+    item_kinds = check_kinds(kinds, len(item_grids))
+    grids, unit_kinds, items = [], [], []
+    for i, ((t, h, w), kind) in enumerate(zip(item_grids, item_kinds, strict=True)):
+        n = t if split_frames else 1
+        grids.extend([(1, h, w)] * t if split_frames else [(t, h, w)])
+        unit_kinds.extend([kind] * n)
+        items.extend([i] * n)
     return VisionUnits(
         grids=tuple(grids),
+        kinds=tuple(unit_kinds),
         items=tuple(items),
         merge_size=merge_size,
         num_items=int(grid_thw.shape[0]),
-        sizes=None if sizes is None else tuple(sizes(g) for g in grids),
+        sizes=None if sizes is None else tuple(map(sizes, grids, unit_kinds)),
     )

@@ -4,7 +4,8 @@ The reference is the checkpoint's processor class running its own ``apply_chat_t
 tokenize=True, return_dict=True)`` around the PIL image processor (AutoProcessor where
 torchvision works; their video processors need it, so without it the reference takes videos
 through a stand-in for the video processor, LLaVA-OneVision's and InternVL's, on frames of the
-tower's size). The data path reads grids from headers, expands the text itself and decodes each image
+tower's size; Gemma 4's through a stand-in that gives its processor's replacement code the
+video processor's outputs). The data path reads grids from headers, expands the text itself and decodes each image
 alone. Ids and pixels must be equal exactly (the same float32 operations on the same pixels);
 labels are checked against their definition: each run of labelled tokens decodes to one
 assistant answer and its end-of-turn token. Video frames (processed as the video processors do,
@@ -23,7 +24,6 @@ import transformers
 from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
 from cpvlm.data import Record
-from cpvlm.integrations.hf.families.llava_onevision import VIDEO_SIDE
 from cpvlm.integrations.hf.processor import ChatEncoder
 from cpvlm.integrations.hf.tiny_checkpoint import make_tiny_checkpoint, write_frames, write_images
 
@@ -167,7 +167,7 @@ def _with_video(family, path, messages, image, video):
 
 def test_video_tokens_and_frames(checkpoint, tmp_path):
     """Videos: InternVL's frames are one-tile images among the images in text order, Gemma 4's a
-    video of frames, LLaVA-OneVision's a video of (F, VIDEO_SIDE, VIDEO_SIDE) after the image;
+    video of frames, LLaVA-OneVision's a video of (F, S, S) (S x S frames) after the image;
     LLaVA-OneVision's and InternVL's ids equal to their processors' (the processor's own
     expansion; its video processor, which needs torchvision, replaced by its rescale and
     normalise on frames of the tower's size); each frame decoded alone gives its rows; at the
@@ -190,7 +190,8 @@ def test_video_tokens_and_frames(checkpoint, tmp_path):
     types = encoder.ids.mm_token_type_ids(plan.input_ids)
     if family == "llava_onevision":
         (video,) = plan.videos
-        assert video.grid == (3, VIDEO_SIDE, VIDEO_SIDE) and plan.images[0].grid[1:] == (40, 70)
+        side = encoder.adapter.crop  # each frame one crop
+        assert video.grid == (3, side, side) and plan.images[0].grid[1:] == (40, 70)
         out = _with_video(family, path, messages, plan.images[0], video)
         assert torch.equal(plan.input_ids, out["input_ids"][0])
         assert int((types == 2).sum()) == 3 * 2 * 2 + 1  # 3 frames of 2 x 2 pooled rows, newline
@@ -213,7 +214,7 @@ def test_video_tokens_and_frames(checkpoint, tmp_path):
         n = encoder.decode(plan.images[0], None).shape[0]
         assert torch.equal(rows[:n], want[:n])  # the image: its image processor itself
         torch.testing.assert_close(rows[n:], want[n:], rtol=0, atol=1e-6)
-    else:
+    else:  # its ids against its processor: test_gemma4_video_ids_equal_its_processor
         (video,) = plan.videos
         assert video.grid == (3, 12, 20)
         text = encoder.tokenizer.decode(plan.input_ids)
@@ -230,6 +231,98 @@ def test_video_tokens_and_frames(checkpoint, tmp_path):
     else:
         expect = encoder.adapter.from_model_batch(dict(first))["pixel_values"]
     torch.testing.assert_close(frames[0], expect, rtol=0, atol=1e-6)
+
+
+class _Gemma4VideoStandIn:
+    """What ``Gemma4Processor`` reads of its video processor's output, without torchvision (which
+    ``Gemma4VideoProcessor`` needs to import): the videos and their metadata as its
+    ``preprocess`` makes them (transformers' ``make_batched_videos`` and ``make_batched_metadata``,
+    no frame sampling), and each video's soft tokens per frame from transformers' Gemma 4 image
+    processor on its first frame at the video processor's ``max_soft_tokens`` (the same
+    ``get_aspect_ratio_preserving_size`` target and the same patches // k**2 count as its
+    ``_preprocess``)."""
+
+    def __init__(self, image_processor, max_soft_tokens: int):
+        self.image_processor, self.max_soft_tokens = image_processor, max_soft_tokens
+
+    def __call__(self, videos, video_metadata=None, return_metadata=False, **kwargs):
+        from PIL import Image
+        from transformers import BatchFeature
+        from transformers.video_utils import make_batched_metadata, make_batched_videos
+
+        assert kwargs.get("do_sample_frames") is False  # the metadata's frames are all frames
+        videos = make_batched_videos(videos)
+        tokens = [
+            int(
+                self.image_processor(
+                    images=[Image.fromarray(np.asarray(v[0]))],
+                    max_soft_tokens=self.max_soft_tokens,
+                    return_tensors="pt",
+                )["num_soft_tokens_per_image"][0]
+            )
+            for v in videos
+        ]
+        data = {"num_soft_tokens_per_video": tokens}
+        if return_metadata:
+            data["video_metadata"] = make_batched_metadata(videos, video_metadata)
+        return BatchFeature(data)
+
+
+def test_gemma4_video_ids_equal_its_processor(tmp_path):
+    """Gemma 4's ids for an image and two videos of frames (one resized, one at 1/40 fps: minute
+    timestamps) equal ``Gemma4Processor.apply_chat_template(..., tokenize=True)``'s: its
+    template, its ``replace_video_token`` (mm:ss timestamps from transformers' ``VideoMetadata``,
+    boi, soft tokens, eoi per frame) and tokenizer, with the stand-in above for the video
+    processor; the frames' timestamps and token counts are checked apart too."""
+    import re
+
+    path = make_tiny_checkpoint(tmp_path / "gemma4", "gemma4")
+    encoder = ChatEncoder(path, AutoConfig.from_pretrained(path))
+    reference = _reference("gemma4", path)
+    video_config = json.loads((path / "processor_config.json").read_text())["video_processor"]
+    reference.video_processor = _Gemma4VideoStandIn(
+        reference.image_processor, video_config["max_soft_tokens"]
+    )
+    clips = [(write_frames(tmp_path / "a", 3, 96, 160, seed=2), 0.025),
+             (write_frames(tmp_path / "b", 4, 50, 200, seed=4), 2.0)]  # fmt: skip
+    (image,) = write_images(tmp_path, [(40, 70)], seed=3)
+    content = [{"type": "image", "image": str(tmp_path / image)}]
+    content += [{"type": "video", "video": str(clip), "fps": fps} for clip, fps in clips]
+    content += [{"type": "text", "text": "Describe the videos."}]
+    messages = [
+        {"role": "user", "content": content},
+        {"role": "assistant", "content": [{"type": "text", "text": "a ball"}]},
+    ]
+    plan = encoder.plan(Record(0, "test", {"messages": messages}, None))
+
+    frames = [np.stack([np.array(f.load()) for f in v.frames]) for v in plan.videos]
+    decoded = json.loads(json.dumps(messages))
+    for block, video in zip(decoded[0]["content"][1:3], frames, strict=True):
+        block["video"] = video  # the frames cpvlm read, decoded (the stand-in cannot read files)
+    metadata = [{"fps": fps, "total_num_frames": len(v), "frames_indices": list(range(len(v)))}
+                for (_, fps), v in zip(clips, frames, strict=True)]  # fmt: skip
+    out = reference.apply_chat_template(
+        decoded, tokenize=True, return_dict=True, return_tensors="pt",
+        processor_kwargs={"video_metadata": metadata, "do_sample_frames": False},
+    )  # fmt: skip
+    assert torch.equal(plan.input_ids, out["input_ids"][0])
+
+    def frames_of(ids) -> list[tuple[str, int]]:
+        text = encoder.tokenizer.decode(ids)
+        runs = re.findall(r"(\d\d:\d\d) <start_of_image>((?:<\|video\|>)+)<end_of_image>", text)
+        return [(stamp, run.count("<|video|>")) for stamp, run in runs]
+
+    mine, theirs = frames_of(plan.input_ids), frames_of(out["input_ids"][0])
+    assert mine == theirs and len(mine) == 3 + 4
+    seconds = [
+        int(i / fps) for (_, fps), v in zip(clips, frames, strict=True) for i in range(len(v))
+    ]
+    assert [stamp for stamp, _ in mine] == [f"{s // 60:02d}:{s % 60:02d}" for s in seconds]
+    assert seconds == [0, 40, 80, 0, 0, 1, 1]  # frame i at i / fps seconds
+    k = encoder.adapter.config.vision_config.pooling_kernel_size
+    per_frame = [v.grid[1] * v.grid[2] // k**2 for v in plan.videos for _ in range(v.grid[0])]
+    assert [n for _, n in mine] == per_frame
+    assert [v.grid for v in plan.videos] == [(3, 12, 20), (4, 8, 32)]  # 50 x 200 resized
 
 
 def test_video_pixels_equal_the_video_processor(checkpoint, tmp_path):

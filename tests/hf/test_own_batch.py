@@ -29,7 +29,6 @@ pytest.importorskip("transformers")
 from hf_families import FAMILIES, cached_model, grad_errors  # noqa: E402
 
 from cpvlm.integrations.hf import ContextParallelVLM, adapter_for, prepare_batch  # noqa: E402
-from cpvlm.integrations.hf.families.llava_onevision import VIDEO_SIDE  # noqa: E402
 from cpvlm.integrations.hf.inputs import batch_keys  # noqa: E402
 from cpvlm.verify import (  # noqa: E402
     cp_loss_and_grads,
@@ -229,7 +228,8 @@ def test_processors_give_the_layouts_the_exactness_test_needs():
     tokens = (video["input_ids"] == model.config.video_token_id).sum()
     assert tokens == 3 * 2 * 2 + 1  # 3 frames of 4 x 4 rows pooled to 2 x 2, one newline
     prep = prepare_batch(model, video, 2)
-    assert prep.grid_thw.tolist() == [[5, 60, 70], [3, VIDEO_SIDE, VIDEO_SIDE]]
+    assert prep.grid_thw.tolist() == [[5, 60, 70], [3, 32, 32]]  # a video: 3 frames of 32 x 32
+    assert prep.kinds == ("image", "video")
 
 
 def _own_batch_steps(rank, world_size, batches):

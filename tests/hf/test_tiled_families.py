@@ -5,7 +5,8 @@ checkpoint, verify and train tests run on them through tests/hf/hf_families.py.
   of one image may be encoded on different ranks; a 5-tile image at cp 4 is, exactly.
 - LLaVA-OneVision's unit is an image: ``item_sizes`` equals the rows the model's own packing
   makes and the token count its processor writes, for base-only, unpadded and downsampled grids;
-  images of 3 and 5 crops (one downsampled) and a multi-image sample are exact at cp 4.
+  images of 3 and 5 crops (one downsampled) and a multi-image sample are exact at cp 4; one
+  grid is an image or a video by the kind carried beside it.
 - The cost models count the matrix products of a tile / crop (torch's FLOP counter).
 
 Tolerances: float64 relative error 1e-10 against the one-process model (DESIGN section 6); two
@@ -133,7 +134,7 @@ def test_llava_onevision_item_sizes_are_the_models_packed_rows_and_the_processor
     grids.append((1, 64, 64))  # base crop only (an image of a multi-image sample)
     gen = torch.Generator().manual_seed(0)
     for grid in grids:
-        pixels, rows = adapter.item_sizes(grid)
+        pixels, rows = adapter.item_sizes(grid, "image")
         t, h, w = grid
         if t > 1:
             assert rows == _processor_features(model.config, h, w)
@@ -150,9 +151,34 @@ def test_llava_onevision_item_sizes_are_the_models_packed_rows_and_the_processor
             )
         assert pixels == t * 16 and feats[0].shape[0] == rows == mine.shape[0]
         assert _rel(mine, feats[0]) < 1e-12
-    assert adapter.item_sizes((5, 64, 64))[1] == 16 + 5 * 6  # 8 x 8 downsampled to 5 x 5
+    assert adapter.item_sizes((5, 64, 64), "image")[1] == 16 + 5 * 6  # 8 x 8 downsampled to 5 x 5
     with pytest.raises(ValueError, match="has 1 \\+ 2 x 2 crops"):
-        adapter.item_sizes((3, 64, 64))
+        adapter.item_sizes((3, 64, 64), "image")
+
+
+def test_llava_onevision_one_grid_is_an_image_or_a_video_by_its_kind():
+    """(2, 32, 32) is both a 32 x 32 image (a base crop and 1 x 1 crops) and a video of two
+    32 x 32 frames: the kind beside the grid, not the grid, picks the model's packing or its
+    pooling (get_image_features / get_video_features), in sizes and in rows."""
+    model = cached_model("llava-onevision-tiny")
+    adapter = adapter_for(model)
+    grid = torch.tensor([[2, 32, 32], [2, 32, 32]])
+    crops = torch.randn(2, 2, 3, 32, 32, generator=torch.Generator().manual_seed(1)).double()
+    with torch.no_grad():
+        image = model.model.get_image_features(
+            pixel_values=crops[:1], image_sizes=torch.tensor([[32, 32]]), return_dict=True
+        ).pooler_output[0]
+        video = model.model.get_video_features(crops[1:], return_dict=True).pooler_output[0]
+        mine = adapter.encode(
+            model, crops.reshape(-1, adapter.pixel_width), grid, kinds=("image", "video")
+        )
+    sizes = [adapter.item_sizes((2, 32, 32), k) for k in ("image", "video")]
+    assert sizes == [(32, image.shape[0]), (32, 2 * 2 * 2 + 1)] and video.shape[0] == 9
+    assert image.shape[0] != video.shape[0] and mine.shape[0] == image.shape[0] + video.shape[0]
+    assert _rel(mine[: image.shape[0]], image) < 1e-12
+    assert _rel(mine[image.shape[0] :], video) < 1e-12
+    with pytest.raises(ValueError, match="its frames are one crop"):
+        adapter.item_sizes((2, 32, 64), "video")
 
 
 def test_llava_onevision_images_of_several_crops_are_exact_at_cp_4():

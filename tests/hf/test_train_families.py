@@ -70,7 +70,7 @@ def test_synthetic_samples_pass_the_data_path_of_every_family(name):
         check_tokens(plan, ids)
         videos += len(plan.videos)
         tiles = max([tiles] + [it.grid[0] for it in plan.images])
-        assert sum(rows(it.grid)[0] for it in plan.videos) == (
+        assert sum(rows(it.grid, "video")[0] for it in plan.videos) == (
             raw["pixel_values_videos"].shape[0] if plan.videos else 0
         )
     if name in TILED:  # images of several tiles (or crops) occur

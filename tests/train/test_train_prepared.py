@@ -222,3 +222,23 @@ def test_prepare_refuses_what_it_cannot_resume_or_read(data, tmp_path, capsys):
     for fragment in ("--model DIR", "--workers N", "(default: all cores)", "resumes"):
         assert fragment in text, fragment
     assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_a_cache_of_an_older_format_is_refused_naming_both_formats(data, tmp_path, capsys):
+    """Format 1 wrote LLaVA-OneVision videos with a grid that held their kind; format 2 reads an
+    item's kind from its column, so a format-1 folder is refused, not misread."""
+    from cpvlm.data.prepared import FORMAT_VERSION
+
+    _, ckpt, _, out = data
+    old = tmp_path / "old"
+    shutil.copytree(out, old)
+    manifest = json.loads((old / "prepared.json").read_text())
+    assert manifest["format"] == FORMAT_VERSION == 2
+    manifest["format"] = 1
+    (old / "prepared.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="prepared with cache format 1, this cpvlm reads format 2"):
+        PreparedSource(old)
+    argv = ["--model", str(ckpt), "--data", str(old), "--out", str(tmp_path / "run"), *FLAGS]
+    assert train_main(argv) != 0
+    err = capsys.readouterr().err
+    assert "cache format 1" in err and "run cpvlm prepare again" in err, err

@@ -246,3 +246,26 @@ def _message(vdp, *args, **kwargs):
 def test_bad_input_raises_on_every_rank(case, message):
     messages = run_distributed(_bad_call, 2, case)
     assert all(m and re.search(message, m) for m in messages), messages
+
+
+def test_units_carry_their_items_kind_and_are_sized_by_it():
+    """Every unit has its item's kind (a video's frames too), and a tower's sizes see it: the
+    same grid is sized one way as an image and another as a video."""
+
+    def sizes(grid, kind):
+        t, h, w = grid
+        return t * h * w, (t * h * w // MERGE**2) + (1 if kind == "video" else 0)
+
+    grids = torch.tensor([[1, 4, 4], [2, 4, 4], [2, 4, 4]])
+    units = vision_units(grids, MERGE, kinds=("image", "video", "image"))
+    assert units.kinds == ("image", "video", "video", "image", "image")
+    assert units.kinds_of([4, 1]) == ("image", "video")
+    whole = vision_units(
+        grids, MERGE, split_frames=False, sizes=sizes, kinds=("image", "video", "image")
+    )
+    assert whole.kinds == ("image", "video", "image")
+    assert whole.row_counts == [4, 9, 8]  # (2, 4, 4): 8 rows as an image, 8 + 1 as a video
+    assert vision_units(grids, MERGE).kinds == ("image",) * 5  # no kinds: images
+    for bad in (("image", "video"), ("image", "audio", "image")):
+        with pytest.raises(ValueError, match="kinds must be 3 of"):
+            vision_units(grids, MERGE, kinds=bad)

@@ -10,7 +10,7 @@ hook declared on ``VLMAdapter`` below, with its contract; nothing else is read f
 
 - tokens and batch layout: ``image_token_id``, ``video_token_id``, ``special_token_ids``,
   ``pixel_width``, ``merge_size``, ``mm_token_type_ids`` (0 text, 1 image, 2 video),
-  ``item_sizes`` (pixel and output rows of an item), ``video_keys``, ``model_batch_keys``,
+  ``item_sizes`` (pixel and output rows of an item of a grid and kind), ``video_keys``, ``model_batch_keys``,
   ``takes_videos``, ``from_model_batch`` / ``to_model_batch`` (the model's own batch <-> the
   core's pixel rows with grids);
 - the processor (data path): ``processor_image_grid``, ``processor_image_inputs``,
@@ -181,10 +181,11 @@ class VLMAdapter:
         types += 2 * (input_ids == self.video_token_id).long()
         return types if attention_mask is None else types * attention_mask.bool()
 
-    def item_sizes(self, grid: tuple[int, int, int]) -> tuple[int, int]:
-        """``(pixel rows, output rows)`` of an item (or vision unit) of ``grid`` in cpvlm's batch:
-        t*h*w patch rows and t*h*w/m**2 merged tokens by default. prepare_batch, the data path
-        and VisionDataParallel size items and units by it."""
+    def item_sizes(self, grid: tuple[int, int, int], kind: str) -> tuple[int, int]:
+        """``(pixel rows, output rows)`` of an item (or vision unit) of ``grid`` and ``kind``
+        (``"image"`` or ``"video"``: which grid tensor it came from) in cpvlm's batch: t*h*w
+        patch rows and t*h*w/m**2 merged tokens by default, whatever the kind. prepare_batch, the
+        data path and VisionDataParallel size items and units by it."""
         t, h, w = grid
         return t * h * w, t * h * w // self.merge_size**2
 
@@ -277,12 +278,19 @@ class VLMAdapter:
     """The tower treats a video's temporal frames independently: each frame is a vision unit."""
 
     def encode(
-        self, model: nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor, **kwargs
+        self,
+        model: nn.Module,
+        pixel_values: torch.Tensor,
+        grid_thw: torch.Tensor,
+        kinds: Sequence[str] | None = None,
+        **kwargs,
     ) -> VisionRows:
         """Run the model's vision side (the tower and any projector beside it) on pixel rows
-        ``[patches, C]`` of the items of ``grid_thw``; return one row per output token, in item
-        order (and the deepstack levels, for families that have them). ``kwargs``
-        (``vision="split"``): precomputed per-patch inputs and the attention context."""
+        ``[patches, C]`` of the items of ``grid_thw``, of ``kinds`` (one per row, ``"image"`` or
+        ``"video"``; None: all images); return one row per output token, in item order (and the
+        deepstack levels, for families that have them). ``kwargs`` (``vision="split"``, whose
+        towers treat images and frames alike, so no kinds): precomputed per-patch inputs and the
+        attention context."""
         tower = self.vision_tower(model)
         return tower(pixel_values, grid_thw=grid_thw, return_dict=True, **kwargs).pooler_output
 

@@ -67,15 +67,15 @@ class ContextParallelOutput:
 
 
 class TowerCall:
-    """``encoder(pixel_values, grid_thw)`` as VisionDataParallel calls it: the adapter's ``encode``
-    on the model. A plain callable, not a module, so the tower's parameters keep one owner (the
+    """``encoder(pixel_values, grid_thw, kinds=)`` as VisionDataParallel calls it: the adapter's
+    ``encode`` on the model. A plain callable, not a module, so the tower's parameters keep one owner (the
     model) in ``state_dict`` and FSDP."""
 
     def __init__(self, adapter: VLMAdapter, model: nn.Module):
         self.adapter, self.model = adapter, model
 
-    def __call__(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
-        return self.adapter.encode(self.model, pixel_values, grid_thw)
+    def __call__(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, kinds=None):
+        return self.adapter.encode(self.model, pixel_values, grid_thw, kinds=kinds)
 
 
 def _local_row_order(prep: PreparedBatch, cp_rank: int) -> torch.Tensor:
@@ -288,7 +288,9 @@ class ContextParallelVLM(nn.Module):
         step = StepAgreement(
             {
                 "plan": (prep.plan.cp_size, prep.plan.doc_lens),
-                "batch": fingerprint(prep.input_ids, prep.labels, prep.grid_thw, prep.num_valid),
+                "batch": fingerprint(
+                    prep.input_ids, prep.labels, prep.grid_thw, prep.kinds, prep.num_valid
+                ),
             }
         )
         x_loc, deepstack, encoded = self._local_embeddings(
@@ -435,8 +437,8 @@ class ContextParallelVLM(nn.Module):
         """
         pixel_values = prep.pixel_values(self.adapter.vision_tower(self.model).dtype)
         if self.vision == "replicate" and len(prep.grid_thw):
-            rows = _as_rows(self.encode(pixel_values, prep.grid_thw))
-            encoded = self.vision_dp.units(prep.grid_thw).num_units
+            rows = _as_rows(self.encode(pixel_values, prep.grid_thw, prep.kinds))
+            encoded = self.vision_dp.units(prep.grid_thw, prep.kinds).num_units
             # The step's agreement right after the tower, as in the other modes (before their
             # rows' collective): a rank whose tower output or batch is wrong raises everywhere.
             need = int(prep.visual_mask.sum())
@@ -453,6 +455,7 @@ class ContextParallelVLM(nn.Module):
             out, encoded = self.vision_dp(
                 pixel_values,
                 prep.grid_thw,
+                kinds=prep.kinds,
                 local_pixels=prep.local_pixels,
                 with_unit_count=True,
                 step=step,

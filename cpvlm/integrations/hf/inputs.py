@@ -64,6 +64,7 @@ class PreparedBatch:
     real_mask: torch.Tensor  # [B, S] a real token (attention_mask, or all True)
     pixel_parts: tuple[torch.Tensor, ...]  # [patches, C] images, then videos (none: text only)
     grid_thw: torch.Tensor  # [items, 3] images then videos ([0, 3] for text only)
+    kinds: tuple[str, ...]  # per item of grid_thw: "image" or "video" (its grid tensor's)
     row_positions: torch.Tensor  # [R] b * P + p of each visual row, tower order
     pixel_width: int  # C of a pixel row
     local_pixels: bool = False  # pixel_parts hold only this CP rank's units (see prepare_batch)
@@ -80,8 +81,8 @@ class PreparedBatch:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _tokens_per_item(grids: list[tuple[int, int, int]], adapter: VLMAdapter) -> list[int]:
-    return [adapter.item_sizes(g)[1] for g in grids]
+def _tokens_per_item(grids: list[tuple[int, int, int]], kind: str, adapter: VLMAdapter):
+    return [adapter.item_sizes(g, kind)[1] for g in grids]
 
 
 def _check_text(batch: Mapping) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -126,14 +127,14 @@ def _check_vision(
         raise ValueError(f"{kind}_grid_thw: {err}") from None
     if pixels is None:
         raise ValueError(f"{kind}_grid_thw was given without its pixel values")
-    patches = sum(adapter.item_sizes(g)[0] for g in grids)
+    patches = sum(adapter.item_sizes(g, kind)[0] for g in grids)
     rule = f" (the {adapter.family} adapter's item_sizes; by default t*h*w and t*h*w/{merge}**2)"
     if pixels.dim() != 2 or (pixels.shape[0] != patches and not local):
         raise ValueError(
             f"{kind} pixel values have shape {tuple(pixels.shape)} but {kind}_grid_thw needs "
             f"{patches} patch rows{rule}"
         )
-    n_features = sum(_tokens_per_item(grids, adapter))
+    n_features = sum(_tokens_per_item(grids, kind, adapter))
     if n_tokens != n_features:
         raise ValueError(
             f"{kind} tokens and features do not match: input_ids hold {n_tokens} {kind} tokens "
@@ -157,7 +158,7 @@ def _check_token_types(adapter: VLMAdapter, ids, attention_mask, given) -> torch
 
 def _split_by_document(grids, tokens_in_doc, adapter, kind) -> list[list[tuple[int, int, int]]]:
     """Grids of each document, in order, from the number of tokens each document holds."""
-    per_doc, it = [], iter(zip(grids, _tokens_per_item(grids, adapter), strict=True))
+    per_doc, it = [], iter(zip(grids, _tokens_per_item(grids, kind, adapter), strict=True))
     for d, need in enumerate(tokens_in_doc):
         mine, got = [], 0
         while got < need:
@@ -351,6 +352,7 @@ def prepare_batch(
         else attention_mask.bool(),
         pixel_parts=pixels,
         grid_thw=torch.tensor(grids[0] + grids[1], dtype=torch.long).reshape(-1, 3),
+        kinds=("image",) * len(grids[0]) + ("video",) * len(grids[1]),
         row_positions=_row_positions(types, plan),
         pixel_width=adapter.pixel_width,
         local_pixels=local_pixels,

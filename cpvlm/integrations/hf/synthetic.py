@@ -150,18 +150,18 @@ def synthetic_batch(
 
 
 def _vision_inputs(adapter, grids: dict, gen: torch.Generator, dtype: torch.dtype) -> dict:
-    def pixels(kind_grids: list) -> torch.Tensor:
-        n_rows = sum(adapter.item_sizes(g)[0] for g in kind_grids)
+    def pixels(kind_grids: list, kind: str) -> torch.Tensor:
+        n_rows = sum(adapter.item_sizes(g, kind)[0] for g in kind_grids)
         return torch.randn(n_rows, adapter.pixel_width, generator=gen, dtype=torch.float64).to(
             dtype
         )
 
     out = {}
     if grids["image"]:
-        out["pixel_values"] = pixels(grids["image"])
+        out["pixel_values"] = pixels(grids["image"], "image")
         out["image_grid_thw"] = torch.tensor(grids["image"], dtype=torch.long)
     if grids["video"]:
-        out["pixel_values_videos"] = pixels(grids["video"])
+        out["pixel_values_videos"] = pixels(grids["video"], "video")
         out["video_grid_thw"] = torch.tensor(grids["video"], dtype=torch.long)
         if "second_per_grid_ts" in adapter.video_keys:
             # the processor's temporal_patch_size / fps, with its default fps of 2
@@ -208,7 +208,7 @@ def split_documents(
             if not need:
                 continue
             grids, first = batch[grid_key], seen[kind]
-            sizes = [adapter.item_sizes(tuple(int(v) for v in g)) for g in grids]
+            sizes = [adapter.item_sizes(tuple(int(v) for v in g), kind) for g in grids]
             last, got = first, 0
             while got < need:
                 got += sizes[last][1]

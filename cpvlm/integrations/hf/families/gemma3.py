@@ -311,7 +311,7 @@ class FixedImageLayout(VLMAdapter):
 
     # ---- vision ------------------------------------------------------------------------------
 
-    def encode(self, model, pixel_values, grid_thw):
+    def encode(self, model, pixel_values, grid_thw, kinds=None):
         full = grid_thw.new_tensor([1, self.side, self.side])
         if len(grid_thw) == 1 and not torch.equal(grid_thw[0], full):
             # VisionDataParallel's m x m dummy frame on a rank without images: one zero image,

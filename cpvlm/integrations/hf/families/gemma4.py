@@ -365,7 +365,7 @@ class Gemma4Adapter(VLMAdapter):
 
     # ---- vision ------------------------------------------------------------------------------
 
-    def encode(self, model, pixel_values, grid_thw):
+    def encode(self, model, pixel_values, grid_thw, kinds=None):
         # get_image_features: the tower, then embed_vision beside it
         pixels, positions = self._padded(pixel_values, grid_thw)
         out = model.model.get_image_features(pixels, positions.to(pixels.device), return_dict=True)

@@ -249,7 +249,7 @@ class _GlmLayout(VLMAdapter):
         types = pads.long() + (pads & inside).long()
         return types if attention_mask is None else types * attention_mask.bool()
 
-    def encode(self, model, pixel_values, grid_thw):
+    def encode(self, model, pixel_values, grid_thw, kinds=None):
         # One (1, h, w) grid per frame, as get_video_features passes videos.
         hw = torch.repeat_interleave(grid_thw[:, 1:], grid_thw[:, 0], dim=0)
         frames = torch.cat([hw.new_ones(hw.shape[0], 1), hw], dim=1)

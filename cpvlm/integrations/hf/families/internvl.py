@@ -183,7 +183,7 @@ class Kit(FamilyKit):
         if kind != "image":
             raise ValueError("InternVL writes video frames as images; it has no video tokens")
         a = self.adapter
-        rows = a.item_sizes(grid)[1]
+        rows = a.item_sizes(grid, kind)[1]
         return [a.start_image_token_id] + [a.image_token_id] * rows + [a.end_image_token_id]
 
     def module_groups(self):
@@ -291,7 +291,7 @@ class InternVLAdapter(VLMAdapter):
         starts[:, 1:] &= ~inside[:, :-1]
         run = starts.reshape(-1).long().cumsum(0)[inside.reshape(-1)]
         lengths = torch.bincount(run)[1:] if run.numel() else run
-        per_tile = self.item_sizes((1, self.tile_side, self.tile_side))[1]
+        per_tile = self.item_sizes((1, self.tile_side, self.tile_side), "image")[1]
         if bool((lengths % per_tile).any()):
             raise ValueError(
                 f"InternVL: runs of {lengths.tolist()} image context tokens (id "
@@ -325,7 +325,7 @@ class InternVLAdapter(VLMAdapter):
         h, w = size
         return rows.reshape(-1, c, h * p, w * p)
 
-    def encode(self, model, pixel_values, grid_thw):
+    def encode(self, model, pixel_values, grid_thw, kinds=None):
         # InternVLModel.get_image_features: the tower, the feature layer, pixel shuffle and the
         # projector. Consecutive items of one tile size go through one call (all real tiles are
         # s x s; VisionDataParallel's dummy frame on a rank without units is a smaller one, alone).

@@ -28,11 +28,10 @@ A video (``pixel_values_videos`` ``[videos, F, C, S, S]``, frames resized to one
 one unit: every frame through the tower alone, the projector, a 2 x 2 bilinear pooling of the
 frame's s x s rows to ceil(s/2)**2 (``apply_pooling``), then one ``image_newline`` row for the
 whole video (``get_video_features``); the processor writes F * ceil(s/2)**2 + 1 ``<video>``
-tokens. The core hands the tower one ``grid_thw`` (images, then videos) and sizes units by grid
-alone, so a unit's grid carries its kind: a video's grid is ``(F, VIDEO_SIDE, VIDEO_SIDE)``, a
-value no image's grid takes (an image's holds its size in pixels, kept below ``VIDEO_SIDE``);
-``encode``, ``item_sizes`` and ``to_model_batch`` read the kind from it (``is_video``), never
-from a crop count or a size an image could have.
+tokens. A video's grid is ``(F, S, S)``: F frames of one S x S crop (``image_sizes_videos``).
+The core carries every unit's kind beside its grid (which grid tensor it came from), and
+``item_sizes`` and ``encode`` read it from there: a grid alone cannot say it (a 3-crop image of
+S x S pixels has the grid of a 3-frame video), and never has to.
 
 Positions are 1D (the model has no ``get_rope_index``: the core's per-document positions).
 """
@@ -57,10 +56,6 @@ from .llava_onevision_processing import LlavaOnevisionMedia
 
 CROP = 32
 """Crop side of the tiny config in pixels: 4 x 4 patches of 8, 16 rows per crop."""
-
-VIDEO_SIDE = 1 << 20
-"""The h and w of a video's grid: its kind. An image's grid holds its size in pixels, refused
-from this size up (no image processor takes a side of a million pixels)."""
 
 TINY_PINPOINTS = [[32, 32], [32, 64], [64, 32], [64, 64], [32, 96], [96, 32]]
 
@@ -204,7 +199,7 @@ class Kit(FamilyKit):
         a = self.adapter
         t, h, w = grid
         if kind == "video":
-            return [("video", (t, VIDEO_SIDE, VIDEO_SIDE))]
+            return [("video", (t, a.crop, a.crop))]
         height, width = h * a.patch, w * a.patch
         if images_in_sample > 1:
             return [("image", (1, height, width))]
@@ -214,7 +209,7 @@ class Kit(FamilyKit):
     def item_tokens(self, kind, grid, text):
         a = self.adapter
         token = a.image_token_id if kind == "image" else a.video_token_id
-        return [token] * a.item_sizes(grid)[1]
+        return [token] * a.item_sizes(grid, kind)[1]
 
     def module_groups(self):
         v = r"model\.vision_tower\."
@@ -271,27 +266,21 @@ class LlavaOnevisionAdapter(VLMAdapter):
         best_h, best_w = select_best_resolution((height, width), self.config.image_grid_pinpoints)
         return best_h // self.crop, best_w // self.crop
 
-    @staticmethod
-    def is_video(grid) -> bool:
-        """The kind a unit's grid carries: ``(F, VIDEO_SIDE, VIDEO_SIDE)`` is a video of F
-        frames, any other grid an image."""
-        return grid[1] == grid[2] == VIDEO_SIDE
-
     @property
     def pooled_side(self) -> int:
         """A video frame's side in rows after ``apply_pooling``: ceil(s / 2)."""
         return -(-self.side // 2)
 
-    def item_sizes(self, grid):
+    def item_sizes(self, grid, kind):
         t, height, width = grid
         s = self.side
-        if self.is_video(grid):  # F frames of one crop; pooled rows, one newline per video
+        if kind == "video":  # F frames of one crop; pooled rows, one newline per video
+            if (height, width) != (self.crop, self.crop):
+                raise ValueError(
+                    f"LLaVA-OneVision: a video of grid {list(grid)}; its frames are one crop, "
+                    f"(F, {self.crop}, {self.crop})"
+                )
             return t * s * s, t * self.pooled_side**2 + 1
-        if max(height, width) >= VIDEO_SIDE:
-            raise ValueError(
-                f"LLaVA-OneVision: an image of {height} x {width} pixels; images are under "
-                f"{VIDEO_SIDE} a side (a grid (F, {VIDEO_SIDE}, {VIDEO_SIDE}) is a video)"
-            )
         if t == 1:  # base crop only (an image of a multi-image sample)
             return s * s, s * s + 1
         rows, cols = self.crop_grid(height, width)
@@ -321,8 +310,8 @@ class LlavaOnevisionAdapter(VLMAdapter):
     def from_model_batch(self, batch):
         """The processor's output in the core's layout: images (``_images_from_model``) and
         videos, ``pixel_values_videos`` ``[videos, F, C, S, S]`` as F*s*s pixel rows each with
-        the grid ``(F, VIDEO_SIDE, VIDEO_SIDE)`` (``image_sizes_videos``, each frame's S x S, is
-        dropped). Given the core's layout, it returns it unchanged."""
+        the grid ``(F, S, S)`` (``image_sizes_videos``, each frame's S x S, is that grid's h, w).
+        Given the core's layout, it returns it unchanged."""
         batch = self._images_from_model(batch)
         videos = batch.get("pixel_values_videos")
         sizes = batch.pop("image_sizes_videos", None)
@@ -345,7 +334,7 @@ class LlavaOnevisionAdapter(VLMAdapter):
             )
         n, frames = videos.shape[:2]
         batch["pixel_values_videos"] = videos.reshape(-1, self.pixel_width)
-        grid = (frames, VIDEO_SIDE, VIDEO_SIDE)
+        grid = (frames, side, side)
         batch["video_grid_thw"] = torch.tensor([grid] * n, dtype=torch.long).reshape(-1, 3)
         return batch
 
@@ -375,8 +364,6 @@ class LlavaOnevisionAdapter(VLMAdapter):
                 "returns them)"
             )
         sizes = [tuple(int(v) for v in s) for s in sizes.tolist()]
-        if any(max(s) >= VIDEO_SIDE for s in sizes):
-            raise ValueError(f"LLaVA-OneVision: image_sizes {sizes}: images are under {VIDEO_SIDE}")
         alone = [True] * len(sizes)
         if per_sample is not None:
             counts = [int(n) for n in torch.as_tensor(per_sample).reshape(-1).tolist()]
@@ -420,10 +407,11 @@ class LlavaOnevisionAdapter(VLMAdapter):
         if batch.get("video_grid_thw") is not None:
             grids = [tuple(int(v) for v in g) for g in batch["video_grid_thw"].tolist()]
             frames = {t for t, _, _ in grids}
-            if len(frames) > 1 or not all(self.is_video(g) for g in grids):
+            side = self.crop
+            if len(frames) > 1 or any((h, w) != (side, side) for _, h, w in grids):
                 raise ValueError(
                     f"LLaVA-OneVision: video grids {grids}; the model's forward takes videos of "
-                    f"one frame count, each (frames, {VIDEO_SIDE}, {VIDEO_SIDE})"
+                    f"one frame count, each (frames, {side}, {side})"
                 )
             c = self.config.vision_config.num_channels
             shape = (len(grids), frames.pop(), c, self.crop, self.crop)
@@ -466,10 +454,10 @@ class LlavaOnevisionAdapter(VLMAdapter):
         per_crop = rows.reshape(-1, c, self.crop, self.crop)
         return list(torch.split(per_crop, crops_per_item))
 
-    def encode(self, model, pixel_values, grid_thw):
+    def encode(self, model, pixel_values, grid_thw, kinds=None):
         # get_image_features (modeling_llava_onevision.py) with the crops of each image as grid_thw
         # says, not as image_sizes and batch_num_images would infer them, and get_video_features
-        # for the units whose grid is a video's: the tower on every crop and frame at once, the
+        # for the units of kind "video": the tower on every crop and frame at once, the
         # feature layer(s) (the "full" strategy), the projector, then the model's own
         # pack_image_features for the images, and its apply_pooling and one image_newline row
         # for each video.
@@ -479,7 +467,7 @@ class LlavaOnevisionAdapter(VLMAdapter):
         crops = torch.cat(self._crops(pixel_values, counts)) if grids else pixel_values
         feats = self._feature_layers(inner.vision_tower, crops)
         feats = torch.split(inner.multi_modal_projector(feats), counts)
-        videos = [self.is_video(g) for g in grids]
+        videos = [k == "video" for k in (kinds or ("image",) * len(grids))]
         # The dummy frame of a rank without units is grid (1, 1, 1): one base crop, packed alike.
         images = [f for f, video in zip(feats, videos, strict=True) if not video]
         if images:

@@ -12,7 +12,7 @@ decoded by the image processor itself, alone (``[[image]]``) or, base-only, besi
 image (``[[image, dot]]``: the processor's multi-image path, the dot's crop dropped). Its pixel
 rows are the crops' ``[C, S, S]`` values viewed as t*s*s rows (the adapter's layout).
 
-A video is one item of grid (F, VIDEO_SIDE, VIDEO_SIDE) (the adapter's video grid): its frames
+A video is one item of kind "video" and grid (F, S, S) (the adapter's video grid): its frames
 resized to one S x S crop each and rescaled and normalised as ``LlavaOnevisionVideoProcessor``
 does (``frame_pixels``; that class needs torchvision), each frame's ``[C, S, S]`` viewed as s*s
 rows; ``replace_video_token`` reads only its frame count (F * ceil(s/2)**2 + 1 tokens).
@@ -82,9 +82,8 @@ class LlavaOnevisionMedia(ChatMedia):
         return items
 
     def video_item(self, frames, fps):
-        from .llava_onevision import VIDEO_SIDE
-
-        return VisionItem("video", (len(frames), VIDEO_SIDE, VIDEO_SIDE), frames=frames, fps=fps)
+        side = self.adapter.crop
+        return VisionItem("video", (len(frames), side, side), frames=frames, fps=fps)
 
     def video_inputs(self, items, i):
         return {"pixel_values_videos": [[None] * items[i].grid[0]]}, 0  # only its length is read

@@ -123,7 +123,7 @@ class Qwen3VLAdapter(QwenVLProcessing, VLMAdapter):
     def vision_cost(self):
         return qwen3_vl_vision_cost(self.config.vision_config)
 
-    def encode(self, model, pixel_values, grid_thw, **kwargs):
+    def encode(self, model, pixel_values, grid_thw, kinds=None, **kwargs):
         out = self.vision_tower(model)(pixel_values, grid_thw=grid_thw, return_dict=True, **kwargs)
         if not has_deepstack(self.config):
             return out.pooler_output
