@@ -23,10 +23,15 @@ what whole rows allow: of the dp (j - 1) + 1 costliest rows some rank holds j (f
 so its load is at least the j cheapest of those plus the R - j cheapest rows left; the q ranks
 that hold the k costliest rows hold q R - k others, at least the cheapest left, and one of them
 at least their mean; and no deal beats the mean.
+
+``plan_split``: who plans which samples of a packing window when planning is split over DP, by
+an estimate of each sample's planning cost known before planning (``RowStream.plan_costs``):
+longest first, each to the least loaded rank, any number a rank.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -88,6 +93,21 @@ def dp_deal(costs: Sequence[int], dp: int) -> list[list[int]]:
         shares[a][shares[a].index(x)], shares[b][shares[b].index(y)] = y, x
         load[a] += costs[y] - costs[x]
         load[b] += costs[x] - costs[y]
+    return [sorted(s) for s in shares]
+
+
+def plan_split(costs: Sequence[int], dp: int) -> list[list[int]]:
+    """Indices into ``costs`` (a window's estimated planning costs) for each of ``dp`` ranks:
+    costliest first, each to the least loaded rank (ties: the lower rank), every rank's indices
+    ascending. Equal costs give the stripes d, d + dp, ... (see the module docstring)."""
+    if dp < 1:
+        raise ValueError(f"plan_split: dp must be >= 1, got {dp}")
+    loads = [(0, d) for d in range(dp)]
+    shares: list[list[int]] = [[] for _ in range(dp)]
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        load, d = heapq.heappop(loads)
+        shares[d].append(i)
+        heapq.heappush(loads, (load + costs[i], d))
     return [sorted(s) for s in shares]
 
 

@@ -3,7 +3,8 @@
 Each DP rank plans part of a packing window; the ranks then need everyone's sample sizes (a few
 ints per sample: ``gather``) and, once the rows are dealt, the planned samples of their own rows
 that another rank planned (``swap``: each plan travels once, from its planner to its row's
-owner, point to point). The group should be a gloo group of the ranks that share a CP rank
+owner, point to point; ``pack_plans`` first: a plan's ids as numpy arrays pickle ten times
+faster than as tensors). The group should be a gloo group of the ranks that share a CP rank
 (``dist.new_group(ranks, backend="gloo")``): these are host objects, kept off the accelerator's
 group and its stream.
 """
@@ -11,9 +12,27 @@ group and its stream.
 from __future__ import annotations
 
 import pickle
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+
+from cpvlm.data.sample import SamplePlan
+
+
+def pack_plans(plans: dict[int, SamplePlan]) -> dict[int, SamplePlan]:
+    """``plans`` with ids and labels as numpy arrays, to pickle (``unpack_plans`` undoes it)."""
+    return {
+        p: replace(s, input_ids=s.input_ids.numpy(), labels=s.labels.numpy())
+        for p, s in plans.items()
+    }
+
+
+def unpack_plans(plans: dict[int, SamplePlan]) -> dict[int, SamplePlan]:
+    return {
+        p: replace(s, input_ids=torch.from_numpy(s.input_ids), labels=torch.from_numpy(s.labels))
+        for p, s in plans.items()
+    }
 
 
 class DPExchange:

@@ -9,8 +9,10 @@ modelled cost, ``dp_deal`` with a ``RowCost``), plans in full only its DP rank's
 each row computes which units its CP rank encodes, with the same assignment as the model's
 ``VisionDataParallel`` (``assign``, patch-balanced by default). Sizing a window needs every
 sample's ``SampleMeta``: from the source where it has ``meta``; else, with an ``exchange``
-(``DPExchange`` over the DP ranks of this CP rank), DP rank d plans window positions d, d + dp,
-..., the metas are gathered, and after the deal each plan is sent to the rank whose row holds it,
+(``DPExchange`` over the DP ranks of this CP rank), each DP rank plans a share of the window dealt
+by estimated planning cost (``plan_split`` of ``RowStream.plan_costs``: the same on every rank, known
+before planning), the metas are gathered, and after the deal each plan is sent to the rank whose
+row holds it,
 so every sample of a step is planned once per CP slice, not once per rank. Without either, every
 rank plans every sample (one process that plays several ranks). That planning runs in the main
 process, as the DataLoader's sampler (every DP rank advances it alike, so the exchanges pair up);
@@ -35,8 +37,9 @@ from dataclasses import dataclass, field
 import torch
 
 from cpvlm.constants import DECODE_MODES, DP_BALANCE, IGNORE_INDEX
-from cpvlm.data.balance import RowCost, dp_deal
+from cpvlm.data.balance import RowCost, dp_deal, plan_split
 from cpvlm.data.errors import DataError
+from cpvlm.data.exchange import pack_plans, unpack_plans
 from cpvlm.data.packing import dp_split
 from cpvlm.data.rows import PackedPlan, RowSlot, RowStream
 from cpvlm.data.sample import LazyPixels, SamplePlan, TokenIds, VisionItem
@@ -395,7 +398,8 @@ class RankLoader:
             return lambda positions: self.stream.measure_here(positions, kept)
 
         def measure(positions):
-            mine = self.stream.measure_here(positions[self.dp_rank :: self.dp_size], kept)
+            share = plan_split(self.stream.plan_costs(positions), self.dp_size)[self.dp_rank]
+            mine = self.stream.measure_here([positions[i] for i in share], kept)
             return {p: m for part in self.exchange.gather(mine) for p, m in part.items()}
 
         return measure
@@ -403,12 +407,12 @@ class RankLoader:
     def _plan_mine(self, slots, shares, kept) -> list[tuple[PackedPlan, DataError | None]]:
         if self.split:  # each plan to the rank whose row holds it
             outgoing = [
-                {p: kept.pop(p) for i in share for p in slots[i].positions if p in kept}
+                pack_plans({p: kept.pop(p) for i in share for p in slots[i].positions if p in kept})
                 if d != self.dp_rank else None
                 for d, share in enumerate(shares)
             ]  # fmt: skip
             for part in self.exchange.swap(outgoing):
-                kept.update(part or {})
+                kept.update(unpack_plans(part) if part is not None else {})
         out = []
         for i in shares[self.dp_rank]:
             try:

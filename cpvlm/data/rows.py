@@ -173,6 +173,12 @@ class RowStream:
             raise err if err.where else err.at(f"sample {index}") from None
         return self._fits(meta, f"sample {index}")
 
+    def plan_costs(self, positions: list[int]) -> list[int]:
+        """Estimated planning costs of the samples at ``positions`` from ``source.plan_cost``
+        (known without planning; the same on every rank), or 1 each."""
+        cost = getattr(self.source, "plan_cost", None)
+        return [cost(self.order[p]) for p in positions] if callable(cost) else [1] * len(positions)
+
     def measure_here(self, positions: list[int], keep: dict[int, SamplePlan] | None = None):
         """Every position's meta (or error), found on this rank: from the source's metas, or by
         planning (the plans go into ``keep``)."""

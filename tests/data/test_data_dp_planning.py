@@ -5,17 +5,19 @@ the split paths (metas from the source; planning split over real gloo ranks) mus
 exactly those rows, while each sample is planned once per CP slice.
 """
 
+import json
+import pickle
 import random
 
 import pytest
 import torch
 
 from cpvlm.data import RankLoader, RowStream, TokenIds, plan_tokenized
-from cpvlm.data.balance import RowCost, deal_bound, dp_deal, max_over_mean
-from cpvlm.data.exchange import DPExchange
+from cpvlm.data.balance import RowCost, deal_bound, dp_deal, max_over_mean, plan_split
+from cpvlm.data.exchange import DPExchange, pack_plans, unpack_plans
 from cpvlm.data.meta import SampleMeta
 from cpvlm.data.packing import dp_split
-from cpvlm.data.sources import ObjectSource
+from cpvlm.data.sources import JsonlSource, ObjectSource
 from cpvlm.integrations.hf import TINY_MODELS, row_cost
 from cpvlm.testing import run_distributed
 from cpvlm.train.synthetic import SyntheticVLMData
@@ -37,6 +39,14 @@ class MetaSource(ObjectSource):
             grids.get("image_grid_thw", ()),
             grids.get("video_grid_thw", ()),
         )
+
+
+class CostedSource(ObjectSource):
+    """Tokenized samples with an estimated planning cost that differs tenfold between them."""
+
+    def plan_cost(self, index):
+        raw = self.items[index]
+        return raw["input_ids"].numel() + 2000 * sum(k.endswith("grid_thw") for k in raw)
 
 
 def _samples():
@@ -73,7 +83,7 @@ def _split_ranks(rank, world, samples, dp, steps):
     cp = world // dp
     slices = [dist.new_group(list(range(c, world, cp)), backend="gloo") for c in range(cp)]
     exchange = DPExchange(slices[rank % cp])
-    loader = _loader(ObjectSource(samples, "x"), dp, rank // cp, exchange=exchange, rows=8 // dp)
+    loader = _loader(CostedSource(samples, "x"), dp, rank // cp, exchange=exchange, rows=8 // dp)
     return _rows(loader, steps), loader.stream.plan_calls, loader.state_dict()
 
 
@@ -87,9 +97,10 @@ def _with_bad_samples():
 def test_split_planning_over_gloo_ranks_gives_every_rank_the_reference_rows():
     """dp 4 and dp 2 x cp 2 on four gloo ranks: each rank gets the rows (and bad-sample
     reports) of the reference that plans everything, the DP ranks' rows together are the step's,
-    and each rank planned only its stripe of each window read: 1/dp of the samples."""
+    and each window read was planned once per CP slice, each rank planning the share that the
+    deal by estimated cost gives it."""
     samples, steps = _with_bad_samples(), 5
-    source = ObjectSource(samples, "x")
+    source = CostedSource(samples, "x")
     whole = _rows(_loader(source, 1, 0, rows=2 * 4), steps)
     for dp in (4, 2):
         got = run_distributed(_split_ranks, 4, samples, dp, steps, timeout=300)
@@ -103,8 +114,16 @@ def test_split_planning_over_gloo_ranks_gives_every_rank_the_reference_rows():
             assert sorted(rows) == sorted(r[:2] for r in whole[k]), (dp, k)
         state = got[0][2]
         windows = state["window"] + (state["row"] > 0)
+        for c in range(cp):
+            assert sum(got[rank][1] for rank in range(c, 4, cp)) == windows * WINDOW, (dp, c)
+        stream = _loader(source, dp, 0).stream
         for rank, (_, calls, _) in enumerate(got):
-            assert calls == windows * len(range(rank // cp, WINDOW, dp)), (dp, rank)
+            shares = [
+                plan_split(stream.plan_costs(list(range(w * WINDOW, (w + 1) * WINDOW))), dp)
+                for w in range(windows)
+            ]
+            assert calls == sum(len(s[rank // cp]) for s in shares), (dp, rank)
+        assert len({got[rank][1] for rank in range(0, 4, cp)}) > 1  # not stripes: by cost
     assert any(r[2] for step in whole for r in step)  # the bad samples were reported
 
 
@@ -140,6 +159,45 @@ def test_deal_is_the_same_on_every_rank_and_resume_at_another_dp_keeps_the_sampl
         for k in range(2, 5):
             got = [r for loader in ranks for r in _rows(loader, 1)[0]]
             assert sorted(tuple(r[0]) for r in got) == seen[k], (dp, k)
+
+
+def test_plan_split_deals_a_window_by_estimated_cost():
+    """Equal costs: the stripes d, d + dp, ...; tenfold differences: every sample once, the
+    costliest rank within one sample of the mean (longest first), and better than the stripes."""
+    assert plan_split([1] * 10, 4) == [list(range(d, 10, 4)) for d in range(4)]
+    rng = random.Random(3)
+    for dp in (2, 4, 8, 16):
+        costs = [rng.choice([12, 40, 60, 110]) + rng.randint(0, 9) for _ in range(64)]
+        shares = plan_split(costs, dp)
+        assert sorted(i for s in shares for i in s) == list(range(64))
+        assert shares == plan_split(list(costs), dp)
+        loads = [sum(costs[i] for i in s) for s in shares]
+        assert max(loads) <= sum(costs) / dp + max(costs), (dp, loads)
+        stripes = [sum(costs[d::dp]) for d in range(dp)]
+        assert max(loads) <= max(stripes), (dp, loads, stripes)
+
+
+def test_jsonl_plan_cost_ranks_videos_over_images_over_text(tmp_path):
+    msg = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    img = [{"role": "user", "content": [{"type": "image", "image": "a.jpg"}]}]
+    vid = [{"role": "user", "content": [{"type": "video", "video": "v"}]}]
+    two = [{"role": "user", "content": [{"type": "image", "image": "a.jpg"}] * 2}]
+    records = [{"messages": m} for m in (msg, vid, img, two)]
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    source = JsonlSource(path)
+    costs = [source.plan_cost(i) for i in range(4)]
+    assert costs[0] < costs[2] < costs[3] < costs[1], costs
+
+
+def test_packed_plans_unpack_to_the_same_plans():
+    plans = {p: _plan(ObjectSource(_samples(), "x")[p]) for p in (0, 5)}
+    got = unpack_plans(pickle.loads(pickle.dumps(pack_plans(plans))))
+    for p, plan in plans.items():
+        assert torch.equal(got[p].input_ids, plan.input_ids)
+        assert torch.equal(got[p].labels, plan.labels)
+        assert got[p].input_ids.dtype == plan.input_ids.dtype
+        assert [it.grid for it in got[p].images] == [it.grid for it in plan.images]
 
 
 def _long_tailed_costs(rng, rows):
