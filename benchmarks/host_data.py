@@ -1,7 +1,7 @@
 """Data planning per rank against dp 1 to 16: every rank planning every sample (before) against
 planning split over DP (after), and against a source that knows its samples' sizes.
 
-    python benchmarks/host_data.py   # the committed run: ~5 minutes on 2 cores
+    python benchmarks/host_data.py --steps 8 --repeats 3  # the committed run: ~15 min, 2 cores
     python benchmarks/host_data.py --quick --out-dir DIR  # dp 1 2 4, fewer samples: a trial
 
 The data of ``benchmarks/data.py`` (JPEG photos of 320x240 to 1920x1080 pixels, videos as
@@ -20,8 +20,9 @@ on the shared cores (which would inflate each one's CPU time). Each (dp, mode) i
 ``--repeats`` times, the repeats going round every dp and mode in turn (a slow spell of a shared
 machine falls on all of them); figures are medians over the repeats. Columns:
 - before: every rank plans every sample (``exchange=None``, what every rank did before);
-- split: DP rank d plans window positions d, d + dp, ..., the metas and then the plans are
-  exchanged (``DPExchange``'s protocol);
+- split: each DP rank plans the share of a window that ``plan_split`` deals it by estimated
+  planning cost (``JsonlSource.plan_cost``: bytes and media references, known before planning),
+  the metas and then the plans (``pack_plans``) are exchanged (``DPExchange``'s protocol);
 - metas: the source knows each sample's ``SampleMeta`` (a prepared cache): a rank plans only
   the samples of its own rows.
 ``*_max_ms`` / ``*_mean_ms``: the slowest rank's and the ranks' mean milliseconds for the steps;
@@ -29,8 +30,8 @@ machine falls on all of them); figures are medians over the repeats. Columns:
 of the busiest rank (``RowStream.plan_calls``); ``plan_call_ms``: CPU ms per plan call (all ranks'
 plan time over all their calls, split mode: the same samples at every dp, so a figure that moves
 with dp says the machine, not the split, changed); ``split_imbalance``: slowest rank over mean
-(samples differ tenfold in cost, text to 2500-token photo sets, and the split deals positions, not
-costs); ``*_ratio``: to dp 1, ideal 1/dp; ``*_vs_ideal``: ratio x dp (1 is exactly 1/dp; the
+(samples differ tenfold in cost, 1 to 15 ms, text to 2500-token photo sets and videos; the deal
+follows an estimate of that cost, not the cost); ``*_ratio``: to dp 1, ideal 1/dp; ``*_vs_ideal``: ratio x dp (1 is exactly 1/dp; the
 issue asks 0.8..1.2 at dp <= 8), of the slowest rank (``max``) and of the mean rank (``mean``).
 ``load``: ``os.getloadavg()`` (1 min) at the start and end of the run.
 """

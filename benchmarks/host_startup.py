@@ -1,7 +1,8 @@
 """Start-up of ``cpvlm train`` on N conversations, from the JSONL file and from a ``cpvlm prepare``
 folder of it.
 
-    python benchmarks/host_startup.py --samples 10000 30000 100000  # the committed run
+    python benchmarks/host_startup.py --samples 100000 --sizes-max 5000  # the committed run
+    python benchmarks/host_startup.py --samples 10000 20000 --no-train  # prepare's growth
     python benchmarks/host_startup.py --quick --out-dir DIR  # N = 500, one repeat: a trial run
 
 Planning is per sample (~2 to 3 CPU ms a conversation of this data), so ``prepare`` and every
@@ -27,7 +28,11 @@ what a start costs in data, per source:
   rank process), start to exit: imports, the rank's spawn, model build, the first step;
   ``first_step_data_s``: that step's wait for data (``data_time_s`` of metrics.jsonl: the
   loader's start, planning the first window, decoding pixels); ``train_cpu_s``: the CPU seconds
-  of that command and its rank processes.
+  of that command and its rank processes. Its parts: ``imports_s`` (a fresh ``python`` importing
+  torch, transformers and cpvlm's trainer: the launcher and the rank each pay it), the data's
+  start (``open_s`` + ``first_rows_s``, measured in this process), ``first_step_s`` (the first
+  step, ``step_time_s``, its data wait included) and ``rest_s``, what is left of
+  ``train_start_s`` (the rank's spawn and second import, the model build, the exit).
 
 ``prepare_s``: ``cpvlm prepare`` of the N samples with ``--workers`` processes, paid once
 (``prepare_cpu_s``: its CPU seconds, workers included; ``prepare_cpu_ms_per_sample``);
@@ -66,13 +71,14 @@ def _write_data(folder: Path, n: int) -> tuple[Path, Path]:
     return ckpt, jsonl
 
 
-def _best(fn, repeats: int) -> float:
+def _best(fn, repeats: int) -> tuple[float, float]:
+    """The lowest wall seconds of ``repeats`` runs of ``fn``, and the lowest CPU seconds."""
     times = []
     for _ in range(repeats):
         clock = Clock()
         fn()
-        times.append(clock.wall())
-    return min(times)
+        times.append((clock.wall(), clock.cpu()))
+    return min(t[0] for t in times), min(t[1] for t in times)
 
 
 def _encoder(ckpt: Path):
@@ -127,9 +133,19 @@ def _all_sizes(ckpt: Path, spec: str, most: int | None) -> tuple[float, float, i
     return clock.wall() * n / measured, clock.cpu() * n / measured, measured
 
 
-def _train_start(ckpt: Path, spec: str, out: Path) -> tuple[float, float, float]:
-    """Wall seconds of ``cpvlm train --steps 1``, its first step's wait for data, and its CPU
-    seconds (the command and its ranks)."""
+IMPORTS = "import torch, transformers, cpvlm.cli, cpvlm.train.loop, cpvlm.integrations.hf"
+
+
+def _imports() -> tuple[float, float]:
+    """Wall and CPU seconds of a fresh ``python`` importing what ``cpvlm train`` imports."""
+    clock, cpu = Clock(), _children_cpu()
+    subprocess.run([sys.executable, "-c", IMPORTS], check=True, env=os.environ.copy())
+    return clock.wall(), _children_cpu() - cpu
+
+
+def _train_start(ckpt: Path, spec: str, out: Path) -> tuple[float, float, float, float]:
+    """Wall seconds of ``cpvlm train --steps 1``, its first step's wait for data, its CPU
+    seconds (the command and its ranks) and its first step's seconds."""
     cmd = [
         sys.executable,
         "-m",
@@ -157,7 +173,7 @@ def _train_start(ckpt: Path, spec: str, out: Path) -> tuple[float, float, float]
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
     wall, cpu = clock.wall(), _children_cpu() - cpu
     first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
-    return wall, first["data_time_s"], cpu
+    return wall, first["data_time_s"], cpu, first["step_time_s"]
 
 
 def main() -> None:
@@ -171,6 +187,12 @@ def main() -> None:
         help="JSONL samples planned for all_sizes_s (default: all N; fewer are scaled to N)",
     )
     p.add_argument("--workers", type=int, default=cores(), help="cpvlm prepare processes")
+    p.add_argument(
+        "--prepare-max",
+        type=int,
+        default=None,
+        help="prepare (and measure the prepared folder) only for N up to this (default: all)",
+    )
     p.add_argument("--repeats", type=int, default=REPEATS, help="runs of the cheap parts")
     p.add_argument("--no-train", dest="train", action="store_false", help="skip cpvlm train")
     args = p.parse_args()
@@ -180,25 +202,31 @@ def main() -> None:
         args.repeats = 1
     from cpvlm.train.prepare import prepare_dataset
 
-    rows, ratios = [], []
+    rows, ratios, load_start = [], [], os.getloadavg()[0]
+    imports = min((_imports() for _ in range(args.repeats)), default=None) if args.train else None
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         for n in args.samples:
             ckpt, jsonl = _write_data(folder, n)
             cache = folder / f"prepared_{n}"
-            clock, children = Clock(), _children_cpu()
-            prepare_dataset(str(ckpt), str(jsonl), cache, workers=args.workers, progress=False)
-            prepare_s, prepare_cpu_s = clock.wall(), clock.cpu() + _children_cpu() - children
-            clock = Clock()
-            prepare_dataset(str(ckpt), str(jsonl), cache, workers=args.workers, progress=False)
-            prepare_again_s = clock.wall()
+            prepared = args.prepare_max is None or n <= args.prepare_max
+            if prepared:
+                clock, children = Clock(), _children_cpu()
+                prepare_dataset(str(ckpt), str(jsonl), cache, workers=args.workers, progress=False)
+                prepare_s, prepare_cpu_s = clock.wall(), clock.cpu() + _children_cpu() - children
+                clock = Clock()
+                prepare_dataset(str(ckpt), str(jsonl), cache, workers=args.workers, progress=False)
+                prepare_again_s = clock.wall()
             per = {}
-            for name, spec in (("jsonl", str(jsonl)), ("prepared", str(cache))):
+            sources = (("jsonl", str(jsonl)), ("prepared", str(cache)))[: 1 + prepared]
+            for name, spec in sources:
                 from cpvlm.data import open_source
 
                 r = {"samples": n, "source": name}
-                r["open_s"] = _best(lambda spec=spec: open_source(spec), args.repeats)
-                r["first_rows_s"] = _best(
+                r["open_s"], r["open_cpu_s"] = _best(
+                    lambda spec=spec: open_source(spec), args.repeats
+                )
+                r["first_rows_s"], r["first_rows_cpu_s"] = _best(
                     lambda spec=spec, ckpt=ckpt: _first_rows(ckpt, spec), args.repeats
                 )
                 sizes = _all_sizes(ckpt, spec, args.sizes_max)
@@ -206,7 +234,11 @@ def main() -> None:
                 if args.train:
                     run = folder / f"run_{name}"
                     start = _train_start(ckpt, spec, run)
-                    r["train_start_s"], r["first_step_data_s"], r["train_cpu_s"] = start
+                    r["train_start_s"], r["first_step_data_s"], r["train_cpu_s"] = start[:3]
+                    r["first_step_s"] = start[3]
+                    r["imports_s"], r["imports_cpu_s"] = imports
+                    r["rest_s"] = r["train_start_s"] - r["imports_s"] - r["open_s"]
+                    r["rest_s"] -= r["first_rows_s"] + r["first_step_s"]
                 if name == "prepared":
                     r["prepare_s"] = prepare_s
                     r["prepare_cpu_s"] = prepare_cpu_s
@@ -216,21 +248,27 @@ def main() -> None:
                 r["load"] = os.getloadavg()[0]
                 per[name] = r
                 rows.append(r)
-            keys = ["open_s", "first_rows_s", "all_sizes_s", "all_sizes_cpu_s"]
-            keys += ["train_start_s", "first_step_data_s"] * args.train
+            keys = ["open_s", "open_cpu_s", "first_rows_s", "first_rows_cpu_s", "all_sizes_s"]
+            keys += ["all_sizes_cpu_s"] + ["train_start_s", "first_step_data_s"] * args.train
+            if not prepared:
+                print(f"N={n}: not prepared (--prepare-max {args.prepare_max})", flush=True)
+                continue
             ratios.append({"samples": n, **{k: per["jsonl"][k] / per["prepared"][k] for k in keys}})
             print(
                 f"N={n}: prepared in {prepare_s:.1f} s ({prepare_cpu_s:.1f} CPU s) with "
                 f"{args.workers} workers",
                 flush=True,
             )
-    columns = ["samples", "source", "open_s", "first_rows_s", "all_sizes_s", "all_sizes_cpu_s"]
+    columns = ["samples", "source", "open_s", "open_cpu_s", "first_rows_s", "first_rows_cpu_s"]
+    columns += ["all_sizes_s", "all_sizes_cpu_s"]
     columns += ["all_sizes_measured"]
-    columns += ["train_start_s", "train_cpu_s", "first_step_data_s"] * args.train
+    columns += ["train_start_s", "train_cpu_s", "imports_s", "first_step_s"] * args.train
+    columns += ["first_step_data_s", "rest_s"] * args.train
     columns += ["prepare_s", "prepare_cpu_s", "prepare_cpu_ms_per_sample", "prepare_again_s"]
     columns += ["load"]
     print_table(rows, columns, "cpvlm train start-up: JSONL file vs cpvlm prepare folder")
-    print_table(ratios, ["samples", *keys], "JSONL / prepared")
+    if ratios:
+        print_table(ratios, ["samples", *keys], "JSONL / prepared")
     write_json(
         args.out_dir,
         "host_startup",
@@ -239,6 +277,9 @@ def main() -> None:
             "pack_window": WINDOW,
             "seq_len": SEQ_LEN,
             "sizes_max": args.sizes_max,
+            "prepare_max": args.prepare_max,
+            "repeats": args.repeats,
+            "load_start": load_start,
             "rows": rows,
             "ratios": ratios,
         },
