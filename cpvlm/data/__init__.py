@@ -8,7 +8,7 @@ headers and decoding), order.py and packing.py (which sample when, rows, DP spli
 DataLoader workers), exchange.py (planning split over DP), errors.py.
 """
 
-from cpvlm.data.balance import RowCost, deal_bound, dp_deal
+from cpvlm.data.balance import RowCost, deal_bound, dp_deal, plan_split
 from cpvlm.data.errors import ERRORS_FILE, REASONS, DataError, ErrorLog
 from cpvlm.data.exchange import DPExchange
 from cpvlm.data.loader import DECODE_MODES, LocalRow, RankLoader, RowJob, decode_row, patch_balanced
@@ -54,6 +54,7 @@ __all__ = [
     "pack_window",
     "parse_data_args",
     "patch_balanced",
+    "plan_split",
     "plan_tokenized",
     "source_kind",
 ]
