@@ -1,7 +1,16 @@
+import json
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from cpvlm.testing import shutdown_pools
+
+WORLD_RUNNER = Path(__file__).resolve().parent / "hf" / "_torchrun_world.py"
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -33,3 +42,86 @@ def pytest_report_header(config):
     # The ATen kernel family this run computes with (ATEN_CPU_CAPABILITY picks one the CPU has; an
     # invalid value is ignored with a warning): float64 exactness must not depend on it.
     return f"ATen CPU capability: {torch.backends.cpu.get_cpu_capability()}"
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class TorchrunWorlds:
+    """The example runs that the session's test modules declare, those of one world size in one
+    torchrun launch (tests/hf/_torchrun_world.py), launched when a test first needs one of them:
+    each launch's processes import transformers, most of its time.
+
+    A module declares ``torchrun_runs(run_dir)`` -> ``{name: (processes, run)}``, ``run`` as
+    tests/hf/_torchrun_world.py reads it, with ``run_dir(name)`` the directory of a run (its
+    output, or its ``stdout`` files). A world runs the runs in the session's module order, each
+    module's in its order.
+    """
+
+    def __init__(self, modules, root: Path):
+        self.root = root
+        self.runs: dict[str, tuple[int, dict]] = {}
+        for module in modules:
+            for name, entry in module.torchrun_runs(self.run_dir).items():
+                assert name not in self.runs, f"two modules declare the torchrun run {name!r}"
+                self.runs[name] = entry
+        self._stderr: dict[int, str] = {}  # processes -> the stderr of that world's launch
+
+    def run_dir(self, name: str) -> Path:
+        return self.root / name.replace(" ", "_").replace(".", "")
+
+    def __call__(self, name: str) -> Path:
+        """The directory of run ``name``, once its world has run every one of its runs."""
+        self.stderr(name)
+        return self.run_dir(name)
+
+    def stderr(self, name: str) -> str:
+        """What the launch of run ``name``'s world wrote to stderr (every rank's)."""
+        nproc = self.runs[name][0]
+        if nproc not in self._stderr:
+            self._stderr[nproc] = self._launch(nproc)
+        return self._stderr[nproc]
+
+    def _launch(self, nproc: int) -> str:
+        names = [name for name, (n, _) in self.runs.items() if n == nproc]
+        spec = self.root / f"world{nproc}.json"
+        spec.write_text(json.dumps([self.runs[name][1] for name in names], indent=1))
+        done = Path(f"{spec}.done")
+
+        def launch():
+            # A port of its own, not torchrun's fixed default (29500) that another job may hold.
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+            cmd += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
+            cmd += [str(WORLD_RUNNER), str(spec)]
+            return cmd, subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+
+        cmd, proc = launch()
+        if proc.returncode != 0 and "terminate called without an active exception" in proc.stderr:
+            # Known, not yet fixed: once in CI a rank aborted at interpreter exit, after its runs
+            # had finished and saved (gloo's threads at shutdown). Launch once more, afresh; a
+            # second failure fails the test.
+            for name in names:
+                shutil.rmtree(self.run_dir(name), ignore_errors=True)
+            done.unlink(missing_ok=True)
+            cmd, proc = launch()
+        finished = [names[int(i)] for i in done.read_text().split()] if done.exists() else []
+        assert proc.returncode == 0, (
+            f"{' '.join(cmd)}\nfinished: {finished}\n{spec.read_text()}\n{proc.stderr[-4000:]}"
+        )
+        assert finished == names, finished
+        return proc.stderr
+
+
+@pytest.fixture(scope="session")
+def torchrun_world(request, tmp_path_factory):
+    """``torchrun_world(name)`` -> the directory of that run of a module's ``torchrun_runs``,
+    its world launched once for the session (``TorchrunWorlds``)."""
+    modules = []
+    for item in request.session.items:
+        module = getattr(item, "module", None)
+        if hasattr(module, "torchrun_runs") and module not in modules:
+            modules.append(module)
+    return TorchrunWorlds(modules, tmp_path_factory.mktemp("torchrun"))

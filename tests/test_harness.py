@@ -1,5 +1,6 @@
 """The multi-process harness itself: results, failures with tracebacks, hangs that time out."""
 
+import os
 import re
 import time
 
@@ -22,17 +23,39 @@ def _raise_on_rank_1(rank, world_size):
     dist.barrier()  # the other ranks would wait here forever
 
 
+def _pid(rank, world_size):
+    return os.getpid()
+
+
 def _hang_on_rank_0(rank, world_size):
     if rank == 0:
         time.sleep(3600)
     return rank
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
+def _expected(world_size):
+    return [(r, world_size, sum(range(world_size)) + 10 * world_size) for r in range(world_size)]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_results_from_every_rank(world_size):
-    results = run_distributed(_rank_and_sum, world_size, 10)
-    expected_sum = sum(range(world_size)) + 10 * world_size
-    assert results == [(r, world_size, expected_sum) for r in range(world_size)]
+    assert run_distributed(_rank_and_sum, world_size, 10) == _expected(world_size)
+
+
+def test_results_from_8_ranks_and_the_pooled_ranks_stay(monkeypatch):
+    """8 ranks that do not fit beside the pooled worlds (a world of 4 among them): the first
+    time they run on a pool of their own, and the pooled world keeps its processes (and what
+    they imported)."""
+    from cpvlm.verify import runner
+
+    pids = run_distributed(_pid, 4)
+    # 7 more pooled processes allowed than there are (in a full run: 1 + 2 + 3 + 4 of 12), and
+    # no world known to be asked for twice.
+    monkeypatch.setattr(runner, "_MAX_POOLED_PROCESSES", runner._pooled() + 7)
+    monkeypatch.setattr(runner, "_oversized", set())
+    assert run_distributed(_rank_and_sum, 8, 10) == _expected(8)
+    assert run_distributed(_pid, 4) == pids
+    assert 8 not in runner._pools
 
 
 def test_failing_rank_reports_its_traceback_and_pool_recovers():

@@ -1,7 +1,8 @@
 """Run a function on N real gloo processes, return every rank's result, never hang.
 
-``cpvlm verify`` runs its CP side with it, and the tests their distributed checks. A pool of N spawned workers per world size is started once and reused, so that a distributed
-test costs milliseconds after the first one. Each worker has a default gloo process group.
+``cpvlm verify`` runs its CP side with it, and the tests their distributed checks. A pool of N
+spawned workers per world size is started once and reused, so that a distributed test costs
+milliseconds after the first one. Each worker has a default gloo process group.
 
     results = run_distributed(fn, world_size, *args, timeout=60)
 
@@ -9,7 +10,9 @@ calls ``fn(rank, world_size, *args)`` on every rank. ``fn`` must be importable (
 function). If a rank raises, the others usually wait forever in their next collective; so on the
 first failure the pool waits a short grace period, kills every worker and raises
 ``DistributedTestError`` with the failing rank's traceback. On a timeout it kills every worker
-and names the ranks that did not finish. A killed pool is rebuilt on the next call. The first
+and names the ranks that did not finish. A killed pool is rebuilt on the next call. At most
+``_MAX_POOLED_PROCESSES`` workers stay pooled, the least recently used pools closed first; a
+world that does not fit beside the pooled ones runs the first time on a pool of its own. The first
 pool registers ``shutdown_pools`` to run at exit; importing this module registers nothing.
 """
 
@@ -175,6 +178,7 @@ class _Pool:
 
 _pools: OrderedDict[int, _Pool] = OrderedDict()
 _exit_hook: list[bool] = []  # whether shutdown_pools is registered with atexit
+_oversized: set[int] = set()  # world sizes that have run once without fitting beside the pooled
 
 
 def run_distributed(
@@ -191,11 +195,15 @@ def run_distributed(
     if pool is not None and not pool.alive():
         pool.kill()
         pool = None
+    keep = True
     if pool is None:
-        while (
-            _pools
-            and sum(p.world_size for p in _pools.values()) + world_size > _MAX_POOLED_PROCESSES
-        ):
+        if _pools and _pooled() + world_size > _MAX_POOLED_PROCESSES:
+            # The first time, a world that does not fit beside the pooled ones runs on a pool of
+            # its own, closed after the call: evicting them for a world used once would cost each
+            # of them its warm processes (what their tasks imported, seconds a process).
+            keep = world_size in _oversized
+            _oversized.add(world_size)
+        while keep and _pools and _pooled() + world_size > _MAX_POOLED_PROCESSES:
             _pools.popitem(last=False)[1].close()
         if not _exit_hook:
             atexit.register(shutdown_pools)
@@ -208,8 +216,15 @@ def run_distributed(
     except BaseException:
         pool.kill()  # e.g. an unpicklable fn: the workers' state is unknown
         raise
-    _pools[world_size] = pool
+    if keep:
+        _pools[world_size] = pool
+    else:
+        pool.close()
     return result
+
+
+def _pooled() -> int:
+    return sum(p.world_size for p in _pools.values())
 
 
 def shutdown_pools() -> None:

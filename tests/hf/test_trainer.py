@@ -2,11 +2,13 @@
 through the examples a user copies, under torchrun on CPU (gloo), float64, tiny models.
 
 Each configuration is one run of an example, reused by every check on it; the runs of one world
-size share one torchrun launch (tests/hf/_trainer_runs.py runs the example scripts one after
-another in the same processes). A run at cp 2 (dp 1) and at dp 2 x cp 2 (gradient accumulation
-halved: the same global batch of 4 rows) must log the same 3 losses in trainer_state.json and end
-with the same weights as the one-process run (cp 1); the evaluation after training (a padded batch whose middle half, CP rank 1's share,
-holds no label) must give the loss of the saved model's own forward (cpvlm.verify's reference).
+size share one torchrun launch (tests/hf/_torchrun_world.py runs the example scripts one after
+another in the same processes; the 4-process world also runs tests/test_examples.py's library
+step). A run at cp 2 (dp 1) and at dp 2 x cp 2 (gradient accumulation halved: the same global
+batch of 4 rows) must log the same 3 losses in trainer_state.json and end with the same weights
+as the one-process run (cp 1); the evaluation after training (a padded batch whose middle half,
+CP rank 1's share, holds no label) must give the loss of the saved model's own forward
+(cpvlm.verify's reference).
 Launches are the suite's time (each process imports transformers): the family-specific part (the
 model's CP forward, positions, padded eval) runs at cp 2 for both families, the dp x cp
 composition (data sharding, gradient sync; family-agnostic, in Trainer and accelerate) on
@@ -18,9 +20,6 @@ Tolerance 1e-10 relative (DESIGN section 6): the runs add the same float64 terms
 
 import importlib.util
 import json
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -37,7 +36,6 @@ from cpvlm.integrations.hf.trainer import check_trainer_args  # noqa: E402
 from cpvlm.verify import reference_loss_and_grads, rel_err  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-WORLD_RUNS = Path(__file__).with_name("_trainer_runs.py")
 TOL = 1e-10
 # The module's three launches (torchrun worlds of 1, 2 and 4 processes, each importing
 # transformers) run in the first test that needs them: minutes on 2 cores, beyond the suite's
@@ -48,7 +46,7 @@ QWEN3 = ("--model", "qwen3-vl-tiny", "--eval", "--save-steps", "2")
 QWEN25 = ("--model", "qwen2.5-vl-tiny", "--eval", "--save-steps", "2")
 PACK, LORA = ("--packing", "--batch-size", "2"), ("--lora-r", "4")
 # name: (processes, example, flags). The runs of one world size share one launch (in this order,
-# an FSDP run not first: tests/hf/_trainer_runs.py); "qwen3 resume" continues from a copy of
+# an FSDP run not first: tests/hf/_torchrun_world.py); "qwen3 resume" continues from a copy of
 # "qwen3 cp2"'s checkpoint-2.
 RUNS = {
     "qwen3 cp1": (1, "hf_trainer.py", ("--cp", "1", "--grad-accum", "4", *QWEN3)),
@@ -69,52 +67,22 @@ RUNS = {
 }
 
 
-def _launch_world(nproc: int, root: Path) -> dict[str, Path]:
-    """Every run of ``nproc`` processes, in one torchrun launch; ``{name: output dir}``."""
-    names = [name for name, (n, _, _) in RUNS.items() if n == nproc]
-    outs = {name: root / name.replace(" ", "_").replace(".", "") for name in names}
-    runs = []
-    for name in names:
-        _, example, flags = RUNS[name]
-        argv = ["--output-dir", str(outs[name]), "--dtype", "float64", *flags]
+def torchrun_runs(run_dir) -> dict[str, tuple[int, dict]]:
+    """RUNS for the session's torchrun worlds (tests/conftest.py's ``torchrun_world``)."""
+    runs = {}
+    for name, (nproc, example, flags) in RUNS.items():
+        argv = ["--output-dir", str(run_dir(name)), "--dtype", "float64", *flags]
         copy = []
         if name == "qwen3 resume":
-            copy = [[str(outs["qwen3 cp2"] / "checkpoint-2"), str(outs[name] / "checkpoint-2")]]
-        runs.append({"script": str(EXAMPLES / example), "argv": argv, "copy": copy})
-    spec = root / "runs.json"
-    spec.write_text(json.dumps(runs, indent=1))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
-    cmd += [str(WORLD_RUNS), str(spec)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-    done = Path(f"{spec}.done")
-    if proc.returncode != 0 and "terminate called without an active exception" in proc.stderr:
-        # Known, not yet fixed: once in CI a rank aborted at interpreter exit, after its runs
-        # had finished and saved (gloo's threads at shutdown). Launch once more, afresh; a
-        # second failure fails the test.
-        for out in outs.values():
-            shutil.rmtree(out, ignore_errors=True)
-        done.unlink(missing_ok=True)
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-    finished = [names[int(i)] for i in done.read_text().split()] if done.exists() else []
-    assert proc.returncode == 0, (
-        f"{' '.join(cmd)}\nfinished: {finished}\n{spec.read_text()}\n{proc.stderr[-4000:]}"
-    )
-    assert finished == names, finished
-    return outs
+            copy = [[str(run_dir(n) / "checkpoint-2") for n in ("qwen3 cp2", name)]]
+        runs[name] = (nproc, {"script": str(EXAMPLES / example), "argv": argv, "copy": copy})
+    return runs
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(torchrun_world):
     """``run(name)`` -> the output dir of that run of RUNS (its world launched once)."""
-    worlds = {}
-
-    def out(name: str) -> Path:
-        nproc = RUNS[name][0]
-        if nproc not in worlds:
-            worlds[nproc] = _launch_world(nproc, tmp_path_factory.mktemp(f"world{nproc}"))
-        return worlds[nproc][name]
-
-    return out
+    return torchrun_world
 
 
 def _history(out: Path) -> list[dict]:
