@@ -368,6 +368,9 @@ class RankLoader:
             collate_fn=_identity,
             worker_init_fn=_worker_init if num_workers else None,
             multiprocessing_context=_worker_context() if num_workers else None,
+            # Its own generator: each iterator draws its workers' base seed, which from torch's
+            # global one would leave a resumed run's RNG one draw off the uninterrupted run's.
+            generator=torch.Generator().manual_seed(0),
         )
         self._iter = None
 

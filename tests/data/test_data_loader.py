@@ -127,6 +127,20 @@ def test_workers_give_the_same_rows(setup):
     workers.close()
 
 
+def test_reading_rows_leaves_torch_global_rng_alone(setup):
+    """A DataLoader iterator draws its workers' base seed; from torch's global generator that
+    draw would put a resumed run's RNG state one draw off the uninterrupted run's (dropout and
+    every other random op after a resume would differ)."""
+    encoder, jsonl, _ = setup
+    source = open_source(str(jsonl))
+    for kw in ({}, {"num_workers": 1, "prefetch": 1}):
+        before = torch.get_rng_state()
+        loader = _loader(encoder, source, **kw)
+        loader.next_step()
+        assert torch.equal(torch.get_rng_state(), before), kw
+        loader.close()
+
+
 def test_datasets_folder_parquet_and_function_give_the_same_samples(setup, tmp_path, monkeypatch):
     datasets = pytest.importorskip("datasets")
     encoder, jsonl, records = setup

@@ -394,6 +394,9 @@ def test_async_saves_equal_sync_saves_bit_for_bit_and_resume_exactly(tmp_path, r
         assert meta == ref_meta
     shutil.rmtree(out / "checkpoints" / f"step_{STEPS:08d}")
     _same(_resume(out), ref_records)
+    # The resumed run's last checkpoint is the uninterrupted run's too, RNG states included.
+    mine, theirs = (o / "checkpoints" / f"step_{STEPS:08d}" for o in (out, ref_out))
+    _same_bits(*(_saved(d, tmp_path / f"resumed{i}.pt") for i, d in enumerate((mine, theirs))))
 
 
 def test_resume_auto_resumes_or_starts_anew(tmp_path, reference):
