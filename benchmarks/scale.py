@@ -80,7 +80,8 @@ def _row(model, kind, name, cp, m, base, cpu_s) -> dict:
         "weights_GiB": fixed / G,
         "opt_step_GiB": m.peak_opt / G,
         "fits": fwd_bwd <= budget,
-        "longest": int(seq * (budget - fixed) / act) if budget > fixed and act > 0 else 0,
+        # 0 where the weights or the optimizer step alone exceed the GPU (no sequence fits)
+        "longest": int(seq * (budget - fixed) / act) if max(fixed, m.peak_opt) < budget else 0,
         "saved_act_x_cp": m.saved_activations * cp / (act0 * cp0),
         "bound": "weights" if fixed > budget / 2 else "activations",
         "sim_s": m.seconds,
@@ -128,6 +129,12 @@ def main() -> None:
         help="simulate every layer (Setup.reduced_depth=False): the reference of the extrapolation",
     )
     p.add_argument(
+        "--depth-fit",
+        choices=["affine", "add"],
+        default="affine",
+        help="how the layers left out are added (Setup.depth_fit; cpvlm/simulate/depth.py)",
+    )
+    p.add_argument(
         "--replot", action="store_true", help="redraw the plot from the JSON (and its peers)"
     )
     args = p.parse_args()
@@ -169,6 +176,7 @@ def main() -> None:
             activation_checkpointing=True,
             loss_chunk=1024,
             reduced_depth=not args.full_depth,
+            depth_fit=args.depth_fit,
         )
         cpu = time.process_time()
         try:
@@ -177,7 +185,8 @@ def main() -> None:
             rows.append({**point, "status": "error", "error": str(err)[:200]})
             print(f"{model} {kind} {name} cp {cp}: {str(err)[:200]}", flush=True)
         else:
-            rows.append(_row(model, kind, name, cp, m, base, time.process_time() - cpu))
+            row = _row(model, kind, name, cp, m, base, time.process_time() - cpu)
+            rows.append({**row, "depth": "full" if args.full_depth else args.depth_fit})
             print_table(rows[-1:], COLS, "")
             sys.stdout.flush()
         # Written after every point: a run stopped part way keeps what it simulated.
