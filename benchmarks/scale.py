@@ -131,7 +131,7 @@ def main() -> None:
     p.add_argument(
         "--depth-fit",
         choices=["affine", "add"],
-        default="affine",
+        default="add",
         help="how the layers left out are added (Setup.depth_fit; cpvlm/simulate/depth.py)",
     )
     p.add_argument(
