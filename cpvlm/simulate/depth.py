@@ -15,9 +15,9 @@ the layers left out, in one of two ways (``Setup.depth_fit``):
   peak, each category at the peak) is extrapolated along that line to the full count. Exact for
   the saved bytes; the peak is the largest of several phases' bytes, each affine in the depth
   with its own slope, and a few layers can put it in another phase than the full model does
-  (Qwen3-VL-8B, text 32k, cp 8: the fit is 12% low; the reduced models peak in the loss's
-  backward, the full one, we believe, later, with the layers' gradients), so it is not the
-  default. A fit per phase (each phase's peak extrapolated, then the largest) would fix it.
+  (Qwen3-VL-8B, text 32k, cp 4 and 8: the fit is 17% and 12% low; the reduced models peak in
+  the loss's backward, the full one, we believe, later, with the layers' gradients), so it is
+  not the default. A fit per phase (each phase's peak extrapolated, then the largest) would fix it.
 Either way the parameter, gradient and optimizer shards of the layers left out are counted
 exactly from the full config's parameters on the meta device.
 """
