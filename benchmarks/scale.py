@@ -8,45 +8,44 @@ Every row is one rank of the real step (``cpvlm.simulate``: ContextParallelVLM +
 dp x cp on fake tensors, bf16 compute on float32 master weights, AdamW, activation
 checkpointing, loss chunk 1024, ring attention), on GPUs of 80 GB; dp = 1 (FSDP2 shards over the
 cp ranks). Columns: the peak of a later step's forward + backward (optimizer state held; GiB),
-its activations (that peak less params+grads+optimizer), the bytes saved for backward,
-params+grads+optimizer, the optimizer step's peak (foreach AdamW: params, grads, 2 states and
-one temporary of the grads' size; the peak column is the larger of it and forward + backward), the longest sequence that fits 80 GB at that cp (activations linear in S from
-the simulated point), "saved x cp": the saved bytes times cp over the first cp's (1.00 = the
-physical 1/cp), and "bound": "weights" where params+grads+optimizer take more than half the GPU,
-else "activations". --models/--kinds/--lengths/--cps choose the grid, --budget-s stops starting
-points (those left are listed "not run"); the JSON is rewritten after every point.
+its activations (that peak less params+grads+optimizer), the bytes saved for backward and their
+part that is the model's activations ("saved_act": less the lm_head's gathered weight and the
+loss's tensors, which do not shrink with cp), params+grads+optimizer, the optimizer step's peak
+(foreach AdamW: params, grads, 2 states and one temporary of the grads' size; the peak column is
+the larger of it and forward + backward), the longest sequence that fits 80 GB at that cp
+(activations linear in S from the simulated point), "saved_act_x_cp": the saved activations times
+cp over the first cp's (1.00 = the physical 1/cp), "bound": "weights" where
+params+grads+optimizer take more than half the GPU, else "activations", and the simulation's CPU
+seconds with the 1-minute load average. Layers are simulated as ``cpvlm.simulate.depth`` says
+(a few, the rest added; --full-depth: every layer, written to scale_full_depth.json).
+--models/--kinds/--lengths/--cps choose the grid, --budget-s stops starting points (those left
+are listed "not run"); the JSON is rewritten after every point; --replot redraws the plot from it.
 Writes scale.json and scale.png (peak per cp, one line per model and length).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import Clock, parser, print_table, write_json  # noqa: E402
+from _common import Clock, parser, print_table, pyplot, save_figure, write_json  # noqa: E402
 
 GPU_GIB = 80 * 10**9 / 2**30  # an "80 GB" GPU
 LENGTHS = {"32k": 32768, "128k": 131072, "512k": 524288, "1M": 1048576}
 MODELS = ("qwen3-vl-8b", "qwen2.5-vl-72b", "qwen3.5-9b", "gemma3-27b")
 CPS = (1, 2, 4, 8, 16, 32, 64)
-# A peer's published maximum sequence for the same model and GPU count: none found (searched:
-# ring attention, USP, LongVILA, torchtitan CP, Megatron CP). The nearest, for another model
-# and GPU count, is listed as such and not put beside our rows.
-PEERS: dict = {
-    "same_model_and_gpus": [],
-    "nearest": [
-        {
-            "peer": "LongVILA (MM-SP)",
-            "model": "LongVILA-8B (VILA, 8B LLM)",
-            "gpus": 256,
-            "max_seq": 2_097_152,
-            "note": "2M-token training on 256 GPUs without gradient checkpointing",
-            "source": "arXiv 2408.10188, abstract",
-        }
-    ],
-}
+# Peers' published maximum sequences (model, GPUs, source): benchmarks/results/scale_peers.json,
+# read at every write so that the table's peers can be filled in while a grid runs.
+PEERS_FILE = Path(__file__).resolve().parent / "results" / "scale_peers.json"
+
+
+def peers() -> dict:
+    return json.loads(PEERS_FILE.read_text()) if PEERS_FILE.exists() else {}
 
 
 def spec_for(kind: str, seq_len: int):
@@ -58,14 +57,16 @@ def spec_for(kind: str, seq_len: int):
     return SequenceSpec(seq_len, videos=((frames, 448, 448),))
 
 
-def _row(model, kind, name, cp, m, base) -> dict:
+def _row(model, kind, name, cp, m, base, cpu_s) -> dict:
     G = 2**30
     budget = GPU_GIB * G
     seq = LENGTHS[name]
     fixed = m.params + m.grads + m.optimizer
     fwd_bwd = m.steady_peak  # a later step's peak: forward + backward with the state held
     act = fwd_bwd - fixed
-    cp0, saved0 = base.setdefault((model, kind, name), (cp, m.saved))
+    # The model's activations saved for backward (the lm_head's gathered weight and the loss's
+    # tensors apart): the part that CP divides by cp.
+    cp0, act0 = base.setdefault((model, kind, name), (cp, m.saved_activations))
     return {
         "model": model,
         "seq": f"{kind} {name}",
@@ -74,13 +75,19 @@ def _row(model, kind, name, cp, m, base) -> dict:
         "peak_GiB": fwd_bwd / G,
         "acts_GiB": act / G,
         "saved_GiB": m.saved / G,
+        "saved_act_GiB": m.saved_activations / G,
+        "saved_head_GiB": (m.saved_gathered + m.loss_saved) / G,
         "weights_GiB": fixed / G,
         "opt_step_GiB": m.peak_opt / G,
         "fits": fwd_bwd <= budget,
-        "longest": int(seq * (budget - fixed) / act) if budget > fixed and act > 0 else 0,
-        "saved_x_cp": m.saved * cp / (saved0 * cp0),
+        # 0 where the weights or the optimizer step alone exceed the GPU (no sequence fits)
+        "longest": int(seq * (budget - fixed) / act) if max(fixed, m.peak_opt) < budget else 0,
+        "saved_act_x_cp": m.saved_activations * cp / (act0 * cp0),
         "bound": "weights" if fixed > budget / 2 else "activations",
         "sim_s": m.seconds,
+        "sim_cpu_s": cpu_s,
+        "load1": os.getloadavg()[0],
+        "memory": m.as_dict(),
     }
 
 
@@ -91,13 +98,15 @@ COLS = [
     "peak_GiB",
     "acts_GiB",
     "saved_GiB",
+    "saved_act_GiB",
     "weights_GiB",
     "opt_step_GiB",
     "fits",
     "longest",
-    "saved_x_cp",
+    "saved_act_x_cp",
     "bound",
-    "sim_s",
+    "sim_cpu_s",
+    "load1",
 ]
 
 
@@ -114,6 +123,20 @@ def main() -> None:
         default=None,
         help="start no new point after this many seconds; the rest are listed as not run",
     )
+    p.add_argument(
+        "--full-depth",
+        action="store_true",
+        help="simulate every layer (Setup.reduced_depth=False): the reference of the extrapolation",
+    )
+    p.add_argument(
+        "--depth-fit",
+        choices=["affine", "add"],
+        default="add",
+        help="how the layers left out are added (Setup.depth_fit; cpvlm/simulate/depth.py)",
+    )
+    p.add_argument(
+        "--replot", action="store_true", help="redraw the plot from the JSON (and its peers)"
+    )
     args = p.parse_args()
     from cpvlm.simulate import Setup, load_config, simulate_step
 
@@ -124,14 +147,20 @@ def main() -> None:
             ["32k"],
             [1, 2, 4, 8],
         )
+    stem = "scale_quick" if args.quick else "scale_full_depth" if args.full_depth else "scale"
+    if args.replot:
+        rows = json.loads((args.out_dir / f"{stem}.json").read_text())["rows"]
+        write_json(args.out_dir, stem, {"gpu_GiB": GPU_GIB, "rows": rows, "peers": peers()})
+        _plot(rows, args.out_dir / f"{stem}.png")
+        return
+    # Model by model; within one, length by length, text then video, cp ascending.
     grid = [
         (m, k, n, cp)
         for m in args.models
-        for k in args.kinds
         for n in args.lengths
+        for k in args.kinds
         for cp in args.cps
     ]
-    stem = "scale_quick" if args.quick else "scale"
     clock, configs, caches, rows, base = Clock(), {}, {}, [], {}
     for model, kind, name, cp in grid:
         point = {"model": model, "seq": f"{kind} {name}", "cp": cp}
@@ -141,51 +170,60 @@ def main() -> None:
         if model not in configs:
             configs[model] = load_config(model)
             caches[model] = {}
-        setup = Setup(dp=1, cp=cp, activation_checkpointing=True, loss_chunk=1024)
+        setup = Setup(
+            dp=1,
+            cp=cp,
+            activation_checkpointing=True,
+            loss_chunk=1024,
+            reduced_depth=not args.full_depth,
+            depth_fit=args.depth_fit,
+        )
+        cpu = time.process_time()
         try:
             m = simulate_step(configs[model], spec_for(kind, LENGTHS[name]), setup, caches[model])
         except (ValueError, RuntimeError, NotImplementedError, MemoryError) as err:
             rows.append({**point, "status": "error", "error": str(err)[:200]})
             print(f"{model} {kind} {name} cp {cp}: {str(err)[:200]}", flush=True)
         else:
-            rows.append(_row(model, kind, name, cp, m, base))
+            row = _row(model, kind, name, cp, m, base, time.process_time() - cpu)
+            rows.append({**row, "depth": "full" if args.full_depth else args.depth_fit})
             print_table(rows[-1:], COLS, "")
             sys.stdout.flush()
         # Written after every point: a run stopped part way keeps what it simulated.
-        write_json(args.out_dir, stem, {"gpu_GiB": GPU_GIB, "rows": rows, "peers": PEERS})
+        write_json(args.out_dir, stem, {"gpu_GiB": GPU_GIB, "rows": rows, "peers": peers()})
     done = [r for r in rows if r["status"] == "simulated"]
     print_table(done, COLS, "per-rank memory, 80 GB GPUs (simulated)")
     print(f"{len(done)} of {len(grid)} points simulated", flush=True)
-    write_json(args.out_dir, stem, {"gpu_GiB": GPU_GIB, "rows": rows, "peers": PEERS})
+    write_json(args.out_dir, stem, {"gpu_GiB": GPU_GIB, "rows": rows, "peers": peers()})
     _plot(rows, args.out_dir / f"{stem}.png")
 
 
 def _plot(rows, path: Path) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib)")
+    plt = pyplot()
+    if plt is None:
         return
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    lines = {}
-    for r in rows:
-        if r.get("status") == "simulated":
-            lines.setdefault((r["model"], r["seq"]), []).append((r["cp"], r["peak_GiB"]))
-    for (model, seq), pts in lines.items():
-        ax.plot(*zip(*sorted(pts)), marker="o", label=f"{model} {seq}")
-    ax.axhline(GPU_GIB, color="k", linestyle="--", linewidth=1, label="80 GB")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("cp")
-    ax.set_ylabel("per-rank peak (GiB)")
-    ax.legend(fontsize=6)
+    models = list(dict.fromkeys(r["model"] for r in rows if r.get("status") == "simulated"))
+    if not models:
+        print("no simulated point: no plot")
+        return
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        lines = {}
+        for r in rows:
+            if r.get("status") == "simulated" and r["model"] == model:
+                lines.setdefault(r["seq"], []).append((r["cp"], r["peak_GiB"]))
+        for seq, pts in lines.items():
+            style = "-" if seq.startswith("text") else "--"
+            ax.plot(*zip(*sorted(pts)), style, marker="o", label=seq)
+        ax.axhline(GPU_GIB, color="k", linestyle=":", linewidth=1, label="80 GB")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("cp (dp = 1, FSDP2 over the cp ranks)")
+        ax.set_ylabel("per-rank peak (GiB)")
+        ax.set_title(f"{model}, simulated rank")
+        ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path.name}")
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,12 @@
 
     python benchmarks/simulate_check.py --model tiny    # qwen3-vl-tiny, 1024 tokens: ~minutes
     python benchmarks/simulate_check.py --model mid     # ~400 MB model (MID_TEXT), 4096 tokens
+    python benchmarks/simulate_check.py --depth         # reduced depth against every layer
+
+--depth: the simulation of a few layers with the rest added (cpvlm.simulate.depth, "affine" and
+"add") against the simulation of every layer, as the scale table runs it (FSDP2 over cp, bf16
+compute, AdamW, activation checkpointing, loss chunk 1024): an 8-layer tiny Qwen3-VL and the
+published Qwen3-VL-8B (--points). Saved bytes must be equal; the peaks are compared.
 
 Real: gloo ranks, float32, ring attention, measured by benchmarks/memory.py's StepMemory (live
 tensor bytes, saved-for-backward bytes). Simulated: the same step, one rank at a time, on fake
@@ -46,12 +52,72 @@ MID_VISION = {
 }
 
 
+DEPTH_POINTS = ("tiny text 2", "tiny video 2", "tiny text 4", "qwen3-vl-8b text 8")
+
+
+def depth_check(points, out_dir) -> None:
+    import os
+    import time
+    from dataclasses import replace
+
+    from cpvlm.integrations.hf import TINY_MODELS
+    from cpvlm.simulate import SequenceSpec, Setup, load_config, simulate_step
+
+    rows = []
+    for point in points:
+        model, kind, cp = point.split()
+        if model == "tiny":
+            config = TINY_MODELS["qwen3-vl-tiny"](
+                text_config={"num_hidden_layers": 8},
+                vision_config={"depth": 6, "deepstack_visual_indexes": [1, 3]},
+            )
+            n, video = 512, (4, 64, 64)
+        else:
+            config, n, video = load_config(model), 32768, (300, 448, 448)
+        spec = SequenceSpec(n, videos=(video,) if kind == "video" else ())
+        setup = Setup(cp=int(cp), activation_checkpointing=True, loss_chunk=1024)
+        runs = {}
+        for fit, s in (
+            ("full", replace(setup, reduced_depth=False)),
+            ("affine", replace(setup, depth_fit="affine")),
+            ("add", replace(setup, depth_fit="add")),
+        ):
+            cpu = time.process_time()
+            runs[fit] = (simulate_step(config, spec, s), time.process_time() - cpu)
+        full = runs["full"][0]
+        for fit, (m, cpu) in runs.items():
+            rows.append(
+                {
+                    "model": model,
+                    "seq": f"{kind} {n}",
+                    "cp": int(cp),
+                    "fit": fit,
+                    "saved_equal": m.saved == full.saved,
+                    "weights_equal": (m.params, m.grads, m.optimizer)
+                    == (full.params, full.grads, full.optimizer),
+                    "peak_fwd_bwd/full": m.peak_fwd_bwd / full.peak_fwd_bwd,
+                    "steady_peak/full": m.steady_peak / full.steady_peak,
+                    "peak_GiB": m.steady_peak / 2**30,
+                    "cpu_s": cpu,
+                    "load1": os.getloadavg()[0],
+                }
+            )
+            print_table(rows[-1:], list(rows[-1]))
+        write_json(out_dir, "simulate_check_depth", {"rows": rows})
+    print_table(rows, list(rows[0]), "reduced depth against every layer")
+
+
 def main() -> None:
     p = parser(__doc__)
+    p.add_argument("--depth", action="store_true", help="reduced depth against every layer")
+    p.add_argument("--points", nargs="+", default=list(DEPTH_POINTS), help="'MODEL KIND CP'")
     p.add_argument("--model", choices=["tiny", "mid"], default="tiny")
     p.add_argument("--cp", type=int, nargs="*", default=[1, 2, 4])
     p.add_argument("--loss-chunk", type=int, default=0, help="loss chunk (0: whole logits)")
     args = p.parse_args()
+    if args.depth:
+        depth_check(args.points, args.out_dir)
+        return
     from cpvlm.integrations.hf import TINY_MODELS
     from cpvlm.simulate import SequenceSpec
     from cpvlm.testing import run_distributed

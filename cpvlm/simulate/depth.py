@@ -4,10 +4,21 @@ Every decoder layer of one kind (full or sliding or linear attention, with or wi
 inputs) saves the same bytes for backward on a rank, and so does every vision block of one kind.
 So the simulation runs a copy of the model with a few layers, each kind of layer at least once
 in a place that is neither the first (which also saves, once for all layers, what they share:
-position embeddings, masks) nor the last (whose interval also holds what follows it), measures
-what each layer saves, and adds the layers left out: ``count x the bytes of the simulated layer of their
-kind`` to the activations and to the peak (at which every saved activation is alive: the step's
-peak comes after the forward), and their parameter, gradient and optimizer shards, counted
+position embeddings, masks) nor the last (whose interval also holds what follows it), and adds
+the layers left out, in one of two ways (``Setup.depth_fit``):
+- ``"add"``: ``count x the bytes the simulated layer of their kind saved`` to the activations
+  and to the peak (as if every saved activation were alive at the peak), and their parameter and
+  gradient shards whole to the peak: an upper bound (the peak may come before a gradient lands).
+- ``"affine"``: a rank's bytes are affine in the number of layers of a kind (the layers are
+  identical, the step's schedule repeats per layer), so the reduced model is simulated once more
+  with one more layer of each kind left out, and every figure of the forward + backward (saved,
+  peak, each category at the peak) is extrapolated along that line to the full count. Exact for
+  the saved bytes; the peak is the largest of several phases' bytes, each affine in the depth
+  with its own slope, and a few layers can put it in another phase than the full model does
+  (Qwen3-VL-8B, text 32k, cp 4 and 8: the fit is 17% and 12% low; the reduced models peak in
+  the loss's backward, the full one, we believe, later, with the layers' gradients), so it is
+  not the default. A fit per phase (each phase's peak extrapolated, then the largest) would fix it.
+Either way the parameter, gradient and optimizer shards of the layers left out are counted
 exactly from the full config's parameters on the meta device.
 """
 
@@ -68,9 +79,11 @@ def _text_prefix(kinds: list) -> int:
     return len(kinds)
 
 
-def reduce_depth(config, vision: bool = True) -> tuple[object, Depth]:
+def reduce_depth(config, vision: bool = True, plus: tuple[str, int] | None = None):
     """``(reduced config, Depth)``; a model with no more layers than needed is returned as is.
-    ``vision=False``: for a sequence without images or videos."""
+    ``vision=False``: for a sequence without images or videos. ``plus=(tower, i)`` (``"text"``
+    or ``"vision"``, a key of ``Depth.text_extra`` / ``vision_extra``): the reduced model with
+    one more copy of its layer ``i`` right after it (the affine fit's second point)."""
     text_kinds, vision_kinds = _text_kinds(config, vision), _vision_kinds(config)
     t = _text_prefix(text_kinds)
     plain = [k for k in dict.fromkeys(vision_kinds) if not isinstance(k, tuple)]
@@ -78,28 +91,42 @@ def reduce_depth(config, vision: bool = True) -> tuple[object, Depth]:
     reduced_vision = plain[:1] + plain + deepstack + ([] if deepstack else plain[:1])
     if len(reduced_vision) >= len(vision_kinds):
         reduced_vision = vision_kinds
+    depth = Depth(
+        t,
+        len(reduced_vision),
+        _extra(text_kinds, text_kinds[:t]),
+        _extra(vision_kinds, reduced_vision),
+    )
+    text_order = list(range(t))  # the full model's layer each reduced text layer copies
+    if plus is not None:
+        tower, i = plus
+        if i not in (depth.text_extra if tower == "text" else depth.vision_extra):
+            raise ValueError(f"reduce_depth: {tower} layer {i} has no layers left out")
+        if tower == "text":
+            text_order.insert(i + 1, i)
+        else:
+            reduced_vision.insert(i + 1, reduced_vision[i])
     reduced = copy.deepcopy(config)
     text = reduced.text_config
-    text.num_hidden_layers = t
+    text.num_hidden_layers = len(text_order)
     if getattr(text, "layer_types", None):
-        text.layer_types = list(text.layer_types[:t])
-    vision = reduced.vision_config
+        text.layer_types = [text.layer_types[i] for i in text_order]
+    vision_config = reduced.vision_config
     v = len(reduced_vision)
-    if hasattr(vision, "depth"):
-        vision.depth = v
+    if hasattr(vision_config, "depth"):
+        vision_config.depth = v
     else:
-        vision.num_hidden_layers = v
+        vision_config.num_hidden_layers = v
     if deepstack:
-        vision.deepstack_visual_indexes = list(range(v - len(deepstack), v))
-    if getattr(vision, "fullatt_block_indexes", None) is not None:
-        vision.fullatt_block_indexes = [
+        n = sum(isinstance(k, tuple) for k in reduced_vision)
+        vision_config.deepstack_visual_indexes = list(range(v - n, v))
+    if getattr(vision_config, "fullatt_block_indexes", None) is not None:
+        vision_config.fullatt_block_indexes = [
             i
             for i, k in enumerate(reduced_vision)
             if (k[1] if isinstance(k, tuple) else k) == "full"
         ]
-    return reduced, Depth(
-        t, v, _extra(text_kinds, text_kinds[:t]), _extra(vision_kinds, reduced_vision)
-    )
+    return reduced, depth
 
 
 def _extra(full: list, reduced: list) -> dict:
