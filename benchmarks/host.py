@@ -67,6 +67,8 @@ def doc_lens(seq_len: int, docs: int, seed: int = 0) -> list[int]:
 def fresh_caches() -> None:
     attn_layout.build_layout.cache_clear()
     attn_schedule._schedule.cache_clear()
+    if hasattr(attn_schedule._runs, "cache_clear"):  # cached per plan: timed in every schedule
+        attn_schedule._runs.cache_clear()
     estimate_seconds.cache_clear()
 
 

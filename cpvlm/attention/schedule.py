@@ -266,7 +266,10 @@ class _Runs:
         self.sorted_gend = take(self.gend, self.by_pos)
 
 
+@lru_cache(maxsize=8)
 def _runs(plan: ShardPlan) -> _Runs:
+    """Every rank's runs, cached per plan: the schedules of its masks (a step's causal and
+    windowed layers) share them."""
     table = plan.range_table
     rank, a, b = (table[:, j].contiguous() for j in range(3))
     local = torch.cumsum(b - a, 0) - (b - a) - rank * plan.local_len
