@@ -15,8 +15,8 @@ tokens in D documents over cp ranks, one thread:
   - auto:      ``impl="auto"``'s choice (``choose_impl``: the cost model over every candidate,
                which reads every rank's calls and pairs per step), per layout and mask;
   - route:     one rank's ``route_plan`` of one visual row per 8 tokens.
-Times are process CPU milliseconds (the minimum over ``--repeats``; wall clock beside them), so
-that other work on the machine inflates them less; the reference runs once, where it finishes in
+Times are process CPU milliseconds (the minimum over ``--repeats``; wall clock and the 1-minute
+load average beside them), so that other work on the machine inflates them less; the reference runs once, where it finishes in
 reasonable time (cp <= 16, and S <= 128k or the headline size; elsewhere its column is empty:
 skipped, not measured). ``--max-seq``/``--max-cp`` cut the grid. ``--before FILE`` prints the figures of an earlier run (e.g. of the
 previous code) side by side with ratios. Run: python benchmarks/host.py [--quick] [--part P]
@@ -25,6 +25,7 @@ previous code) side by side with ratios. Run: python benchmarks/host.py [--quick
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 import warnings
@@ -67,6 +68,8 @@ def doc_lens(seq_len: int, docs: int, seed: int = 0) -> list[int]:
 def fresh_caches() -> None:
     attn_layout.build_layout.cache_clear()
     attn_schedule._schedule.cache_clear()
+    if hasattr(attn_schedule._runs, "cache_clear"):  # cached per plan: timed in every schedule
+        attn_schedule._runs.cache_clear()
     estimate_seconds.cache_clear()
 
 
@@ -79,7 +82,7 @@ def timed(fn, repeats: int) -> dict:
         fn()
         cpu.append(time.process_time() - c0)
         wall.append(time.perf_counter() - w0)
-    return {"cpu_ms": 1e3 * min(cpu), "wall_ms": 1e3 * min(wall)}
+    return {"cpu_ms": 1e3 * min(cpu), "wall_ms": 1e3 * min(wall), "load": os.getloadavg()[0]}
 
 
 def build_plan(lens, cp, layout, rank=0):
@@ -220,7 +223,7 @@ def main() -> None:
             if old is not None:
                 row["before_cpu_ms"] = old["cpu_ms"]
                 row["before/after"] = old["cpu_ms"] / row["cpu_ms"]
-    cols = ["S", "docs", "cp", "part", "layout", "mask", "impl", "cpu_ms", "wall_ms"]
+    cols = ["S", "docs", "cp", "part", "layout", "mask", "impl", "cpu_ms", "wall_ms", "load"]
     cols += ["reference_cpu_ms", "ratio"] if any("ratio" in r for r in rows) else []
     cols += ["before_cpu_ms", "before/after"] if args.before else []
     print_table(rows, cols, title="host milliseconds per step and rank (CPU, one thread)")

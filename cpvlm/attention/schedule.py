@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from functools import cached_property, lru_cache
+from functools import cached_property, lru_cache, partial
 from itertools import repeat
 from operator import itemgetter
 
@@ -266,7 +266,10 @@ class _Runs:
         self.sorted_gend = take(self.gend, self.by_pos)
 
 
+@lru_cache(maxsize=8)
 def _runs(plan: ShardPlan) -> _Runs:
+    """Every rank's runs, cached per plan: the schedules of its masks (a step's causal and
+    windowed layers) share them."""
     table = plan.range_table
     rank, a, b = (table[:, j].contiguous() for j in range(3))
     local = torch.cumsum(b - a, 0) - (b - a) - rank * plan.local_len
@@ -435,8 +438,8 @@ def _grouping(sched: AttentionSchedule, rect) -> tuple:
         pairs[edge] = _edge_pairs(b, *(take(x, edge) for x in (doc, a, a2, c0, c1)))
     max_hidden = float("inf") if b.block is None else b.block * b.block
     cols = [x.tolist() for x in (q0, q1, k0, k1, kind, pairs)]
-    merges = _pair_merges(step, q0, q1, k0, k1, kind, pairs, area, max_hidden)
-    return pairs, area, edge, cols, _group(cols, step.tolist(), merges, max_hidden)
+    merges, extends = _pair_merges(step, q0, q1, k0, k1, kind, pairs, area, max_hidden)
+    return pairs, area, edge, cols, _group(cols, step.tolist(), merges, extends, max_hidden)
 
 
 def _step_work(sched: AttentionSchedule, rect, w: int) -> tuple[list[int], list[int]]:
@@ -493,28 +496,60 @@ def _blocks(sched: AttentionSchedule, rank: int, rect) -> tuple[tuple[Segment, .
         grouped = zip(*(x[many].tolist() for x in (first, stop, *box, dense)))
         for a0, a1, bq0, bq1, bk0, bk1, total, edges in grouped:
             calls += segs[at:a0]
-            calls.append(_masked(segs[a0:a1], bq0, bq1, bk0, bk1, total, edges))
+            group = segs[a0:a1]
+            call = tuple.__new__(Segment, (bq0, bq1, bk0, bk1, MASKED, total))
+            call._visible = partial(_union, group, bq0, bk0)  # built on first use
+            if not edges:  # an edge's mask is no rectangle: a group with one runs dense
+                call.parts = tuple(group)
+            calls.append(call)
             at = a1
         segs = calls + segs[at:]
-        step = take(step, first)
+        step, q0, q1 = take(step, first), box[0], box[1]
     bounds = torch.searchsorted(step, torch.arange(w + 1)).tolist()
     runs = sched._runs
     lo, hi = int(runs.rank_first[rank]), int(runs.rank_first[rank + 1])
-    real = list(zip(runs.lstart[lo:hi].tolist(), runs.lstop[lo:hi].tolist()))
-    _mark_overwrites(segs, bounds[1], real, sched.plan.local_len)
+    real = (runs.lstart[lo:hi], runs.lstop[lo:hi])
+    _mark_overwrites(segs, q0[: bounds[1]], q1[: bounds[1]], real, sched.plan.local_len)
     return tuple(tuple(segs[bounds[i] : bounds[i + 1]]) for i in range(w))
 
 
-def _mark_overwrites(segs: list[Segment], step0: int, real: list[tuple[int, int]], local_len: int):
-    """Mark the calls that are the first, in this rank's order, to write any of their rows."""
-    written = bytearray(local_len)
-    ones = memoryview(b"\x01" * local_len)
-    for n, seg in enumerate(segs):
-        if n == step0 and all(written.find(0, a, b) < 0 for a, b in real):
-            return  # step 0 wrote every real row (each sees itself): no later call is first
+def _mark_overwrites(segs: list[Segment], q0, q1, real, local_len: int):
+    """Mark the calls that are the first, in this rank's order, to write any of their rows.
+
+    ``q0``, ``q1``: the rows of the step-0 calls; ``real``: the rank's runs (starts, stops).
+    Step 0 writes every real row (each sees itself), so no later call is first; its calls come
+    in ascending first rows, so a call is first iff every call before it stops at or before its
+    first row (a running maximum), and the rows left unwritten are the gaps that maximum leaves.
+    """
+    n0 = q0.numel()
+    if not n0 or not bool((q0[1:] >= q0[:-1]).all()):
+        return _mark_overwrites_from(segs, 0, bytearray(local_len))
+    reach = torch.cummax(q1, 0).values
+    before = torch.cat([q1.new_zeros(1), reach[:-1]])
+    for n in torch.nonzero((before <= q0) | (q1 == q0)).squeeze(1).tolist():
+        segs[n].overwrite = True  # the class default is False
+    gap = torch.nonzero(before < q0).squeeze(1)
+    g0 = torch.cat([take(before, gap), reach[-1:]])
+    g1 = torch.cat([take(q0, gap), q0.new_tensor([local_len])])
+    # The first real run that ends after a gap's start; it is unwritten iff it starts before the
+    # gap's stop (runs are disjoint and ascending).
+    r0, r1 = real
+    k = torch.searchsorted(r1, g0, right=True)
+    inside = k < r0.numel()
+    if not bool((take(r0, k[inside]) < g1[inside]).any()):
+        return
+    written = bytearray(local_len)  # some real row unwritten (no mask leaves one today)
+    for a, b in zip(q0.tolist(), q1.tolist()):
+        written[a:b] = b"\x01" * (b - a)
+    _mark_overwrites_from(segs, n0, written)
+
+
+def _mark_overwrites_from(segs: list[Segment], start: int, written: bytearray) -> None:
+    ones = memoryview(b"\x01" * len(written))
+    for seg in segs[start:]:
         q0, q1 = seg[0], seg[1]
         if written.find(1, q0, q1) < 0:
-            seg.overwrite = True  # the class default is False
+            seg.overwrite = True
         written[q0:q1] = ones[: q1 - q0]
 
 
@@ -531,38 +566,63 @@ def _single_cost(kind, pairs, area):
     )
 
 
-def _pair_merges(step, q0, q1, k0, k1, kind, pairs, area, max_hidden: float) -> list[int]:
+def _pair_merges(step, q0, q1, k0, k1, kind, pairs, area, max_hidden: float):
     """The rectangles n that the greedy of ``_group`` merges into rectangle n - 1 when that one
-    is a call of its own (the test against a one-rectangle call, for all n at once)."""
+    is a call of its own (the test against a one-rectangle call, for all n at once), and for
+    each whether rectangle n + 1 then joins the two (the greedy's next test, also at once)."""
     if step.numel() < 2:
-        return []
+        return [], []
     cost = _single_cost(kind, pairs, area.double())
     rows = torch.maximum(q1[1:], q1[:-1]) - torch.minimum(q0[1:], q0[:-1])
     merged = rows * (torch.maximum(k1[1:], k1[:-1]) - torch.minimum(k0[1:], k0[:-1]))
+    pair_cost = _CALL_COST + _MASKED_PAIR_COST * merged.double()
     ok = (step[1:] == step[:-1]) & (merged <= _MAX_MASK_ELEMENTS)
-    ok &= _CALL_COST + _MASKED_PAIR_COST * merged.double() <= cost[1:] + cost[:-1]
+    ok &= pair_cost <= cost[1:] + cost[:-1]
     ok &= (merged - (pairs[1:] + pairs[:-1])).double() <= max_hidden
-    return (torch.nonzero(ok).squeeze(1) + 1).tolist()
+    n = torch.nonzero(ok).squeeze(1) + 1
+    # Rectangle m = n + 1 against the call (n - 1, n); n = len - 1 has no next rectangle.
+    n3 = n[n < step.numel() - 1]
+    m, p = n3 + 1, n3 - 1
+    rows = _max3(q1, p, n3, m) - torch.minimum(
+        take(q0, m), torch.minimum(take(q0, p), take(q0, n3))
+    )
+    cols = _max3(k1, p, n3, m) - torch.minimum(
+        take(k0, m), torch.minimum(take(k0, p), take(k0, n3))
+    )
+    merged3 = rows * cols
+    ext = (take(step, m) == take(step, n3)) & (merged3 <= _MAX_MASK_ELEMENTS)
+    ext &= _CALL_COST + _MASKED_PAIR_COST * merged3.double() <= take(pair_cost, p) + take(cost, m)
+    hidden = merged3 - (take(pairs, p) + take(pairs, n3) + take(pairs, m))
+    ext &= hidden.double() <= max_hidden
+    return n.tolist(), ext.tolist() + [False] * (n.numel() - n3.numel())
 
 
-def _group(cols, step: list[int], merges: list[int], max_hidden: float) -> bytearray:
+def _max3(x, i, j, k):
+    return torch.maximum(take(x, k), torch.maximum(take(x, i), take(x, j)))
+
+
+def _group(cols, step: list[int], merges: list[int], extends: list[bool], max_hidden: float):
     """Greedily merge consecutive rectangles of a block into masked calls when that is cheaper
     and the call computes at most ``max_hidden`` hidden pairs (under a window one strip's h x h,
     so that grouping never undoes the skipping): per rectangle, 1 where it joins the call of the
-    one before. The greedy runs only from the pairs ``merges`` on (elsewhere every rectangle
-    after a call of its own is one too)."""
+    one before (a bytearray). The greedy runs only from the pairs ``merges`` on (elsewhere every
+    rectangle after a call of its own is one too), and past the pair only where ``extends``
+    (``_pair_merges``) says the next rectangle joins it."""
     q0s, q1s, k0s, k1s, kinds, pairs = cols
     joins = bytearray(len(q0s))
     decided = -1
-    for n in merges:
+    for n, more in zip(merges, extends):
         if n <= decided:
+            continue
+        joins[n] = 1
+        if not more:
+            decided = n + 1
             continue
         p = n - 1
         bq0, bq1 = min(q0s[p], q0s[n]), max(q1s[p], q1s[n])
         bk0, bk1 = min(k0s[p], k0s[n]), max(k1s[p], k1s[n])
         total = pairs[p] + pairs[n]
         cost = _CALL_COST + _MASKED_PAIR_COST * (bq1 - bq0) * (bk1 - bk0)
-        joins[n] = 1
         m = n + 1
         while m < len(q0s) and step[m] == step[n]:
             q0, q1, k0, k1, kind, pm = q0s[m], q1s[m], k0s[m], k1s[m], kinds[m], pairs[m]
@@ -593,17 +653,6 @@ def _area(seg: Segment) -> int:
 
 def _computed(seg: Segment) -> int:
     return _area(seg) if seg.kind == MASKED else seg.pairs
-
-
-def _masked(group: list[Segment], q0, q1, k0, k1, pairs: int, edges: bool) -> Segment:
-    """The masked call of the rectangles ``group`` (their bounding box, visible pairs, and
-    whether one of them is an edge's mask)."""
-    # A fused kernel runs the rectangles of the group; an edge's mask is no rectangle, so a group
-    # that holds one runs as one dense masked call there too.
-    parts = () if edges else tuple(group)
-    return Segment(
-        q0, q1, k0, k1, MASKED, pairs, visible=lambda: _union(group, q0, k0), parts=parts
-    )
 
 
 def _union(group: list[Segment], q0: int, k0: int) -> torch.Tensor:
