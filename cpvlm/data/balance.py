@@ -31,11 +31,11 @@ longest first, each to the least loaded rank, any number a rank.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cpvlm.data.meta import SampleMeta
+from cpvlm.vision.assign import lpt
 from cpvlm.vision.cost import VisionCost
 
 
@@ -102,13 +102,7 @@ def plan_split(costs: Sequence[int], dp: int) -> list[list[int]]:
     ascending. Equal costs give the stripes d, d + dp, ... (see the module docstring)."""
     if dp < 1:
         raise ValueError(f"plan_split: dp must be >= 1, got {dp}")
-    loads = [(0, d) for d in range(dp)]
-    shares: list[list[int]] = [[] for _ in range(dp)]
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        load, d = heapq.heappop(loads)
-        shares[d].append(i)
-        heapq.heappush(loads, (load + costs[i], d))
-    return [sorted(s) for s in shares]
+    return [sorted(s) for s in lpt(costs, dp)]
 
 
 def deal_bound(costs: Sequence[int], dp: int) -> float:

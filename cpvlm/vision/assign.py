@@ -38,8 +38,9 @@ def _check_costs(costs: Sequence[int] | torch.Tensor) -> list[int]:
     return counts
 
 
-def _lpt(counts: list[int], cp_size: int) -> list[list[int]]:
-    """Longest processing time first: biggest unit to the least loaded rank (ties: lower rank)."""
+def lpt(counts: Sequence[int], cp_size: int) -> list[list[int]]:
+    """Longest processing time first: biggest unit to the least loaded rank (ties: lower rank);
+    each rank's units in the order dealt. (Also ``cpvlm.data.plan_split``'s deal.)"""
     heap = [(0, r) for r in range(cp_size)]
     per_rank: list[list[int]] = [[] for _ in range(cp_size)]
     for u in sorted(range(len(counts)), key=lambda u: (-counts[u], u)):
@@ -90,7 +91,7 @@ def assign_vision_units(costs: Sequence[int] | torch.Tensor, cp_size: int) -> li
     if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
     counts = _check_costs(costs)
-    per_rank = _lpt(counts, cp_size)
+    per_rank = lpt(counts, cp_size)
     loads = [sum(counts[u] for u in units) for units in per_rank]
     for _ in range(_MAX_REFINE_STEPS_PER_UNIT * len(counts)):
         hi = max(range(cp_size), key=lambda r: (loads[r], -r))
