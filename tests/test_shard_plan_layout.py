@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpvlm import ShardPlan
-from cpvlm.distributed import PAD_DOC
+from cpvlm.distributed import PAD_DOC, layout
 from cpvlm.testing import run_distributed
 
 mixes = st.tuples(
@@ -112,6 +112,53 @@ def test_balanced_layout_meets_the_goal_on_many_short_documents():
         padding = (plan.padded_len - plan.seq_len) / plan.seq_len
         # Per-document head-tail gives 1.008 / 1.020 / 1.042 with 0.4 / 1.1 / 2.4 % padding.
         assert balance <= 1.01 and padding <= 0.005, (cp, balance, padding)
+
+
+def every_candidate_placement(doc_lens, w):
+    """The balanced rule with every candidate k scored (no bound): what the pruning must keep."""
+    order = sorted(range(len(doc_lens)), key=lambda d: (-doc_lens[d], d))
+    total_work = sum(layout.work(n) for n in doc_lens)
+    worth = sum(1 for d in order if 8 * w * layout.work(doc_lens[d]) >= total_work)
+    best = None
+    for k in (*range(worth + 1), len(order)):
+        split = [doc_lens[d] for d in order[:k]]
+        tokens = [sum(layout.split_padded_len(n, w) // w for n in split)] * w
+        works = [sum(col) for col in zip(*[layout.head_tail_work(n, w) for n in split])] or [0] * w
+        rest = sum(doc_lens[d] for d in order[k:])
+        whole_on, tokens, works = layout._place(doc_lens, w, order, k, tokens, works, rest)
+        padding = w * max(tokens) - sum(doc_lens)
+        score = (w * max(works) - total_work) * sum(doc_lens) + padding * total_work
+        if best is None or score < best[0]:
+            best = (score, whole_on)
+    return best[1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(2, 16),
+    st.sampled_from([8, 60, 400, 5000]).flatmap(
+        lambda top: st.lists(st.integers(1, top), min_size=1, max_size=80)
+    ),
+)
+def test_balanced_placement_with_pruned_candidates_equals_scoring_every_candidate(w, doc_lens):
+    doc_lens = tuple(doc_lens)
+    assert layout._balanced_placement(doc_lens, w) == every_candidate_placement(doc_lens, w)
+
+
+@settings(max_examples=60, deadline=None)
+@given(mixes, st.sampled_from(["head_tail", "balanced"]))
+def test_doc_ids_and_padded_index_position_by_position(mix, kind):
+    cp, doc_lens = mix
+    plan = ShardPlan(sum(doc_lens), cp, doc_lens=doc_lens, layout=kind)
+    ids, padded_index, start = [], [], 0
+    for d, (n, p) in enumerate(zip(doc_lens, plan.padded_doc_lens)):
+        ids += [d] * n + [PAD_DOC] * (p - n)
+        padded_index += range(start, start + n)
+        start += p
+    ids += [PAD_DOC] * (plan.padded_len - len(ids))
+    assert plan.doc_ids.tolist() == ids
+    assert plan.padded_index.tolist() == padded_index
+    assert plan.doc_ids.dtype == plan.padded_index.dtype == torch.long
 
 
 def test_merge_ranks_of_head_tail_is_head_tail_with_longer_chunks():

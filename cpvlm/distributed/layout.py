@@ -192,17 +192,35 @@ def _balanced_placement(doc_lens: tuple[int, ...], w: int) -> tuple[int, ...]:
     split_tokens = torch.cumsum(-(-n // (2 * w)) * 2, 0).tolist()
     split_works = torch.cumsum(_head_tail_works(n, w), 0).tolist()
     rest = torch.cumsum(n.flip(0), 0).flip(0).tolist() + [0]
-    best = None
+    # Every candidate's score is bounded below before its greedy pass: the busiest rank holds at
+    # least the cap of tokens (their mean) and at least the work of the split documents' busiest
+    # rank, the mean, and the least loaded rank's plus the longest whole document. Candidates go
+    # in the order of that bound; one whose bound cannot beat the best so far (by score, then by
+    # smaller k) is skipped, so the k kept is the one that scoring every candidate keeps.
+    seq_len, mean_work = sum(doc_lens), -(-total_work // w)
+    candidates = []
     for k in (*range(worth + 1), len(order)):
+        split_total = w * split_tokens[k - 1] if k else 0
+        cap = -(-(split_total + rest[k]) // w)
+        split_work = split_works[k - 1] if k else [0] * w
+        most_work = max(max(split_work), mean_work)
+        if k < len(order):
+            most_work = max(most_work, min(split_work) + work(doc_lens[order[k]]))
+        bound = (w * most_work - total_work) * seq_len + (w * cap - seq_len) * total_work
+        candidates.append((bound, k))
+    best = None
+    for bound, k in sorted(candidates):
+        if best is not None and (bound, k) > best[:2]:
+            continue
         tokens = [split_tokens[k - 1]] * w if k else [0] * w
         works = list(split_works[k - 1]) if k else [0] * w
         whole_on, tokens, works = _place(doc_lens, w, order, k, tokens, works, rest[k])
-        padding = w * max(tokens) - sum(doc_lens)
+        padding = w * max(tokens) - seq_len
         # (max/mean - 1) + padding/S, times total_work * S: the same factor for every k.
-        score = (w * max(works) - total_work) * sum(doc_lens) + padding * total_work
-        if best is None or score < best[0]:
-            best = (score, whole_on)
-    return best[1]
+        score = (w * max(works) - total_work) * seq_len + padding * total_work
+        if best is None or (score, k) < best[:2]:
+            best = (score, k, whole_on)
+    return best[2]
 
 
 def _head_tail_works(n: torch.Tensor, w: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from functools import cached_property
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -227,11 +228,13 @@ class ShardPlan:
     @cached_property
     def doc_ids(self) -> torch.Tensor:
         """``[P]`` document index of each padded position; ``PAD_DOC`` (-1) for padding."""
-        n, _, _ = self._doc_bounds
-        p = torch.tensor(self.padded_doc_lens)
-        ids = torch.stack([torch.arange(len(n)), torch.full_like(n, PAD_DOC)], 1).flatten()
-        ids = torch.repeat_interleave(ids, torch.stack([n, p - n], 1).flatten())
-        return torch.cat([ids, ids.new_full((self.padded_len - ids.numel(),), PAD_DOC)])
+        # numpy's repeat: ~4x cheaper than torch's repeat_interleave for a million positions.
+        n, p = np.asarray(self.doc_lens), np.asarray(self.padded_doc_lens)
+        ids = np.stack([np.arange(len(n)), np.full_like(n, PAD_DOC)], 1).ravel()
+        counts = np.stack([n, p - n], 1).ravel()
+        tail = self.padded_len - int(p.sum())
+        ids = np.repeat(np.append(ids, PAD_DOC), np.append(counts, tail))
+        return torch.from_numpy(ids.astype(np.int64, copy=False))
 
     @cached_property
     def is_padding(self) -> torch.Tensor:
@@ -247,8 +250,9 @@ class ShardPlan:
     @cached_property
     def padded_index(self) -> torch.Tensor:
         """``[S]`` position in the padded sequence of each real token (inverse of source_index)."""
-        n, padded_start, real_start = self._doc_bounds
-        return torch.arange(self.seq_len) + torch.repeat_interleave(padded_start - real_start, n)
+        n, padded_start, real_start = (t.numpy() for t in self._doc_bounds)
+        shift = np.repeat(padded_start - real_start, n)
+        return torch.from_numpy(np.add(shift, np.arange(self.seq_len), out=shift))
 
     @cached_property
     def _gather_order_inverse(self) -> torch.Tensor:
