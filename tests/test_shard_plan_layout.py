@@ -115,7 +115,8 @@ def test_balanced_layout_meets_the_goal_on_many_short_documents():
 
 
 def every_candidate_placement(doc_lens, w):
-    """The balanced rule with every candidate k scored (no bound): what the pruning must keep."""
+    """The balanced rule as the module docstring states it, every candidate k scored (no bound,
+    no heap): what the placement must equal."""
     order = sorted(range(len(doc_lens)), key=lambda d: (-doc_lens[d], d))
     total_work = sum(layout.work(n) for n in doc_lens)
     worth = sum(1 for d in order if 8 * w * layout.work(doc_lens[d]) >= total_work)
@@ -124,12 +125,22 @@ def every_candidate_placement(doc_lens, w):
         split = [doc_lens[d] for d in order[:k]]
         tokens = [sum(layout.split_padded_len(n, w) // w for n in split)] * w
         works = [sum(col) for col in zip(*[layout.head_tail_work(n, w) for n in split])] or [0] * w
-        rest = sum(doc_lens[d] for d in order[k:])
-        whole_on, tokens, works = layout._place(doc_lens, w, order, k, tokens, works, rest)
+        whole_on = [-1] * len(doc_lens)
+        cap = -(-(sum(tokens) + sum(doc_lens[d] for d in order[k:])) // w)
+        for d in order[k:]:  # the module docstring's rule 2, written out
+            n = doc_lens[d]
+            room = [q for q in range(w) if tokens[q] + n <= cap]
+            if room:
+                r = min(room, key=lambda q: (works[q], q))
+            else:
+                r = min(range(w), key=lambda q: (tokens[q], works[q], q))
+            tokens[r] += n
+            works[r] += layout.work(n)
+            whole_on[d] = r
         padding = w * max(tokens) - sum(doc_lens)
         score = (w * max(works) - total_work) * sum(doc_lens) + padding * total_work
         if best is None or score < best[0]:
-            best = (score, whole_on)
+            best = (score, tuple(whole_on))
     return best[1]
 
 

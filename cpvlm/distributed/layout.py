@@ -247,9 +247,9 @@ def _place(doc_lens, w, order, k, tokens, works, rest):
         n = doc_lens[d]
         r = by_work[0][1]
         fast = tokens[r] <= cap - n
-        if not fast:  # rare: the least loaded rank is full; the next with room, or the emptiest
-            room = [q for _, q in sorted(by_work) if tokens[q] <= cap - n]
-            r = room[0] if room else min(ranks, key=lambda q: (tokens[q], works[q], q))
+        if not fast:  # the least loaded rank is full: the least loaded with room, or the emptiest
+            room = min((e for e in by_work if tokens[e[1]] <= cap - n), default=None)
+            r = room[1] if room else min(ranks, key=lambda q: (tokens[q], works[q], q))
             by_work.remove((works[r], r))
         tokens[r] += n
         works[r] += n * (n + 1) // 2
