@@ -1,7 +1,7 @@
 """Data planning per rank against dp 1 to 16: every rank planning every sample (before) against
 planning split over DP (after), and against a source that knows its samples' sizes.
 
-    python benchmarks/host_data.py --steps 6 --repeats 3 --dp 1 2 4 8  # the committed run
+    python benchmarks/host_data.py --steps 24 --repeats 3 --dp 1 2 4 8 16  # the committed run
     python benchmarks/host_data.py --quick --out-dir DIR  # dp 1 2 4, fewer samples: a trial
 
 The data of ``benchmarks/data.py`` (JPEG photos of 320x240 to 1920x1080 pixels, videos as
@@ -15,10 +15,12 @@ The DP ranks of one CP slice run as threads of this process (every rank, dp 1 in
 (the same code as ``cpvlm train``), exchanging through queues instead of a gloo group (the
 plans are pickled as they would be for the wire). A rank's time is its thread's CPU seconds for
 the steps (``time.thread_time``: planning, packing, dealing, pickling; waiting is not counted);
-the processor's ``plan`` calls of all threads take one lock, so that two ranks never plan at once
-on the shared cores (which would inflate each one's CPU time). Each (dp, mode) is run
+one rank runs at a time: a rank holds a turn (one lock) from its start to its end and gives it up
+only while it waits at an exchange, so that ranks never interleave between exchanges (as ranks on
+their own hosts do not; threads interleaving call by call measured a plan call 20 to 50% dearer at
+dp 2 to 16 than at dp 1 on a quiet machine). Each (dp, mode) is run
 ``--repeats`` times, the repeats going round every dp and mode in turn (a slow spell of a shared
-machine falls on all of them); figures are medians over the repeats. Columns:
+machine falls on all of them); a rank's figure is its best over the repeats (``_best``). Columns:
 - before: every rank plans every sample (``exchange=None``, what every rank did before);
 - split: each DP rank plans the share of a window that ``plan_split`` deals it by estimated
   planning cost (``JsonlSource.plan_cost``: bytes and media references, known before planning),
@@ -38,6 +40,7 @@ issue asks 0.8..1.2 at dp <= 8), of the slowest rank (``max``) and of the mean r
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import statistics
@@ -58,6 +61,14 @@ class ThreadExchange:
         self.size, self._barrier = size, threading.Barrier(size)
         self._slots: list = [None] * size
 
+    def _wait(self):
+        """The barrier, the rank's turn given up while it waits (``TURN``)."""
+        TURN.release()
+        try:
+            self._barrier.wait()
+        finally:
+            TURN.acquire()
+
     def rank_view(self, rank: int):
         ex = self
 
@@ -66,16 +77,16 @@ class ThreadExchange:
 
             def gather(self, obj):
                 ex._slots[rank] = pickle.dumps(obj)
-                ex._barrier.wait()
+                ex._wait()
                 out = [pickle.loads(b) for b in ex._slots]
-                ex._barrier.wait()
+                ex._wait()
                 return out
 
             def swap(self, outgoing):
                 ex._slots[rank] = [None if o is None else pickle.dumps(o) for o in outgoing]
-                ex._barrier.wait()
+                ex._wait()
                 out = [None if s[rank] is None else pickle.loads(s[rank]) for s in ex._slots]
-                ex._barrier.wait()
+                ex._wait()
                 return out
 
         return View()
@@ -98,28 +109,31 @@ class KnownMetas:
 
 
 class TimedPlan:
-    """``plan`` that adds up the calling thread's CPU seconds in it; one plan at a time over
-    all threads (``lock``)."""
+    """``plan`` that adds up the calling thread's CPU seconds in it."""
 
-    def __init__(self, plan, lock):
-        self.plan, self.lock, self.seconds = plan, lock, 0.0
+    def __init__(self, plan):
+        self.plan, self.seconds = plan, 0.0
 
     def __call__(self, record):
-        with self.lock:
-            t0 = time.thread_time()
-            try:
-                return self.plan(record)
-            finally:
-                self.seconds += time.thread_time() - t0
+        t0 = time.thread_time()
+        try:
+            return self.plan(record)
+        finally:
+            self.seconds += time.thread_time() - t0
 
 
-PLAN_LOCK = threading.Lock()
+TURN = threading.Lock()  # the rank that runs; the others wait for it or at an exchange
 
 
 def _rank_work(encoder, source, dp, d, steps, exchange, out):
+    with TURN:
+        _rank_steps(encoder, source, dp, d, steps, exchange, out)
+
+
+def _rank_steps(encoder, source, dp, d, steps, exchange, out):
     from cpvlm.data import RankLoader, RowStream
 
-    plan = TimedPlan(encoder.plan, PLAN_LOCK)
+    plan = TimedPlan(encoder.plan)
     stream = RowStream(source, plan, seq_len=SEQ_LEN, window=WINDOW, seed=0)
     loader = RankLoader(
         stream, encoder.decode, encoder.ids, rows_per_step=ROWS_PER_STEP // dp,
@@ -132,6 +146,7 @@ def _rank_work(encoder, source, dp, d, steps, exchange, out):
 
 
 def _run(encoder, source, dp, steps, mode):
+    gc.collect()  # no collection of an earlier run's garbage inside this one's timings
     out = [None] * dp
     if mode == "split" and dp > 1:
         ex = ThreadExchange(dp)
@@ -156,28 +171,30 @@ def _run(encoder, source, dp, steps, mode):
     return out
 
 
-def _median(runs, fn):
-    return statistics.median(fn(got) for got in runs)
+def _best(runs, field: int) -> list[float]:
+    """Each rank's best (least) figure ``field`` over the repeats. A rank's work is the same in
+    every repeat, so its least CPU time is the least disturbed measure of it; the slowest rank
+    is then the max of these (a max over ranks of single noisy runs would grow with dp by the
+    noise alone: this machine's CPU time for the same work varies by up to 30% run to run)."""
+    return [min(run[d][field] for run in runs) for d in range(len(runs[0]))]
 
 
 def _summary(runs, mode: str) -> dict:
-    """Medians over the repeats of one (dp, mode): each run is a list of per-rank results
+    """One (dp, mode) over its repeats: each run is a list of per-rank results
     ``(cpu_s, plan_calls, docs, plan_s)``."""
+    cpu = _best(runs, 0)
     out = {
-        f"{mode}_max_ms": 1e3 * _median(runs, lambda g: max(r[0] for r in g)),
-        f"{mode}_mean_ms": 1e3 * _median(runs, lambda g: sum(r[0] for r in g) / len(g)),
+        f"{mode}_max_ms": 1e3 * max(cpu),
+        f"{mode}_mean_ms": 1e3 * statistics.mean(cpu),
         f"{mode}_calls": max(r[1] for r in runs[0]),
     }
     if mode == "split":
-        out["split_plan_max_ms"] = 1e3 * _median(runs, lambda g: max(r[3] for r in g))
-        out["split_plan_mean_ms"] = 1e3 * _median(runs, lambda g: sum(r[3] for r in g) / len(g))
-        out["split_calls_total"] = sum(r[1] for r in runs[0])
-        out["plan_call_ms"] = 1e3 * _median(
-            runs, lambda g: sum(r[3] for r in g) / max(1, sum(r[1] for r in g))
-        )
-        out["split_imbalance"] = _median(
-            runs, lambda g: max(r[0] for r in g) / (sum(r[0] for r in g) / len(g))
-        )
+        plan, calls = _best(runs, 3), [r[1] for r in runs[0]]
+        out["split_plan_max_ms"] = 1e3 * max(plan)
+        out["split_plan_mean_ms"] = 1e3 * statistics.mean(plan)
+        out["split_calls_total"] = sum(calls)
+        out["plan_call_ms"] = 1e3 * sum(plan) / max(1, sum(calls))
+        out["split_imbalance"] = max(cpu) / statistics.mean(cpu)
         out["docs"] = sum(r[2] for r in runs[0])
     return out
 
@@ -197,7 +214,15 @@ def main():
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dp", type=int, nargs="+", default=DP)
     p.add_argument("--quick", action="store_true", help="dp 1 2 4, 48 samples, 4 steps, 2 repeats")
+    p.add_argument(
+        "--no-pin", action="store_true", help="leave the process on every core it may use"
+    )
     args = p.parse_args()
+    if not args.no_pin and hasattr(os, "sched_setaffinity"):
+        # One core for every rank's thread: a thread that the OS moves to the other core finds
+        # its caches cold, which measured a plan call 20 to 35% dearer at dp >= 2 than at dp 1
+        # (one thread, rarely moved) on this 2-core machine; ranks on their own hosts do not move.
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     if args.quick:
         args.dp, args.samples, args.steps, args.repeats = [1, 2, 4], 48, 4, 2
     modes = ("before", "split", "metas")
@@ -238,7 +263,11 @@ def main():
     cols = ["dp", "before_max_ms", "split_max_ms", "split_mean_ms", "split_plan_max_ms"]
     cols += ["metas_max_ms", "before_calls", "split_calls", "metas_calls", "plan_call_ms"]
     cols += ["split_imbalance"]
-    print_table(results, cols, "data planning per rank (CPU ms of the steps; medians of repeats)")
+    print_table(
+        results,
+        cols,
+        "data planning per rank (CPU ms of the steps; each rank's best of the repeats)",
+    )
     if base:
         cols = ["dp", "ideal", "before_max_ratio", "split_max_ratio", "split_max_vs_ideal"]
         cols += ["split_mean_vs_ideal", "split_plan_max_vs_ideal", "metas_max_vs_ideal"]
@@ -262,6 +291,7 @@ def main():
             "steps": args.steps,
             "samples": args.samples,
             "repeats": args.repeats,
+            "pinned_to_one_core": not args.no_pin,
             "load": load,
             "results": results,
         },

@@ -137,7 +137,29 @@ def main() -> None:
     p.add_argument(
         "--replot", action="store_true", help="redraw the plot from the JSON (and its peers)"
     )
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="fold the simulated rows of these scale JSONs (runs of parts of the grid) into "
+        "OUT_DIR's, replacing its rows of the same model, sequence and cp, then replot",
+    )
+    p.add_argument(
+        "--markdown", action="store_true", help="print the README's tables from the JSON"
+    )
     args = p.parse_args()
+    if args.merge or args.markdown:
+        path = args.out_dir / "scale.json"
+        rows = json.loads(path.read_text())["rows"] if path.exists() else []
+        if args.merge:
+            rows = merge(rows, [json.loads(f.read_text())["rows"] for f in args.merge])
+            write_json(args.out_dir, "scale", {"gpu_GiB": GPU_GIB, "rows": rows, "peers": peers()})
+            _plot(rows, args.out_dir / "scale.png")
+        if args.markdown:
+            print(markdown(rows))
+        return
     from cpvlm.simulate import Setup, load_config, simulate_step
 
     if args.quick:
@@ -190,12 +212,90 @@ def main() -> None:
             print_table(rows[-1:], COLS, "")
             sys.stdout.flush()
         # Written after every point: a run stopped part way keeps what it simulated.
+        _ratios(rows)
         write_json(args.out_dir, stem, {"gpu_GiB": GPU_GIB, "rows": rows, "peers": peers()})
     done = [r for r in rows if r["status"] == "simulated"]
     print_table(done, COLS, "per-rank memory, 80 GB GPUs (simulated)")
     print(f"{len(done)} of {len(grid)} points simulated", flush=True)
     write_json(args.out_dir, stem, {"gpu_GiB": GPU_GIB, "rows": rows, "peers": peers()})
     _plot(rows, args.out_dir / f"{stem}.png")
+
+
+def _key(row: dict) -> tuple:
+    return row["model"], row["seq"], row["cp"]
+
+
+def _ratios(rows: list[dict]) -> None:
+    """Set every simulated row's ``saved_act_x_cp`` to its saved activations x cp over its
+    sequence's cp-2 row's (cp 2 rather than cp 1: at world size 1 FSDP2 makes the head's bf16
+    copy outside its all-gather region, so cp 1 counts it as an activation), or over the
+    smallest cp simulated when cp 2 is not; runs of parts of the grid then agree."""
+    done = [r for r in rows if r.get("status") == "simulated"]
+    base = {}
+    for r in sorted(done, key=lambda r: (r["cp"] != 2, r["cp"])):
+        base.setdefault((r["model"], r["seq"]), r["saved_act_GiB"] * r["cp"])
+    for r in done:
+        r["saved_act_x_cp"] = r["saved_act_GiB"] * r["cp"] / base[(r["model"], r["seq"])]
+
+
+def merge(rows: list[dict], parts: list[list[dict]]) -> list[dict]:
+    """``rows`` with every simulated row of ``parts`` in place of its (model, seq, cp) row (or
+    added), in the grid's order: model, length, text then video, cp ascending."""
+    by_key = {_key(r): r for r in rows}
+    for part in parts:
+        by_key.update({_key(r): r for r in part if r.get("status") == "simulated"})
+
+    def order(key):
+        model, seq, cp = key
+        kind, length = seq.split()
+        rank = MODELS.index(model) if model in MODELS else len(MODELS)
+        return rank, model, LENGTHS[length], kind != "text", cp
+
+    out = [by_key[k] for k in sorted(by_key, key=order)]
+    _ratios(out)
+    return out
+
+
+def markdown(rows: list[dict]) -> str:
+    """Two tables: the per-rank peak (GiB) of every (model, sequence) at every cp, "-" where
+    not simulated and bold where it fits 80 GB; and per model the longest trainable sequence at
+    every cp, extrapolated from its longest simulated text and video points."""
+    done = {_key(r): r for r in rows if r.get("status") == "simulated"}
+    cps = sorted({r["cp"] for r in rows})
+    seqs = list(dict.fromkeys((r["model"], r["seq"]) for r in rows))
+    head = (
+        "| model | sequence | " + " | ".join(f"cp {c}" for c in cps) + " | activations bound from |"
+    )
+    lines = [head, "|" + "---|" * (len(cps) + 3)]
+    for model, seq in seqs:
+        cells, first_act = [], None
+        for c in cps:
+            r = done.get((model, seq, c))
+            if r is None:
+                cells.append("-")
+                continue
+            cells.append(f"**{r['peak_GiB']:.1f}**" if r["fits"] else f"{r['peak_GiB']:.1f}")
+            if first_act is None and r["bound"] == "activations":
+                first_act = c
+        bound = (
+            f"cp {first_act}" if first_act else ("-" if cells.count("-") == len(cps) else "none")
+        )
+        lines.append(f"| {model} | {seq} | " + " | ".join(cells) + f" | {bound} |")
+    lines += ["", "| model | from | " + " | ".join(f"cp {c}" for c in cps) + " |"]
+    lines.append("|" + "---|" * (len(cps) + 2))
+    for model in dict.fromkeys(m for m, _ in seqs):
+        for kind in ("text", "video"):
+            ok = [s for m, s in seqs if m == model and s.startswith(kind)]
+            ok = [s for s in ok if any((model, s, c) in done for c in cps)]
+            if not ok:
+                continue
+            seq = max(ok, key=lambda s: LENGTHS[s.split()[1]])
+            cells = []
+            for c in cps:
+                r = done.get((model, seq, c))
+                cells.append("-" if r is None else f"{r['longest']:,}" if r["longest"] else "none")
+            lines.append(f"| {model} | {seq} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _plot(rows, path: Path) -> None:
