@@ -18,7 +18,8 @@ the steps (``time.thread_time``: planning, packing, dealing, pickling; waiting i
 one rank runs at a time: a rank holds a turn (one lock) from its start to its end and gives it up
 only while it waits at an exchange, so that ranks never interleave between exchanges (as ranks on
 their own hosts do not; threads interleaving call by call measured a plan call 20 to 50% dearer at
-dp 2 to 16 than at dp 1 on a quiet machine). Each (dp, mode) is run
+dp 2 to 16 than at dp 1 on a quiet machine), and the process is pinned to one core (``--no-pin``
+leaves it on all: threads moved between cores find their caches cold). Each (dp, mode) is run
 ``--repeats`` times, the repeats going round every dp and mode in turn (a slow spell of a shared
 machine falls on all of them); a rank's figure is its best over the repeats (``_best``). Columns:
 - before: every rank plans every sample (``exchange=None``, what every rank did before);

@@ -258,8 +258,8 @@ def merge(rows: list[dict], parts: list[list[dict]]) -> list[dict]:
 
 def markdown(rows: list[dict]) -> str:
     """Two tables: the per-rank peak (GiB) of every (model, sequence) at every cp, "-" where
-    not simulated and bold where it fits 80 GB; and per model the longest trainable sequence at
-    every cp, extrapolated from its longest simulated text and video points."""
+    not simulated and bold where it fits 80 GB; and per model and kind the longest trainable
+    sequence at every cp, extrapolated from the longest length simulated at that cp."""
     done = {_key(r): r for r in rows if r.get("status") == "simulated"}
     cps = sorted({r["cp"] for r in rows})
     seqs = list(dict.fromkeys((r["model"], r["seq"]) for r in rows))
@@ -281,20 +281,24 @@ def markdown(rows: list[dict]) -> str:
             f"cp {first_act}" if first_act else ("-" if cells.count("-") == len(cps) else "none")
         )
         lines.append(f"| {model} | {seq} | " + " | ".join(cells) + f" | {bound} |")
-    lines += ["", "| model | from | " + " | ".join(f"cp {c}" for c in cps) + " |"]
-    lines.append("|" + "---|" * (len(cps) + 2))
+    lines += ["", "| model | kind | from | " + " | ".join(f"cp {c}" for c in cps) + " |"]
+    lines.append("|" + "---|" * (len(cps) + 3))
     for model in dict.fromkeys(m for m, _ in seqs):
         for kind in ("text", "video"):
-            ok = [s for m, s in seqs if m == model and s.startswith(kind)]
-            ok = [s for s in ok if any((model, s, c) in done for c in cps)]
-            if not ok:
-                continue
-            seq = max(ok, key=lambda s: LENGTHS[s.split()[1]])
-            cells = []
-            for c in cps:
-                r = done.get((model, seq, c))
-                cells.append("-" if r is None else f"{r['longest']:,}" if r["longest"] else "none")
-            lines.append(f"| {model} | {seq} | " + " | ".join(cells) + " |")
+            cells, used = [], []
+            for c in cps:  # at each cp, from its longest simulated length
+                ok = [s for m, s in seqs if m == model and s.startswith(kind)]
+                ok = [s for s in ok if (model, s, c) in done]
+                if not ok:
+                    cells.append("-")
+                    continue
+                seq = max(ok, key=lambda s: LENGTHS[s.split()[1]])
+                used.append(seq.split()[1])
+                r = done[(model, seq, c)]
+                cells.append(f"{r['longest']:,}" if r["longest"] else "none")
+            if used:
+                span = "/".join(dict.fromkeys(used))
+                lines.append(f"| {model} | {kind} | {span} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
