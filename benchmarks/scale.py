@@ -277,9 +277,7 @@ def markdown(rows: list[dict]) -> str:
             cells.append(f"**{r['peak_GiB']:.1f}**" if r["fits"] else f"{r['peak_GiB']:.1f}")
             if first_act is None and r["bound"] == "activations":
                 first_act = c
-        bound = (
-            f"cp {first_act}" if first_act else ("-" if cells.count("-") == len(cps) else "none")
-        )
+        bound = f"cp {first_act}" if first_act else ("-" if "-" in cells else "none")
         lines.append(f"| {model} | {seq} | " + " | ".join(cells) + f" | {bound} |")
     lines += ["", "| model | kind | from | " + " | ".join(f"cp {c}" for c in cps) + " |"]
     lines.append("|" + "---|" * (len(cps) + 3))
