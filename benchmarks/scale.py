@@ -14,7 +14,7 @@ loss's tensors, which do not shrink with cp), params+grads+optimizer, the optimi
 (foreach AdamW: params, grads, 2 states and one temporary of the grads' size; the peak column is
 the larger of it and forward + backward), the longest sequence that fits 80 GB at that cp
 (activations linear in S from the simulated point), "saved_act_x_cp": the saved activations times
-cp over the first cp's (1.00 = the physical 1/cp), "bound": "weights" where
+cp over the sequence's cp-2 point's (``_ratios``; 1.00 = the physical 1/cp), "bound": "weights" where
 params+grads+optimizer take more than half the GPU, else "activations", and the simulation's CPU
 seconds with the 1-minute load average. Layers are simulated as ``cpvlm.simulate.depth`` says
 (a few, the rest added; --full-depth: every layer, written to scale_full_depth.json).
@@ -57,16 +57,13 @@ def spec_for(kind: str, seq_len: int):
     return SequenceSpec(seq_len, videos=((frames, 448, 448),))
 
 
-def _row(model, kind, name, cp, m, base, cpu_s) -> dict:
+def _row(model, kind, name, cp, m, cpu_s) -> dict:
     G = 2**30
     budget = GPU_GIB * G
     seq = LENGTHS[name]
     fixed = m.params + m.grads + m.optimizer
     fwd_bwd = m.steady_peak  # a later step's peak: forward + backward with the state held
     act = fwd_bwd - fixed
-    # The model's activations saved for backward (the lm_head's gathered weight and the loss's
-    # tensors apart): the part that CP divides by cp.
-    cp0, act0 = base.setdefault((model, kind, name), (cp, m.saved_activations))
     return {
         "model": model,
         "seq": f"{kind} {name}",
@@ -82,7 +79,6 @@ def _row(model, kind, name, cp, m, base, cpu_s) -> dict:
         "fits": fwd_bwd <= budget,
         # 0 where the weights or the optimizer step alone exceed the GPU (no sequence fits)
         "longest": int(seq * (budget - fixed) / act) if max(fixed, m.peak_opt) < budget else 0,
-        "saved_act_x_cp": m.saved_activations * cp / (act0 * cp0),
         "bound": "weights" if fixed > budget / 2 else "activations",
         "sim_s": m.seconds,
         "sim_cpu_s": cpu_s,
@@ -183,7 +179,7 @@ def main() -> None:
         for k in args.kinds
         for cp in args.cps
     ]
-    clock, configs, caches, rows, base = Clock(), {}, {}, [], {}
+    clock, configs, caches, rows = Clock(), {}, {}, []
     for model, kind, name, cp in grid:
         point = {"model": model, "seq": f"{kind} {name}", "cp": cp}
         if args.budget_s is not None and clock.wall() > args.budget_s:
@@ -207,12 +203,12 @@ def main() -> None:
             rows.append({**point, "status": "error", "error": str(err)[:200]})
             print(f"{model} {kind} {name} cp {cp}: {str(err)[:200]}", flush=True)
         else:
-            row = _row(model, kind, name, cp, m, base, time.process_time() - cpu)
+            row = _row(model, kind, name, cp, m, time.process_time() - cpu)
             rows.append({**row, "depth": "full" if args.full_depth else args.depth_fit})
+            _ratios(rows)
             print_table(rows[-1:], COLS, "")
             sys.stdout.flush()
         # Written after every point: a run stopped part way keeps what it simulated.
-        _ratios(rows)
         write_json(args.out_dir, stem, {"gpu_GiB": GPU_GIB, "rows": rows, "peers": peers()})
     done = [r for r in rows if r["status"] == "simulated"]
     print_table(done, COLS, "per-rank memory, 80 GB GPUs (simulated)")
