@@ -48,13 +48,24 @@ def peers() -> dict:
     return json.loads(PEERS_FILE.read_text()) if PEERS_FILE.exists() else {}
 
 
-def spec_for(kind: str, seq_len: int):
+def spec_for(kind: str, seq_len: int, config):
+    """The row of ``kind`` at ``seq_len`` tokens for ``config``'s model: text only, or 90% video
+    of 448x448 frames (sized by the model's patch and merge: 196 tokens a frame pair for Qwen3-VL
+    and Qwen3.5, 256 for Qwen2.5-VL). Gemma 3 takes no videos: its "video" is the frames as
+    images (``image_size`` a side, ``mm_tokens_per_image`` tokens each), 90% of the row."""
     from cpvlm.simulate import SequenceSpec
 
     if kind == "text":
         return SequenceSpec(seq_len)
-    frames = max(2, int(seq_len * 0.9) // 196 * 2)  # 90% video: 448x448 frames, 196 tokens/2
-    return SequenceSpec(seq_len, videos=((frames, 448, 448),))
+    vision = int(seq_len * 0.9)
+    vc = config.vision_config
+    if config.model_type == "gemma3":
+        side = vc.image_size
+        return SequenceSpec(
+            seq_len, images=((side, side),) * max(1, vision // config.mm_tokens_per_image)
+        )
+    per_pair = (448 // vc.patch_size // vc.spatial_merge_size) ** 2
+    return SequenceSpec(seq_len, videos=((max(2, vision // per_pair * 2), 448, 448),))
 
 
 def _row(model, kind, name, cp, m, cpu_s) -> dict:
@@ -198,7 +209,9 @@ def main() -> None:
         )
         cpu = time.process_time()
         try:
-            m = simulate_step(configs[model], spec_for(kind, LENGTHS[name]), setup, caches[model])
+            m = simulate_step(
+                configs[model], spec_for(kind, LENGTHS[name], configs[model]), setup, caches[model]
+            )
         except (ValueError, RuntimeError, NotImplementedError, MemoryError) as err:
             rows.append({**point, "status": "error", "error": str(err)[:200]})
             print(f"{model} {kind} {name} cp {cp}: {str(err)[:200]}", flush=True)

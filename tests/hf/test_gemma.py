@@ -215,3 +215,44 @@ def test_data_path_gives_gemma3_processor_batches(tmp_path):
     model = build_model(ckpt)  # the checkpoint round trip, with the tokenizer's ids
     prep = prepare_batch(model, {**out, "labels": out["input_ids"]}, 2)
     assert [b - a for a, b in prep.spans[0]] == [16, 16]
+
+
+# ---- no dense mask under CP ------------------------------------------------------------------
+
+
+def _masks_built(rank, world_size, name):
+    """Per mask transformers asks for, whether one was built (not None): in a CP forward, then in
+    the wrapped model's own forward (no ``cpvlm_cp``: transformers' sdpa path)."""
+    from transformers.masking_utils import AttentionMaskInterface
+
+    import cpvlm.integrations.hf.attention as bridge
+
+    base = cached_model(name)
+    batch = mixed_batch(base, torch.float64)
+    built: list[bool] = []
+
+    def spy(*args, **kwargs):
+        out = bridge.context_parallel_mask(*args, **kwargs)
+        built.append(out is not None)
+        return out
+
+    AttentionMaskInterface.register(bridge.CP_ATTENTION, spy)
+    try:
+        cp = ContextParallelVLM(copy.deepcopy(base), dist.group.WORLD, attn="ring")
+        with torch.no_grad():
+            cp(**batch)
+            in_cp = list(built)
+        built.clear()
+        reference_loss_and_grads(cp.model, batch)  # the model's own batch and forward
+    finally:
+        AttentionMaskInterface.register(bridge.CP_ATTENTION, bridge.context_parallel_mask)
+    return in_cp, built
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_cp_forward_builds_no_dense_mask(name):
+    # Sliding windows and image spans make sdpa's masks dense [B, 1, S_loc, S_loc] bools (1 GiB a
+    # kind at 32k local tokens); the CP attention never reads them, so a CP forward builds none.
+    for in_cp, own in run_distributed(_masks_built, 2, name):
+        assert in_cp and not any(in_cp), in_cp  # asked for, none built
+        assert own and all(own), own  # the same model outside CP: its masks are dense

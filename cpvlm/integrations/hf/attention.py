@@ -6,12 +6,15 @@ Legend: q [B,Hq,S_loc,D], k/v [B,Hkv,S_loc,D] (GQA not expanded), output [B,S_lo
 keeps its own attention) and passes a ``CPAttentionContext`` as the ``cpvlm_cp`` keyword of the
 language model's forward; transformers hands that keyword to every attention call. Without it
 (the model used on one device, generation) the function is exactly transformers' sdpa attention,
-and the mask function registered under the same name is sdpa's, so the model stays usable.
+and the mask function registered under the same name is sdpa's, so the model stays usable; in a
+CP forward (``cp_forward``) it builds no mask.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,5 +131,29 @@ def _masks(module, window, ctx: CPAttentionContext, batch: int):
     ]
 
 
+_IN_CP_FORWARD: ContextVar[bool] = ContextVar("cpvlm_in_cp_forward", default=False)
+
+
+@contextmanager
+def cp_forward():
+    """Within it (``ContextParallelVLM``'s decoder call), transformers builds no attention mask:
+    ``context_parallel_mask`` returns None."""
+    token = _IN_CP_FORWARD.set(True)
+    try:
+        yield
+    finally:
+        _IN_CP_FORWARD.reset(token)
+
+
+def context_parallel_mask(*args, **kwargs) -> torch.Tensor | None:
+    """sdpa's mask function (``sdpa_mask``), except in a CP forward (``cp_forward``): None there.
+
+    The CP attention ignores ``attention_mask`` (the plan's mask replaces it), but transformers
+    builds it before the first layer: for a family whose masks are not plain causal (sliding
+    windows, image spans) sdpa's is a dense ``[B, 1, S_loc, S_loc]`` bool per mask kind: 1 GiB a
+    kind at S_loc = 32k, 16 GiB at 128k, held by the step and never read."""
+    return None if _IN_CP_FORWARD.get() else sdpa_mask(*args, **kwargs)
+
+
 AttentionInterface.register(CP_ATTENTION, context_parallel_attention)
-AttentionMaskInterface.register(CP_ATTENTION, sdpa_mask)
+AttentionMaskInterface.register(CP_ATTENTION, context_parallel_mask)

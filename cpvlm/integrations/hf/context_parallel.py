@@ -47,7 +47,7 @@ from cpvlm.options import CPOptions
 from cpvlm.vision import VisionDataParallel, VisionUnits
 
 from .adapter import LossContext, VLMAdapter
-from .attention import CP_ATTENTION, CPAttentionContext
+from .attention import CP_ATTENTION, CPAttentionContext, cp_forward
 from .inputs import PreparedBatch, batch_keys, prepare_batch
 from .registry import adapter_for
 from .vision_attention import SplitTower
@@ -305,7 +305,7 @@ class ContextParallelVLM(nn.Module):
             spans=prep.spans,
             span_layers=self.adapter.span_layers,
         )
-        with record_function("cpvlm.decoder"):
+        with record_function("cpvlm.decoder"), cp_forward():
             decoder_out = self.adapter.text_model(self.model)(
                 inputs_embeds=x_loc,
                 position_ids=local["position_ids"],
