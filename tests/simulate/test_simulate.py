@@ -27,13 +27,24 @@ from cpvlm.testing.memory_check import real_step, simulated_step
 SPEC = SequenceSpec(512, images=((64, 64),), videos=((4, 64, 64),), docs=2)
 
 
-def test_simulated_rank_matches_real_run():
+# Qwen2.5-VL: its videos' second_per_grid_ts (floats that get_rope_index reads as numbers) must
+# stay real under the fake mode; Gemma 3 (images only): sliding windows and image spans, whose
+# masks transformers would build dense.
+SPECS = {
+    "qwen3-vl-tiny": SPEC,
+    "qwen2.5-vl-tiny": SPEC,
+    "gemma3-tiny": SequenceSpec(512, images=((64, 64), (64, 64)), docs=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_simulated_rank_matches_real_run(name):
     loss_chunk = None
-    config = TINY_MODELS["qwen3-vl-tiny"]()
+    config, spec = TINY_MODELS[name](), SPECS[name]
     cp = 2
-    real = run_distributed(real_step, cp, config, SPEC, "ring", loss_chunk, timeout=600)
+    real = run_distributed(real_step, cp, config, spec, "ring", loss_chunk, timeout=600)
     for rank in range(cp):
-        sim = simulated_step(config, SPEC, cp, rank, "ring", loss_chunk)
+        sim = simulated_step(config, spec, cp, rank, "ring", loss_chunk)
         assert sim["saved"] == real[rank]["saved"], (rank, sim, real[rank])
         assert abs(sim["peak"] - real[rank]["peak"]) <= 0.05 * real[rank]["peak"], (rank, sim, real)
 

@@ -166,7 +166,9 @@ def _vision_inputs(adapter, grids: dict, gen: torch.Generator, dtype: torch.dtyp
         if "second_per_grid_ts" in adapter.video_keys:
             # the processor's temporal_patch_size / fps, with its default fps of 2
             tps = adapter.config.vision_config.temporal_patch_size
-            out["second_per_grid_ts"] = torch.full((len(grids["video"]),), tps / 2.0)
+            # From a list, not torch.full: under a simulation's fake mode a list's tensor stays
+            # real (compat.HostIntegers), and get_rope_index reads these values as numbers.
+            out["second_per_grid_ts"] = torch.tensor([tps / 2.0] * len(grids["video"]))
     return out
 
 
