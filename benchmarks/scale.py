@@ -51,20 +51,22 @@ def peers() -> dict:
 def spec_for(kind: str, seq_len: int, config):
     """The row of ``kind`` at ``seq_len`` tokens for ``config``'s model: text only, or 90% video
     of 448x448 frames (sized by the model's patch and merge: 196 tokens a frame pair for Qwen3-VL
-    and Qwen3.5, 256 for Qwen2.5-VL). Gemma 3 takes no videos: its "video" is the frames as
+    and Qwen3.5, 256 for Qwen2.5-VL). A family without videos (Gemma 3) gets the frames as
     images (``image_size`` a side, ``mm_tokens_per_image`` tokens each), 90% of the row."""
+    from cpvlm.integrations.hf import adapter_for
     from cpvlm.simulate import SequenceSpec
 
     if kind == "text":
         return SequenceSpec(seq_len)
     vision = int(seq_len * 0.9)
     vc = config.vision_config
-    if config.model_type == "gemma3":
+    adapter = adapter_for(config)
+    if not adapter.takes_videos:  # the frames as images of the tower's fixed size
         side = vc.image_size
         return SequenceSpec(
             seq_len, images=((side, side),) * max(1, vision // config.mm_tokens_per_image)
         )
-    per_pair = (448 // vc.patch_size // vc.spatial_merge_size) ** 2
+    per_pair = (448 // vc.patch_size // adapter.merge_size) ** 2
     return SequenceSpec(seq_len, videos=((max(2, vision // per_pair * 2), 448, 448),))
 
 
