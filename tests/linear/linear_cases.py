@@ -7,7 +7,7 @@ The layer under test is what Qwen3.5's Gated DeltaNet does between its projectio
 depthwise conv with SiLU over the mixed q|k|v channels, then the gated delta rule with q/k l2
 normalisation. The reference is transformers' own code on each document alone:
 ``causal_conv1d_fn`` (which computes in the weight dtype) and ``torch_chunk_gated_delta_rule``
-with its float32 cast turned into float64 (``float64_twin``), since a float64 comparison at 1e-10
+with its float32 cast turned into float64 (``in_float64``), since a float64 comparison at 1e-10
 needs a float64 reference of the same definition.
 """
 
@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from cpvlm import ShardPlan
 from cpvlm.attention.linear import cp_causal_conv1d, cp_gated_delta_rule
-from cpvlm.integrations.hf.float64 import float64_twin
+from cpvlm.integrations.hf.float64 import in_float64
 from cpvlm.testing.attention_check import unshard
 
 
@@ -129,7 +129,7 @@ def naive_cp(c, cp):
     it were a sequence (zero conv history, zero initial state). Returns the full padded output."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-    delta = float64_twin(hf.torch_chunk_gated_delta_rule)
+    delta = in_float64(hf.torch_chunk_gated_delta_rule)
     plan, full, params = inputs(c, cp)
     shards = []
     for rank in range(cp):

@@ -2,7 +2,7 @@
 transformers' one-process functions on each document alone.
 
 float64 tolerance 1e-10: both sides do the same sums in float64 (transformers' chunked delta rule
-read in float64, see ``float64_twin``) in different orders (other kernel chunks, a cross-rank
+read in float64, see ``in_float64``) in different orders (other kernel chunks, a cross-rank
 scan of affine maps), measured at <= 3e-15; a wrong halo row, a missing state or a gradient that
 does not travel back moves results by 1e-2 or more (the naive CP below: >= 0.1).
 """
@@ -17,7 +17,7 @@ from linear_cases import (
     run_cases,
 )
 
-from cpvlm.integrations.hf.float64 import float64_twin
+from cpvlm.integrations.hf.float64 import in_float64
 from cpvlm.testing import rel_err, run_distributed
 from cpvlm.testing.attention_check import unshard
 
@@ -68,7 +68,7 @@ def test_float64_layer_matches_one_process_per_document(cp):
         results,
         cases,
         cp,
-        float64_twin(hf.torch_chunk_gated_delta_rule),
+        in_float64(hf.torch_chunk_gated_delta_rule),
         hf.causal_conv1d_fn,
         1e-10,
     )
@@ -100,7 +100,7 @@ def test_naive_cp_from_zero_states_fails_the_same_check(cp):
     a CP wrapper that only shards the sequence does) is far from the one-process result."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-    delta = float64_twin(hf.torch_chunk_gated_delta_rule)
+    delta = in_float64(hf.torch_chunk_gated_delta_rule)
     for name in ("single", "packed", "wide halo"):
         c = doc_configs(cp)[name]
         plan, got = naive_cp(c, cp)
@@ -112,7 +112,7 @@ def test_naive_cp_from_zero_states_fails_the_same_check(cp):
         )
 
 
-def test_float64_twin_is_the_token_by_token_recurrence():
+def test_in_float64_is_the_token_by_token_recurrence():
     """The reference itself: transformers' chunked function read in float64 equals the delta
     rule's definition run token by token in float64 (written here), to float64 round-off."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
@@ -123,7 +123,7 @@ def test_float64_twin_is_the_token_by_token_recurrence():
     v = torch.randn(b, t, h, dv, generator=gen, dtype=torch.float64)
     g = -torch.rand(b, t, h, generator=gen, dtype=torch.float64)
     beta = torch.rand(b, t, h, generator=gen, dtype=torch.float64)
-    out, _ = float64_twin(hf.torch_chunk_gated_delta_rule)(
+    out, _ = in_float64(hf.torch_chunk_gated_delta_rule)(
         q, k, v, g, beta, use_qk_l2norm_in_kernel=True
     )
 

@@ -13,11 +13,13 @@ kit of a model.
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from torch import nn
+
+from .float64 import KeepFloat64
 
 TRAITS = {
     "tiled": "square tiles or crops of an image through a ViT, image tokens only, 1D RoPE",
@@ -98,10 +100,16 @@ class FamilyKit:
         """Re-initialise, under the tiny model's seed, what the family initialises so that a test
         would see no gradient (a projector starting at zero). Default: nothing."""
 
+    float32_islands: tuple[str, ...] = ()
+    """Names of transformers classes whose forward computes in float32 whatever the model's
+    dtype, where a CP run would show the round-off (sums it groups differently): the family's
+    entries of docs/hf_internals.md, "Where transformers rounds"."""
+
     def float64_islands(self, model: nn.Module) -> None:
-        """In a float64 ``model``, compute in float64 the parts transformers computes in float32
-        whose round-off a CP run would show (sums it groups differently). ``cpvlm verify`` and the
-        tests apply it to both sides of a float64 check. Default: nothing."""
+        """In a float64 ``model``, run ``float32_islands`` with their float32 casts kept in
+        float64 (``with_float64_forward``). ``cpvlm verify`` and the tests apply it to both sides
+        of a float64 check."""
+        with_float64_forward(model, self.float32_islands)
 
     def synthetic_items(
         self, kind: str, grid: tuple[int, int, int], *, images_in_sample: int = 1
@@ -124,13 +132,26 @@ class FamilyKit:
         return [c.vision_start_token_id] + [pad] * (t * frame) + [c.vision_end_token_id]
 
 
-def with_float64_forward(model: nn.Module, forwards: dict[type, Callable]) -> None:
-    """Give every module of ``model`` that is an instance of a key of ``forwards`` that forward
-    (bound to the module): how a kit's ``float64_islands`` swaps transformers' float32 parts."""
+def with_float64_forward(model: nn.Module, class_names: Iterable[str]) -> None:
+    """Run the forward of every module of ``model`` whose class, or a base of it, has one of
+    ``class_names`` under ``KeepFloat64`` (its float32 casts kept in float64): how
+    ``float64_islands`` computes transformers' float32 parts in float64 with transformers' own
+    code. Names, not classes, so that a copy or a reload of a transformers module matches too.
+    The forward is looked up on the module's class at each call (a class swapped later, by
+    ``install_context_parallel`` or FSDP2, is the one that runs). A CP forward (called with
+    ``cpvlm_cp``) runs as it is: it must compute a float64 model in float64 by itself, and a check
+    would not see it if the mode did it instead."""
+    names = frozenset(class_names)
+
+    def forward(self, *args, **kwargs):
+        if kwargs.get("cpvlm_cp") is not None:
+            return type(self).forward(self, *args, **kwargs)
+        with KeepFloat64():
+            return type(self).forward(self, *args, **kwargs)
+
     for module in model.modules():
-        kind = next((c for c in forwards if isinstance(module, c)), None)
-        if kind is not None:
-            module.forward = types.MethodType(forwards[kind], module)
+        if names & {c.__name__ for c in type(module).__mro__}:
+            module.forward = types.MethodType(forward, module)
 
 
 class MoeKit:

@@ -28,7 +28,7 @@ from transformers import Gemma3Config
 from cpvlm.vision.cost import VisionCost, block_linear_macs
 
 from ..adapter import VLMAdapter
-from ..kit import FamilyKit, TinyProcessor, with_float64_forward
+from ..kit import FamilyKit, TinyProcessor
 from ..registry import register
 from ..tiny import TEXT, split_overrides, with_overrides
 
@@ -101,11 +101,6 @@ def siglip_vision_cost(vc) -> VisionCost:
 def untied_lm_head(config) -> tuple:
     """The "lm head" module group, or none when it is the token embedding (tied weights)."""
     return () if config.tie_word_embeddings else (("lm head", (r"lm_head\.",)),)
-
-
-def _rms_norm_in_dtype(self, x):
-    """``Gemma3RMSNorm.forward``'s math in the input's dtype (transformers casts to float32)."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
 
 
 # ---- the kit: checks and tiny models -------------------------------------------------------------
@@ -201,11 +196,9 @@ class Kit(FamilyKit):
                 elif "norm" in name and name.endswith("weight") and "vision_tower" not in name:
                     p.normal_(0.0, 0.1)
 
-    def float64_islands(self, model):
-        # Gemma3RMSNorm computes in float32 whatever the model dtype: its weight gradients are
-        # float32 sums over the tokens (and images) of one call, which CP groups differently.
-        norm = type(model.model.language_model.norm)
-        with_float64_forward(model, {norm: _rms_norm_in_dtype})
+    # Gemma3RMSNorm computes in float32 whatever the model dtype: its weight gradients are float32
+    # sums over the tokens (and images) of one call, which CP groups differently.
+    float32_islands = ("Gemma3RMSNorm",)
 
 
 # ---- the adapter ---------------------------------------------------------------------------------

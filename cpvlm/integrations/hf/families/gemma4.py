@@ -31,7 +31,7 @@ from transformers import Gemma4Config
 from cpvlm.vision.cost import VisionCost
 
 from ..adapter import VLMAdapter
-from ..kit import FamilyKit, TinyProcessor, with_float64_forward
+from ..kit import FamilyKit, TinyProcessor
 from ..registry import register
 from ..tiny import IMAGE_TOKEN_ID, TEXT, VIDEO_TOKEN_ID, split_overrides, with_overrides
 from .gemma3 import untied_lm_head
@@ -117,29 +117,6 @@ def gemma4_vision_cost(vc) -> VisionCost:
         pair=2 * vc.num_attention_heads * d,
         full_blocks=vc.num_hidden_layers,
     )
-
-
-def _rms_norm_in_dtype(self, x):
-    """``Gemma4RMSNorm.forward``'s math in the input's dtype (transformers casts to float32)."""
-    out = x * torch.pow(x.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
-    return out * self.weight if self.with_scale else out
-
-
-def _pool_in_dtype(self, hidden_states, pixel_position_ids, padding_positions, output_length):
-    """``Gemma4VisionPooler.forward``'s math in the input's dtype (transformers pools and scales
-    in float32)."""
-    hidden_states = hidden_states.masked_fill(padding_positions.unsqueeze(-1), 0.0)
-    if hidden_states.shape[1] != output_length:
-        k = int((hidden_states.shape[1] // output_length) ** 0.5)
-        pos = pixel_position_ids.clamp(min=0)
-        max_x = pos[..., 0].max(dim=-1, keepdim=True)[0] + 1
-        kernel = torch.div(pos, k, rounding_mode="floor")
-        kernel = kernel[..., 0] + (max_x // k) * kernel[..., 1]
-        weights = torch.nn.functional.one_hot(kernel.long(), output_length).to(hidden_states)
-        weights = weights / k**2
-        hidden_states = weights.transpose(1, 2) @ hidden_states
-        padding_positions = torch.logical_not((weights == 0).all(dim=1))
-    return hidden_states * self.root_hidden_size, padding_positions
 
 
 # ---- a tiny processor (Gemma 4's tokens, a reduced template, its patch image processor) ----------
@@ -255,12 +232,9 @@ class Kit(FamilyKit):
             table = model.model.vision_tower.patch_embedder.position_embedding_table
             table.normal_(0.0, 0.1)
 
-    def float64_islands(self, model):
-        # Gemma4RMSNorm and the vision pooler compute in float32 whatever the model dtype; the
-        # norm weights' gradients are float32 sums over the tokens of one call.
-        norm = type(model.model.language_model.norm)
-        pooler = type(model.model.vision_tower.pooler)
-        with_float64_forward(model, {norm: _rms_norm_in_dtype, pooler: _pool_in_dtype})
+    # Gemma4RMSNorm and the vision pooler compute in float32 whatever the model dtype; the norm
+    # weights' gradients are float32 sums over the tokens of one call.
+    float32_islands = ("Gemma4RMSNorm", "Gemma4VisionPooler")
 
 
 @register

@@ -12,7 +12,7 @@ path can (it places rows by token type).
 GLM-4.5V's MoE layers route with a sigmoid router computed in float32 whatever the model dtype,
 so a float64 GLM-4.5V is exact under CP only to float32 round-off (~1e-7); its optional
 load-balancing loss (``output_router_logits``) is computed like Qwen3-VL-MoE's. The kit's
-``float64_islands`` computes both float32 parts with the same math in the model's dtype, so that
+``float64_islands`` runs both float32 parts with their casts kept in the model's dtype, so that
 float64 checks hold every gradient to 1e-10; ``float32_groups`` names what the unchanged models
 round to float32.
 
@@ -23,10 +23,7 @@ Cost model (w width, o ``out_hidden_size``, I the merger's width, m merge size):
 
 from __future__ import annotations
 
-import types
-
 import torch
-import torch.nn.functional as F
 from transformers import Glm4vConfig, Glm4vMoeConfig, Glm46VConfig
 
 from cpvlm.vision.cost import VisionCost, block_linear_macs
@@ -129,46 +126,6 @@ def glm4v_vision_cost(vc) -> VisionCost:
     return VisionCost(linear_per_patch=linear, pair=2 * w, full_blocks=vc.depth)
 
 
-# ---- the float32 islands, in the model's dtype (checks only) ------------------------------------
-
-
-def _position_table_forward(self, embeddings, lengths, image_shapes, h_coords, w_coords):
-    """``Glm4vVisionEmbeddings.forward`` in the model's dtype (transformers resamples in
-    float32)."""
-    weight = self.position_embedding.weight
-    side = int(weight.shape[0] ** 0.5)
-    table = weight.view(side, side, -1).permute(2, 0, 1).unsqueeze(0)
-    lengths = torch.as_tensor(lengths, device=weight.device)
-    seq_ids = (torch.arange(embeddings.shape[0])[None] >= lengths.cumsum(0)[:, None]).sum(0)
-    norm_w = ((w_coords + 0.5) / image_shapes[seq_ids, 2].to(weight.dtype)) * 2 - 1
-    norm_h = ((h_coords + 0.5) / image_shapes[seq_ids, 1].to(weight.dtype)) * 2 - 1
-    grid = torch.stack((norm_w, norm_h), dim=-1).unsqueeze(0).unsqueeze(2)
-    out = F.grid_sample(table, grid, mode="bicubic", align_corners=False, padding_mode="border")
-    return embeddings + out.squeeze(0).squeeze(-1).permute(1, 0)
-
-
-def _router_forward(self, hidden_states):
-    """``Glm4vMoeTextTopkRouter.forward`` in the model's dtype (transformers casts its input and
-    weight to float32)."""
-    hidden_states = hidden_states.view(-1, self.hidden_dim)
-    router_logits = F.linear(hidden_states, self.weight)
-    scores = router_logits.sigmoid()
-    scores_for_choice = scores + self.e_score_correction_bias
-    per_group = self.num_experts // self.num_group
-    group_scores = scores_for_choice.view(-1, self.num_group, per_group).topk(2, dim=-1)[0].sum(-1)
-    group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-    score_mask = (
-        group_mask.unsqueeze(-1).expand(-1, self.num_group, per_group).reshape(-1, self.num_experts)
-    )
-    scores_for_choice = scores_for_choice.masked_fill(~score_mask.bool(), float("-inf"))
-    topk_indices = torch.topk(scores_for_choice, k=self.top_k, dim=-1, sorted=False)[1]
-    topk_weights = scores.gather(1, topk_indices)
-    if self.norm_topk_prob:
-        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return router_logits, topk_weights * self.routed_scaling_factor, topk_indices
-
-
 class _GlmKit(FamilyKit):
     traits = frozenset({"frames_as_images"})
     mixes_images_and_videos = False
@@ -176,13 +133,13 @@ class _GlmKit(FamilyKit):
     # sum over the patches of one tower call (docs/hf_internals.md section 8).
     float32_groups = ("vision position table",)
 
-    def float64_islands(self, model):
-        for module in model.modules():
-            kind = type(module).__name__
-            if kind.endswith("VisionEmbeddings") and kind.startswith("Glm4v"):
-                module.forward = types.MethodType(_position_table_forward, module)
-            elif kind == "Glm4vMoeTextTopkRouter":
-                module.forward = types.MethodType(_router_forward, module)
+    # The vision position table's bicubic resampling and the MoE router's logits and scores run
+    # in float32 whatever the model dtype.
+    float32_islands = (
+        "Glm4vVisionEmbeddings",
+        "Glm4vMoeVisionEmbeddings",
+        "Glm4vMoeTextTopkRouter",
+    )
 
     def item_tokens(self, kind, grid, text):
         c = self.config

@@ -20,37 +20,30 @@ timestamps as in Qwen3-VL. Qwen3.5-MoE adds Qwen3-VL-MoE's router load-balancing
 Precision: transformers' torch fallback casts the delta rule and the decay to float32 whatever
 the model's dtype, ``Qwen3_5RMSNorm`` sums its weight gradients in float32, and the gated output
 norm runs in float32. Under CP a float64 model runs the delta rule and the decay in float64
-(float32 and bfloat16 models in float32, as transformers). ``float64_islands`` reads
-transformers' own code for those four in float64, so that ``cpvlm verify`` and the tests compare float64 with float64 at 1e-10; against the
+(float32 and bfloat16 models in float32, as transformers). ``float64_islands`` runs
+transformers' own code for those four with its float32 casts kept in float64 (``KeepFloat64``),
+so that ``cpvlm verify`` and the tests compare float64 with float64 at 1e-10; against the
 unchanged float64 model the CP gradients differ by transformers' float32 round-off (measured
 <= 6e-6 on the tiny model, tests/hf/test_qwen3_5.py).
 """
 
 from __future__ import annotations
 
-import functools
-import sys
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import (
     Qwen3_5GatedDeltaNet,
-    Qwen3_5RMSNorm,
-    Qwen3_5RMSNormGated,
 )
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
     Qwen3_5MoeGatedDeltaNet,
-    Qwen3_5MoeRMSNorm,
-    Qwen3_5MoeRMSNormGated,
 )
 
 from cpvlm.attention.linear import cp_causal_conv1d, cp_gated_delta_rule
 from cpvlm.attention.linear.delta_rule import compute_dtype
 
 from ..adapter import MoeRouter
-from ..kit import MoeKit, with_float64_forward
+from ..kit import MoeKit
 from ..registry import register
 from ..tiny import TEXT, VISION, VISION_TOKEN_IDS, split_overrides, with_overrides
 from .qwen3_vl import Kit as Qwen3VLKit
@@ -126,50 +119,6 @@ CP_LINEAR_ATTENTION = {
 # ---- float64 islands (checks only) ---------------------------------------------------------------
 
 
-@functools.cache
-def _float64_forwards(module_cls: type) -> Callable:
-    """transformers' forward of a Gated DeltaNet or (gated) RMSNorm class with its float32 casts
-    read as float64 (the delta rule's too); for a Gated DeltaNet, a CP forward (``cpvlm_cp``
-    given, the class swapped by ``install_context_parallel``) is left as it is."""
-    from cpvlm.integrations.hf.float64 import float64_twin
-
-    hf = sys.modules[module_cls.__module__]
-    if not issubclass(module_cls, (Qwen3_5GatedDeltaNet, Qwen3_5MoeGatedDeltaNet)):
-        return float64_twin(module_cls.forward)
-    own = float64_twin(
-        module_cls.forward,
-        torch_chunk_gated_delta_rule=float64_twin(hf.torch_chunk_gated_delta_rule),
-    )
-
-    def forward(self, hidden_states, **kwargs):
-        if kwargs.get("cpvlm_cp") is not None:
-            return type(self).forward(self, hidden_states, **kwargs)
-        return own(self, hidden_states, **kwargs)
-
-    return forward
-
-
-FLOAT64_ISLANDS = (
-    Qwen3_5GatedDeltaNet,
-    Qwen3_5RMSNorm,
-    Qwen3_5RMSNormGated,
-    Qwen3_5MoeGatedDeltaNet,
-    Qwen3_5MoeRMSNorm,
-    Qwen3_5MoeRMSNormGated,
-)
-"""Where a float64 Qwen3.5 rounds to float32: the torch delta rule (all of it) and the decay
-(``A_log.float()``), ``Qwen3_5RMSNorm``'s ``(1 + w)`` (weight gradients summed in float32), and
-the Gated DeltaNet's output norm ``Qwen3_5RMSNormGated`` (the norm and its gate's ``silu`` in
-float32). The gate's float32 ``silu`` is not even the same function on every element: ATen's
-AVX2/AVX-512 kernels compute a tensor's last elements (fewer than 2 vector widths) with the scalar
-formula, whose result differs from the vectorised one in the last float32 bit for ~4% of inputs
-(none under ``ATEN_CPU_CAPABILITY=default``), and a CP shard ends elsewhere than the one-process
-run's tensor. The linear-attention gradients move by up to 1.5e-7 (relative) between this norm in
-float32 and in float64, so a few such elements put the conv weight's gradient at 4e-10 on an
-AVX-512 machine, whose 32-element step leaves 16 of a token's 48 gate values to the scalar
-formula; in float64 the same effect is float64 round-off."""
-
-
 # ---- tiny configs --------------------------------------------------------------------------------
 
 TINY_TEXT = {
@@ -236,8 +185,25 @@ class Kit(Qwen3VLKit):
     traits = frozenset({"linear_attention"})
     tiny_processor = None
 
-    def float64_islands(self, model) -> None:
-        with_float64_forward(model, {c: _float64_forwards(c) for c in FLOAT64_ISLANDS})
+    float32_islands = (
+        "Qwen3_5GatedDeltaNet",
+        "Qwen3_5RMSNorm",
+        "Qwen3_5RMSNormGated",
+        "Qwen3_5MoeGatedDeltaNet",
+        "Qwen3_5MoeRMSNorm",
+        "Qwen3_5MoeRMSNormGated",
+    )
+    """Where a float64 Qwen3.5 rounds to float32: the torch delta rule (all of it) and the decay
+    (``A_log.float()``), ``Qwen3_5RMSNorm``'s ``(1 + w)`` (weight gradients summed in float32), and
+    the Gated DeltaNet's output norm ``Qwen3_5RMSNormGated`` (the norm and its gate's ``silu`` in
+    float32). The gate's float32 ``silu`` is not even the same function on every element: ATen's
+    AVX2/AVX-512 kernels compute a tensor's last elements (fewer than 2 vector widths) with the scalar
+    formula, whose result differs from the vectorised one in the last float32 bit for ~4% of inputs
+    (none under ``ATEN_CPU_CAPABILITY=default``), and a CP shard ends elsewhere than the one-process
+    run's tensor. The linear-attention gradients move by up to 1.5e-7 (relative) between this norm in
+    float32 and in float64, so a few such elements put the conv weight's gradient at 4e-10 on an
+    AVX-512 machine, whose 32-element step leaves 16 of a token's 48 gate values to the scalar
+    formula; in float64 the same effect is float64 round-off."""
 
     def module_groups(self):
         groups = list(super().module_groups())
