@@ -19,11 +19,14 @@ SECTIONS = ["tests", "errors", "speed", "varlen", "nccl", "train"]
 
 
 def _bin_without_python(tmp_path: Path, names: dict[str, str]) -> Path:
-    """A folder of only the programs check.sh needs, under the names given."""
+    """A folder of only the programs check.sh needs, under the names given: each a wrapper script
+    that runs its target, not a link (a venv's interpreter linked elsewhere loses its venv)."""
     folder = tmp_path / "bin"
     folder.mkdir()
     for name, target in names.items():
-        (folder / name).symlink_to(target)
+        wrapper = folder / name
+        wrapper.write_text(f'#!/bin/sh\nexec "{target}" "$@"\n')
+        wrapper.chmod(0o755)
     return folder
 
 
