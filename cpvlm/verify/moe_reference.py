@@ -1,7 +1,10 @@
 """The MoE router load-balancing loss on one process, written out from transformers' definition.
 
 A float64 transcription of ``load_balancing_loss_func`` (transformers 5.x, Switch Transformer eq.
-4-6), independent of ``cpvlm.router_loss``: the reference the CP shares are tested against.
+4-6), independent of ``cpvlm.router_loss``: the reference the CP shares are tested against. It is
+the one piece of a reference that mirrors transformers instead of running its code (its float32
+sums are the thing to avoid); ``tests/hf/test_moe_router_loss.py`` checks it against
+transformers' own aux loss and names ``MIRRORS`` and ``WRITTEN_AGAINST`` when they part.
 """
 
 from __future__ import annotations
@@ -10,6 +13,9 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+
+MIRRORS = "transformers' load_balancing_loss_func (the MoE models' aux_loss)"
+WRITTEN_AGAINST = "5.24"
 
 
 def switch_load_balancing_loss(

@@ -7,9 +7,13 @@ one step top to bottom), attention.py.
 
 synthetic.py makes batches in any family's layout (``cpvlm train --data synthetic``, ``cpvlm
 verify``, the examples); tiny_checkpoint.py writes a tiny checkpoint directory with a real
-processor; float64.py reads transformers' float32 casts as float64 for a float64 reference.
+processor; float64.py keeps transformers' float32 casts in float64 for a float64 reference;
+versions.py warns once when transformers (or trl, peft, ...) is outside the tested window.
 """
 
+# First: importing it warns when a library is outside the tested window, before any family
+# import that such a release might break.
+from cpvlm.integrations.hf import versions  # noqa: F401  (isort: keep first)
 from cpvlm.integrations.hf.adapter import ExtraLoss, LossContext, RouterLoss, VLMAdapter
 from cpvlm.integrations.hf.attention import CP_ATTENTION, CPAttentionContext
 from cpvlm.integrations.hf.context_parallel import ContextParallelOutput, ContextParallelVLM
