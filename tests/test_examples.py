@@ -1,7 +1,7 @@
 """examples/library_step.py (the README's "Using it" example) runs under torchrun on 4 CPU ranks
 (gloo, the tiny Qwen3-VL, dp_shard 2 x cp 2, FSDP2) and prints the step's loss, which is the loss
 of the whole global batch on one process. float32: the CP ranks sum the same terms in another
-order, ~1e-7 relative; held to 1e-5 (DESIGN section 6).
+order, ~1e-7 relative; held to 1e-5 (docs/architecture.md, "Exactness").
 
 The script runs as ``torchrun script`` would run it, in the session's 4-process torchrun world
 (tests/conftest.py's ``torchrun_world``), after the Trainer runs of tests/hf/test_trainer.py

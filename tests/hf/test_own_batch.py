@@ -14,7 +14,8 @@
   float32 pixels go to the CP model as they are (it casts them to the tower's dtype); the
   reference gets them in float64.
 
-Tolerance: float64 relative error 1e-10 against the one-process model (DESIGN section 6).
+Tolerance: float64 relative error 1e-10 against the one-process model
+(docs/architecture.md, "Exactness").
 """
 
 import copy

@@ -9,8 +9,9 @@ checkpoint, verify and train tests run on them through tests/hf/hf_families.py.
   grid is an image or a video by the kind carried beside it.
 - The cost models count the matrix products of a tile / crop (torch's FLOP counter).
 
-Tolerances: float64 relative error 1e-10 against the one-process model (DESIGN section 6); two
-float64 runs of the same math in another batching agree to 1e-12.
+Tolerances: float64 relative error 1e-10 against the one-process model
+(docs/architecture.md, "Exactness"); two float64 runs of the same math in another batching
+agree to 1e-12.
 """
 
 import copy

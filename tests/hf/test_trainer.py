@@ -14,8 +14,8 @@ model's CP forward, positions, padded eval) runs at cp 2 for both families, the 
 composition (data sharding, gradient sync; family-agnostic, in Trainer and accelerate) on
 Qwen3-VL, under DDP and FSDP2, and with TRL's packing; TRL's LoRA (frozen base) at cp 2 with
 gradient accumulation.
-Tolerance 1e-10 relative (DESIGN section 6): the runs add the same float64 terms in other orders
-(~1e-15 seen for the losses, ~1e-12 for weights after 3 Adam steps).
+Tolerance 1e-10 relative (docs/architecture.md, "Exactness"): the runs add the same float64 terms in
+other orders (~1e-15 seen for the losses, ~1e-12 for weights after 3 Adam steps).
 """
 
 import importlib.util

@@ -77,7 +77,8 @@ def test_float64_layer_matches_one_process_per_document(cp):
 def test_float32_layer_matches_transformers_float32():
     """float32 inputs (the delta rule in float32, as transformers computes it) against
     transformers' own float32 functions: measured <= 9e-7 for outputs and every gradient (and
-    both are that far from float64); 1e-5 is the float32 bound of DESIGN section 6."""
+    both are that far from float64); 1e-5 is the float32 bound of
+    docs/architecture.md, "Exactness"."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
     cp = 2

@@ -2,8 +2,9 @@
 
 Legend: B batch, S full length, L = S_loc local length, D hidden size, V vocabulary, R visual rows.
 
-Every CP rank passes the same full batch. The scalable flow (DESIGN section 3) never builds a
-full-length float tensor: positions and labels are computed on the full integer sequence, then
+Every CP rank passes the same full batch. The scalable flow (docs/architecture.md, "One training
+step") never builds a full-length float tensor: positions and labels are computed on the full
+integer sequence, then
 each rank embeds its own tokens, gets the vision rows of its own visual positions (each image or
 frame encoded once, on one rank, rows routed to their owners), runs the decoder on its shard with
 CP attention, and returns its share of the global token-mean loss (plus its share of the model's
@@ -21,7 +22,8 @@ cross-entropy the summed gradients are those of the one-device run of the same f
 ``loss = CE / N + sum_f sum_extra weight * aux_f / num_batches``. (A step-wide router
 statistic would need every microbatch's forward before the first backward.)
 
-Agreement (DESIGN section 7): what every collective of a forward depends on (the plan, a
+Agreement (docs/architecture.md, "Collective discipline"): what every collective of a forward
+depends on (the plan, a
 fingerprint of the batch) is agreed by the first of them, one small all-reduce after the vision
 tower, together with the facts only one rank knows (its tower's output rows); the decoder layers'
 ``cp_attention`` then skips it. A rank that finds its own batch invalid (CP ranks handed different

@@ -68,7 +68,7 @@ def warn_outside_window() -> None:
         warnings.warn(
             f"cpvlm was not tested with {', '.join(outside)}. Check that its context-parallel "
             "gradients are still exact for your model with `cpvlm verify --model <model> --cp 2`, "
-            "or install a tested version (README, 'Tested versions').",
+            "or install a tested version (docs/tested_versions.md).",
             UntestedVersionWarning,
             stacklevel=3,
         )
