@@ -1,5 +1,6 @@
-"""The README's API example is examples/library_step.py's, it imports every name it uses from where
-``cpvlm`` exports it, and it ends by destroying its process group.
+"""The README's API example is examples/library_step.py's, it and the architecture page's API
+examples import every name they use from where ``cpvlm`` exports it, and it ends by destroying
+its process group.
 
 Left to interpreter shutdown, a gloo process group can outlive the Python objects its worker
 threads hold, and the process aborts at exit with "terminate called without an active
@@ -17,14 +18,24 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
 EXAMPLE = ROOT / "examples" / "library_step.py"
 
 
-def _using_it_blocks() -> list[str]:
-    text = README.read_text()
-    section = text[text.index("## Using it") :]
+def _python_blocks(path: Path, heading: str) -> list[str]:
+    text = path.read_text()
+    section = text[text.index(heading) :]
     section = section[: section.index("\n## ", 1)]
     return re.findall(r"```python\n(.*?)```", section, re.S)
+
+
+def _using_it_blocks() -> list[str]:
+    return _python_blocks(README, "## Using it")
+
+
+def _api_blocks() -> list[str]:
+    """The README's library step, then the architecture page's further API examples."""
+    return _using_it_blocks() + _python_blocks(ARCHITECTURE, "## Public API")
 
 
 def test_the_api_example_is_the_library_step_example():
@@ -37,7 +48,7 @@ def test_the_api_examples_import_what_cpvlm_exports():
     import cpvlm
 
     imported = []
-    for block in _using_it_blocks():
+    for block in _api_blocks():
         for module, names in re.findall(r"^from (cpvlm[\w.]*) import (.+)$", block, re.M):
             imported += [(module, n.strip()) for n in names.split("#")[0].split(",")]
     assert ("cpvlm", "MaskSpec") in imported
