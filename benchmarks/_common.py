@@ -23,7 +23,7 @@ def parser(doc: str) -> argparse.ArgumentParser:
         "--out-dir",
         type=Path,
         default=RESULTS_DIR,
-        help="where the JSON (and any plot) goes; default benchmarks/results/, the README's "
+        help="where the JSON (and any plot) goes; default benchmarks/results/, the docs' "
         "figures: point a trial run elsewhere",
     )
     return p

@@ -156,7 +156,9 @@ def main() -> None:
         "OUT_DIR's, replacing its rows of the same model, sequence and cp, then replot",
     )
     p.add_argument(
-        "--markdown", action="store_true", help="print the README's tables from the JSON"
+        "--markdown",
+        action="store_true",
+        help="print docs/benchmarks.md's scale tables from the JSON",
     )
     args = p.parse_args()
     if args.merge or args.markdown:

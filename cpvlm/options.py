@@ -91,7 +91,7 @@ class CPOptions:
     layout: the ``ShardPlan`` layout of every batch, "head_tail" by default (as ``ShardPlan``'s).
         "balanced" places short packed documents whole on one rank: never worse by the layout's
         own measure (``cpvlm.distributed.layout``) and faster for ``cpvlm train``'s packed rows
-        of short samples (README, Benchmarks), the same as head-tail for rows of one document;
+        of short samples (docs/benchmarks.md), the same as head-tail for rows of one document;
         but the linear-attention layers (Qwen3.5's Gated DeltaNet) need every document split
         head-tail (``cpvlm.attention.linear.layout``), so only "head_tail" runs on every family.
     ulysses_size: ``attn="hybrid"`` only: ranks per Ulysses group, a divisor of the CP size.

@@ -1,4 +1,4 @@
-"""What a cluster does to a run, each fault a test (the fault table of the README).
+"""What a cluster does to a run, each fault a test (the fault table of docs/training.md).
 
 SIGTERM to the whole process group (Slurm's preemption, ``kill %job``, a terminal's Ctrl-C: the
 DataLoader workers get it too), and to torchrun's; SIGINT; a second signal; a rank killed

@@ -55,7 +55,8 @@ Adding a family is one file, one import line and one line in the tests:
 3. ``tests/hf/test_<family>.py``: what is particular to the family. The shared exactness,
    checkpoint, training and verify tests take their families from the registry
    (``tests/hf/hf_families.py``) and run on the new tiny model at once; they select families by
-   the kit's ``traits``. The README's families table gets a row.
+   the kit's ``traits``. The families tables (README, docs/adding_a_family.md) get a row
+   (tests/test_docs.py fails until they do).
 """
 
 from __future__ import annotations
