@@ -4,16 +4,15 @@ Legend: B batch, S full length, L = S_loc local length, D hidden size, V vocabul
 
 Every CP rank passes the same full batch. The scalable flow (docs/architecture.md, "One training
 step") never builds a full-length float tensor: positions and labels are computed on the full
-integer sequence, then
-each rank embeds its own tokens, gets the vision rows of its own visual positions (each image or
-frame encoded once, on one rank, rows routed to their owners), runs the decoder on its shard with
-CP attention, and returns its share of the global token-mean loss (plus its share of the model's
-extra losses, such as an MoE router's load-balancing loss). The compatibility flow builds the full
-``inputs_embeds`` as the model itself would and cuts it with ``ShardPlan.shard``; it is the
-reference the scalable flow is tested against. Nothing in transformers or torch is patched: the
-attention is selected through transformers' AttentionInterface for the text model only. What is
-particular to a family (module paths, tower call, positions, decoder keywords, extra losses) comes
-from its adapter (``cpvlm.integrations.hf.adapter``).
+integer sequence, then each rank embeds its own tokens, gets the vision rows of its own visual
+positions (each image or frame encoded once, on one rank, rows routed to their owners), runs the
+decoder on its shard with CP attention, and returns its share of the global token-mean loss (plus
+its share of the model's extra losses, such as an MoE router's load-balancing loss). The
+compatibility flow builds the full ``inputs_embeds`` as the model itself would and cuts it with
+``ShardPlan.shard``; it is the reference the scalable flow is tested against. Nothing in
+transformers or torch is patched: the attention is selected through transformers' AttentionInterface
+for the text model only. What is particular to a family (module paths, tower call, positions,
+decoder keywords, extra losses) comes from its adapter (``cpvlm.integrations.hf.adapter``).
 
 Extra losses are defined per forward batch, as transformers defines them (its MoE models compute
 the router loss over the rows given to one forward call). A training step of several microbatches
@@ -23,11 +22,11 @@ cross-entropy the summed gradients are those of the one-device run of the same f
 statistic would need every microbatch's forward before the first backward.)
 
 Agreement (docs/architecture.md, "Collective discipline"): what every collective of a forward
-depends on (the plan, a
-fingerprint of the batch) is agreed by the first of them, one small all-reduce after the vision
-tower, together with the facts only one rank knows (its tower's output rows); the decoder layers'
-``cp_attention`` then skips it. A rank that finds its own batch invalid (CP ranks handed different
-batches) follows the others through the tower to that agreement, so every rank raises its error.
+depends on (the plan, a fingerprint of the batch) is agreed by the first of them, one small
+all-reduce after the vision tower, together with the facts only one rank knows (its tower's output
+rows); the decoder layers' ``cp_attention`` then skips it. A rank that finds its own batch invalid
+(CP ranks handed different batches) follows the others through the tower to that agreement, so every
+rank raises its error.
 """
 
 from __future__ import annotations
