@@ -105,6 +105,38 @@ def linear_attention() -> str:
     return _table(head + ["maps MiB", "halo KiB"], rows)
 
 
+def memory_vocab() -> str:
+    rows = []
+    for r in _load("memory_vocab")["rows"]:
+        ratio = f"{r['peak chunk/whole']:.2f}" if r["loss"] == "chunked" else ""
+        rows.append(
+            [str(r["cp"]), r["loss"], f"{r['saved_MiB']:.0f}", f"{r['peak_MiB']:.0f}", ratio]
+        )
+    return _table(["cp", "loss", "saved MiB", "peak MiB", "chunked / whole peak"], rows)
+
+
+# The points of the host grid the page shows, (S, documents); host.json has all 16.
+HOST_POINTS = [(32768, 1024), (131072, 1024), (524288, 1024), (2**20, 64), (2**20, 1024)]
+HOST_POINTS += [(2**20, 4096)]
+LENGTH_NAMES = {32768: "32k", 131072: "128k", 524288: "512k", 2**20: "1M"}
+
+
+def host_schedule() -> str:
+    """One middle rank's ring schedule, head-tail, causal / window 4096, CPU ms."""
+    ms = {}
+    for r in _load("host")["rows"]:
+        if (r["part"], r.get("layout"), r.get("impl")) == ("schedule", "head_tail", "ring"):
+            ms[r["S"], r["docs"], r["cp"], r["mask"]] = r["cpu_ms"]
+    cps = sorted({cp for (_, _, cp, _) in ms})
+    rows = []
+    for s, docs in HOST_POINTS:
+        cells = [
+            f"{ms[s, docs, cp, 'causal']:.0f} / {ms[s, docs, cp, 'window 4096']:.0f}" for cp in cps
+        ]
+        rows.append([LENGTH_NAMES[s], str(docs), *cells])
+    return _table(["S", "documents", *(f"cp {cp}" for cp in cps)], rows)
+
+
 def checkpoint() -> str:
     rows, ratio = [], {}
     for r in _load("checkpoint")["rows"]:
@@ -161,6 +193,8 @@ TABLES = {
     "balance": balance,
     "attention": attention,
     "linear_attention": linear_attention,
+    "memory_vocab": memory_vocab,
+    "host_schedule": host_schedule,
     "checkpoint": checkpoint,
     "simulate_check_depth": simulate_check_depth,
     "scale_peak": scale_peak,
