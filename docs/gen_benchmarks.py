@@ -137,6 +137,42 @@ def host_schedule() -> str:
     return _table(["S", "documents", *(f"cp {cp}" for cp in cps)], rows)
 
 
+# The (mix, dp, R) points of the modelled DP deal the page shows; dp_balance.json has the grid.
+DP_POINTS = [("long_tailed", 2, 4), ("long_tailed", 4, 4), ("long_tailed", 8, 2)]
+DP_POINTS += [
+    ("long_tailed", 8, 4),
+    ("long_tailed", 8, 8),
+    ("text_heavy", 8, 4),
+    ("text_heavy", 8, 8),
+]
+MIX_NAMES = {"long_tailed": "long-tailed", "text_heavy": "text-heavy"}
+MIX_FIRST = {"long_tailed": "long-tailed (a few long videos, many short image chats)"}
+
+
+def dp_balance() -> str:
+    by_point = {(r["mix"], r["dp"], r["R"]): r for r in _load("dp_balance")["modelled"]}
+    rows, seen = [], set()
+    for mix, dp, per_rank in DP_POINTS:
+        r = by_point[mix, dp, per_rank]
+        label = MIX_NAMES[mix] if mix in seen else MIX_FIRST.get(mix, MIX_NAMES[mix])
+        seen.add(mix)
+        rows.append(
+            [
+                label,
+                str(dp),
+                str(per_rank),
+                f"{r['tokens_max_mean']:.3f}",
+                f"{r['cost_max_mean']:.3f}",
+                f"{r['bound']:.3f}",
+                f"{r['tokens_time_lost']:.1%} / {r['cost_time_lost']:.1%}",
+                f"{r['steps_bound_le_1.05']:.0%}",
+                f"{r['cost_where_bound_allows']:.3f}",
+            ]
+        )
+    head = ["mix", "dp", "R", "token deal", "cost deal", "bound", "waiting: tokens / cost"]
+    return _table(head + ["steps with bound <= 1.05", "cost deal, worst of those"], rows)
+
+
 def checkpoint() -> str:
     rows, ratio = [], {}
     for r in _load("checkpoint")["rows"]:
@@ -195,6 +231,7 @@ TABLES = {
     "linear_attention": linear_attention,
     "memory_vocab": memory_vocab,
     "host_schedule": host_schedule,
+    "dp_balance": dp_balance,
     "checkpoint": checkpoint,
     "simulate_check_depth": simulate_check_depth,
     "scale_peak": scale_peak,
