@@ -38,6 +38,35 @@ def _seed():
     torch.manual_seed(0)
 
 
+# The fast lane, `python -m pytest -m "not slow"` (docs/testing.md): these launch training
+# processes (`cpvlm train`, torchrun, subprocesses that import transformers) or run for tens of
+# seconds each; the rest of the suite checks every CP feature in-process or on pooled gloo ranks.
+SLOW_MODULES = {
+    "tests/test_examples.py",
+    "tests/hf/test_trainer.py",
+    "tests/hf/test_train_families.py",
+    *(
+        f"tests/train/test_train_{name}.py"
+        for name in (
+            "exact", "failure", "families_realdata", "faults", "guards", "lora", "memory",
+            "memory_options", "prepared", "realdata", "reshard", "resume", "torchrun",
+        )
+    ),
+}  # fmt: skip
+SLOW_TESTS = {
+    "tests/test_harness.py::test_results_from_8_ranks_and_the_pooled_ranks_stay",
+    "tests/hf/test_verify.py::test_verify_command_exit_codes",
+    "tests/simulate/test_simulate.py::test_reduced_depth_and_optimizer_against_full_depth_and_hand_count",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module, _, name = item.nodeid.partition("::")
+        if module in SLOW_MODULES or f"{module}::{name.split('[')[0]}" in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_report_header(config):
     # The ATen kernel family this run computes with (ATEN_CPU_CAPABILITY picks one the CPU has; an
     # invalid value is ignored with a warning): float64 exactness must not depend on it.
