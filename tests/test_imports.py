@@ -1,14 +1,14 @@
 """No import circle in cpvlm: the graph of which module imports which has no cycle.
 
 Every module under ``cpvlm/`` is parsed with ``ast`` (nothing is imported). A module has an edge to
-each cpvlm module that one of its import statements runs:
+each cpvlm module that one of its import statements loads:
 
 - imports inside functions count too: a lazy import only postpones a circle (the two modules still
   need each other), so a circle is broken by moving the shared piece to a module both import.
   Imports under ``if TYPE_CHECKING:`` are left out: they never run;
 - relative imports are resolved to module names; ``from a.b import c`` leads to ``a.b.c`` where
   that is a module, else to ``a.b`` (its ``__init__``, which must already bind ``c``);
-- importing ``a.b.c`` also runs the ``__init__`` of ``a`` and ``a.b``, except where one is the
+- importing ``a.b.c`` also loads the ``__init__`` of ``a`` and ``a.b``, except where one is the
   importer's own package (or above it): that one is mid-import already and nothing is read from
   it. So a package's ``__init__`` re-exporting its submodules is no circle, but a submodule that
   takes a name from its own package's ``__init__`` (``from cpvlm.distributed import PAD_DOC``
@@ -45,7 +45,7 @@ def _imports(nodes):
 
 
 def import_graph(root: Path, package: str) -> dict[str, set[str]]:
-    """``{module: modules it runs when imported}`` for the package ``root / package``."""
+    """``{module: the modules its imports load}`` for the package ``root / package``."""
     files = {_module_name(p, root): p for p in sorted((root / package).rglob("*.py"))}
     graph = {name: set() for name in files}
     for name, path in files.items():
