@@ -2,10 +2,10 @@
 
 Model-agnostic (no ``transformers`` import): a model's processor plugs in as the ``plan`` and
 ``decode`` callables (``cpvlm.integrations.hf.processor`` for Hugging Face checkpoints). Read in
-this order: sources.py (where records come from), sample.py (a planned sample), media.py (image
-headers and decoding), order.py and packing.py (which sample when, rows, DP split), balance.py
-(the deal by cost), rows.py (the global row stream), loader.py (this rank's rows, decoding in
-DataLoader workers), exchange.py (planning split over DP), errors.py.
+this order: sources.py (where records come from; record.py, one record), sample.py (a planned
+sample), media.py (image headers and decoding), order.py and packing.py (which sample when, rows,
+DP split), balance.py (the deal by cost), rows.py (the global row stream), loader.py (this rank's
+rows, decoding in DataLoader workers), exchange.py (planning split over DP), errors.py.
 """
 
 from cpvlm.data.balance import RowCost, deal_bound, dp_deal, plan_split
@@ -14,6 +14,7 @@ from cpvlm.data.exchange import DPExchange
 from cpvlm.data.loader import DECODE_MODES, LocalRow, RankLoader, RowJob, decode_row, patch_balanced
 from cpvlm.data.order import SampleOrder
 from cpvlm.data.packing import dp_split, pack_window
+from cpvlm.data.record import Record
 from cpvlm.data.rows import PackedPlan, RowSlot, RowStream
 from cpvlm.data.sample import (
     LazyPixels,
@@ -23,7 +24,7 @@ from cpvlm.data.sample import (
     check_tokens,
     plan_tokenized,
 )
-from cpvlm.data.sources import Record, open_source, parse_data_args, source_kind
+from cpvlm.data.sources import open_source, parse_data_args, source_kind
 
 __all__ = [
     "DECODE_MODES",

@@ -35,13 +35,13 @@ import torch
 from cpvlm.data.errors import DataError
 from cpvlm.data.media import ImageRef, VideoFrameRef
 from cpvlm.data.meta import SampleMeta
+from cpvlm.data.record import Record
 from cpvlm.data.sample import SamplePlan, VisionItem
-from cpvlm.data.sources import PREPARED_MANIFEST, Record
 
 FORMAT_VERSION = 2
 """2: an item's kind is its column (``image_grids`` / ``video_grids``) alone; format 1 wrote
 LLaVA-OneVision videos with the grid (F, 2**20, 2**20), which format 2 reads as (F, S, S)."""
-MANIFEST = PREPARED_MANIFEST
+MANIFEST = "prepared.json"
 SHARDS = "shards"
 
 

@@ -28,13 +28,13 @@ import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from cpvlm.data.errors import DataError
+from cpvlm.data.prepared import MANIFEST, PreparedSource, is_prepared
+from cpvlm.data.record import Record
 
 DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
-PREPARED_MANIFEST = "prepared.json"  # cpvlm.data.prepared.MANIFEST
 
 # What planning a JSON record costs, about (CPU microseconds of a processor's plan: chat template,
 # tokenizer, image headers): a base, its bytes, and its image and video references (each named
@@ -48,16 +48,6 @@ def plan_cost(line: bytes) -> int:
     """The estimated planning cost of the JSON record ``line``, read without parsing it."""
     images, videos = line.count(b'"image'), line.count(b'"video')
     return PLAN_COST_BASE + len(line) + PLAN_COST_IMAGE * images + PLAN_COST_VIDEO * videos
-
-
-@dataclass(frozen=True)
-class Record:
-    """One raw sample and where it came from."""
-
-    index: int  # position in the source
-    where: str  # "data.jsonl line 7", for error messages
-    data: object  # the record (a dict, normally)
-    base_dir: Path | None  # relative media paths resolve here
 
 
 class JsonlSource:
@@ -213,7 +203,7 @@ def source_kind(spec: str) -> str:
     if path.is_file() and path.suffix == ".parquet":
         return "parquet"
     if path.is_dir():
-        if (path / PREPARED_MANIFEST).is_file():
+        if is_prepared(path):
             return "prepared"
         if any((path / m).is_file() for m in DATASET_MARKERS):
             return "datasets"
@@ -222,7 +212,7 @@ def source_kind(spec: str) -> str:
         raise ValueError(
             f"--data {spec}: a folder without a datasets save_to_disk layout "
             f"({', '.join(DATASET_MARKERS)}), .parquet files or a cpvlm prepare folder "
-            f"({PREPARED_MANIFEST})"
+            f"({MANIFEST})"
         )
     if ":" in spec and not path.exists():
         return "function"
@@ -239,8 +229,6 @@ def open_source(spec: str, *, data_args: Mapping = (), model_config=None, seed: 
     if kind == "function":
         return _call_function(spec, dict(data_args), model_config, seed)
     if kind == "prepared":
-        from cpvlm.data.prepared import PreparedSource
-
         return PreparedSource(spec)
     path = Path(spec)
     table = _datasets_table(path) if kind == "datasets" else _parquet_table(path)

@@ -1,4 +1,4 @@
-"""CPU kernels for torch's fused CUDA attention ops, so that compat.py's real call sites run on CPU.
+"""CPU kernels for torch's fused CUDA attention ops, so that compat's real call sites run on CPU.
 
 Legend: B batch, N sequences of a packed call, T packed rows, Hq/Hkv query/key heads, S/Sq/Sk
 lengths, D head dim, ceil32(x) = x rounded up to a multiple of 32.

@@ -1,5 +1,5 @@
 """The fused CUDA path without a GPU: lse layouts, GQA handling, and above all the packing of a
-block's rectangles into one varlen call, run through compat.py's real calls of the aten CUDA ops,
+block's rectangles into one varlen call, run through compat's real calls of the aten CUDA ops,
 on CPU kernels registered for those ops with the CUDA kernels' conventions and checks
 (cpvlm.testing.EmulatedKernel), inside the real ring machinery (simulate_cp_attention).
 
@@ -18,6 +18,7 @@ from cpvlm import ShardPlan
 from cpvlm.attention import block, fused, head_split, ulysses
 from cpvlm.attention.schedule import CAUSAL, MASKED, Segment, attention_schedule
 from cpvlm.distributed import compat
+from cpvlm.distributed.compat import cuda_kernels
 from cpvlm.testing import EmulatedKernel, rel_err, simulate_cp_attention
 from cpvlm.testing.attention_check import CP_TOLERANCES, cp_errors, random_inputs
 
@@ -45,8 +46,8 @@ def test_per_sequence_lse_and_packed_rows_convert_both_ways():
 def test_the_kernels_lse_layouts_read_from_the_installed_torch(name):
     # torch 2.11 - 2.13: flash keeps [B, H, S] dense and [H, T] packed; the efficient kernel pads
     # each sequence's row to a multiple of 32, one row per sequence, dense and packed.
-    dense = compat._kernel_lse_shape(name, False, 40)
-    packed = compat._kernel_lse_shape(name, True, 40)
+    dense = cuda_kernels._kernel_lse_shape(name, False, 40)
+    packed = cuda_kernels._kernel_lse_shape(name, True, 40)
     if name == "flash":
         assert dense == (1, 1, 40) and packed == (1, 40)
     else:
@@ -55,31 +56,31 @@ def test_the_kernels_lse_layouts_read_from_the_installed_torch(name):
     q = torch.empty(7, 3, 8)  # packed: 7 rows in sequences of 4 and 3, 3 heads
     packing = compat.Packing(torch.tensor([0, 4, 7], dtype=torch.int32), None, 4, 4)
     lse = torch.randn(3, 7)
-    kernel_lse = compat._lse_to_kernel(name, lse, q, packing)
-    assert torch.equal(compat._lse_from_kernel(kernel_lse, q, packing), lse)
+    kernel_lse = cuda_kernels._lse_to_kernel(name, lse, q, packing)
+    assert torch.equal(cuda_kernels._lse_from_kernel(kernel_lse, q, packing), lse)
     q = torch.empty(2, 5, 3, 8)  # dense
     lse = torch.randn(2, 3, 5)
     assert torch.equal(
-        compat._lse_from_kernel(compat._lse_to_kernel(name, lse, q, None), q, None), lse
+        cuda_kernels._lse_from_kernel(cuda_kernels._lse_to_kernel(name, lse, q, None), q, None), lse
     )
 
 
 def test_gqa_expansion_for_the_efficient_kernel_is_undone_exactly_by_its_adjoint():
     k = torch.randn(5, 2, 8, dtype=torch.float64)
     g = torch.randn(5, 6, 8, dtype=torch.float64)
-    expanded = compat._expand_heads(k, 6)
+    expanded = cuda_kernels._expand_heads(k, 6)
     assert torch.equal(expanded[:, 3], k[:, 1])  # query head 3 uses key head 3 // 3 = 1
     # <expand(k), g> == <k, sum_heads(g)>: the dK of the expanded call summed per key head.
     lhs = (expanded * g).sum()
-    rhs = (k * compat._sum_heads(g, 2).double()).sum()
+    rhs = (k * cuda_kernels._sum_heads(g, 2).double()).sum()
     assert torch.allclose(lhs, rhs, rtol=1e-6)
-    assert compat._sum_heads(g, 6) is g
+    assert cuda_kernels._sum_heads(g, 6) is g
 
 
 def test_the_efficient_kernels_mask_is_broadcast_with_an_aligned_row_stride():
     bias = torch.randn(5, 21)
     q = torch.empty(2, 5, 3, 8)
-    aligned = compat._aligned_bias(bias, q, q)
+    aligned = cuda_kernels._aligned_bias(bias, q, q)
     assert aligned.shape == (2, 3, 5, 21) and torch.equal(aligned[1, 2], bias)
     assert aligned.stride(-1) == 1 and aligned.stride(-2) % 16 == 0 and aligned.stride(0) == 0
 
@@ -102,10 +103,10 @@ def test_the_kernel_of_each_dtype_and_gpu_generation(monkeypatch, capability, fl
     # cuda_fused_kernel on fake CUDA tensors (no GPU here) with a mocked device capability.
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    monkeypatch.setattr(compat, "_capability", lambda device: capability)
+    monkeypatch.setattr(cuda_kernels, "_capability", lambda device: capability)
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: flash_built)
-    compat._warn_bf16_before_sm80.cache_clear()
+    cuda_kernels._warn_bf16_before_sm80.cache_clear()
     with FakeTensorMode():
         q = torch.empty(1, 4, 8, 128, device="cuda")
         with warnings.catch_warnings(record=True) as caught:
@@ -277,7 +278,7 @@ def test_the_emulated_kernels_refuse_what_the_cuda_kernels_refuse_or_would_get_w
         q4, q4, q4, None, None, None, None, None, 0.0, 0, True
     )[:2]
     assert lse.shape == (1, 2, 32) and torch.isnan(lse[..., 6:]).all()  # padding: never read
-    seed, offset = compat._unused_rng("efficient", q.device)
+    seed, offset = cuda_kernels._unused_rng("efficient", q.device)
 
     def backward(lse, out=out):
         return aten._efficient_attention_backward(

@@ -180,7 +180,7 @@ def test_data_path_gives_gemma3_processor_batches(tmp_path):
     ``[N, 3, H, W]`` pixels in the core's layout; the core takes the processor's batch as it is."""
     from transformers import AutoConfig, AutoProcessor
 
-    from cpvlm.data.sources import Record
+    from cpvlm.data.record import Record
     from cpvlm.integrations.hf.processor import ChatEncoder
     from cpvlm.integrations.hf.tiny_checkpoint import make_tiny_checkpoint, write_images
 

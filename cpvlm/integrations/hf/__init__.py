@@ -1,9 +1,9 @@
 """Hugging Face transformers VLMs under CP: a family-agnostic core and one adapter per family.
 
 Read in this order: adapter.py (what a family says to the CP step), kit.py (what it says to
-tests and verify), registry.py (model class -> adapter), families/ (one file per family),
-inputs.py (the replicated integer inputs of a step), context_parallel.py (ContextParallelVLM,
-one step top to bottom), attention.py.
+tests and verify), families/ (one file per family, each registered in registration.py),
+registry.py (model class -> adapter), inputs.py (the replicated integer inputs of a step),
+context_parallel.py (ContextParallelVLM, one step top to bottom), attention.py.
 
 synthetic.py makes batches in any family's layout (``cpvlm train --data synthetic``, ``cpvlm
 verify``, the examples); tiny_checkpoint.py writes a tiny checkpoint directory with a real
@@ -20,7 +20,8 @@ from cpvlm.integrations.hf.context_parallel import ContextParallelOutput, Contex
 from cpvlm.integrations.hf.inputs import PreparedBatch, prepare_batch
 from cpvlm.integrations.hf.kit import FamilyKit
 from cpvlm.integrations.hf.models import TINY_MODELS, build_model, model_family
-from cpvlm.integrations.hf.registry import adapter_for, kit_for, register, supported
+from cpvlm.integrations.hf.registration import register
+from cpvlm.integrations.hf.registry import adapter_for, kit_for, supported
 from cpvlm.integrations.hf.row_cost import row_cost
 from cpvlm.integrations.hf.synthetic import SampleSpec, pack_documents, synthetic_batch
 from cpvlm.integrations.hf.vision_cost import vision_cost

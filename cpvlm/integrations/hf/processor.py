@@ -44,8 +44,8 @@ import torch
 from cpvlm.constants import IGNORE_INDEX, TRAIN_ON
 from cpvlm.data.errors import DataError
 from cpvlm.data.media import image_ref, video_frames
+from cpvlm.data.record import Record
 from cpvlm.data.sample import SamplePlan, TokenIds, VisionItem, check_tokens, plan_tokenized
-from cpvlm.data.sources import Record
 
 from .expanded_text import ExpandedTokenizer, Rendering
 from .registry import adapter_for

@@ -29,7 +29,7 @@ from cpvlm.vision.cost import VisionCost, block_linear_macs
 
 from ..adapter import VLMAdapter
 from ..kit import FamilyKit, TinyProcessor
-from ..registry import register
+from ..registration import register
 from ..tiny import TEXT, split_overrides, with_overrides
 
 BOI_TOKEN_ID = 500

@@ -32,7 +32,7 @@ from cpvlm.vision.cost import VisionCost
 
 from ..adapter import VLMAdapter
 from ..kit import FamilyKit, TinyProcessor
-from ..registry import register
+from ..registration import register
 from ..tiny import IMAGE_TOKEN_ID, TEXT, VIDEO_TOKEN_ID, split_overrides, with_overrides
 from .gemma3 import untied_lm_head
 from .gemma4_processing import Gemma4Media

@@ -30,7 +30,7 @@ from cpvlm.vision.cost import VisionCost, block_linear_macs
 
 from ..adapter import MoeRouter, VLMAdapter
 from ..kit import FamilyKit, MoeKit
-from ..registry import register
+from ..registration import register
 from ..tiny import (
     IMAGE_TOKEN_ID,
     TEXT,
@@ -43,7 +43,7 @@ from ..tiny import (
     split_overrides,
     with_overrides,
 )
-from ..vision_cost import values_per_patch
+from .tower_cost import values_per_patch
 
 TIMESTAMP_TOKENS = 1
 """Text tokens of the timestamp the processor writes after every video frame (``int(seconds)``)."""

@@ -50,7 +50,7 @@ from cpvlm.vision.cost import VisionCost, block_linear_macs
 
 from ..adapter import VLMAdapter
 from ..kit import FamilyKit, TinyProcessor
-from ..registry import register
+from ..registration import register
 from ..tiny import IMAGE_TOKEN_ID, TEXT, VIDEO_TOKEN_ID, VISION, split_overrides, with_overrides
 from .llava_onevision_processing import LlavaOnevisionMedia
 

@@ -21,10 +21,10 @@ from cpvlm.vision.split import UnitOrder
 
 from ..adapter import VLMAdapter
 from ..kit import FamilyKit
-from ..registry import register
+from ..registration import register
 from ..tiny import TEXT, VISION, VISION_TOKEN_IDS, split_overrides, with_overrides
-from ..vision_cost import patch_merger_macs, values_per_patch
 from .qwen_vl_processing import QwenVLProcessing, tiny_qwen_vl_processor
+from .tower_cost import patch_merger_macs, values_per_patch
 
 
 def tiny_qwen2_5_vl_config(**overrides) -> Qwen2_5_VLConfig:

@@ -44,7 +44,7 @@ from cpvlm.attention.linear.delta_rule import compute_dtype
 
 from ..adapter import MoeRouter
 from ..kit import MoeKit
-from ..registry import register
+from ..registration import register
 from ..tiny import TEXT, VISION, VISION_TOKEN_IDS, split_overrides, with_overrides
 from .qwen3_vl import Kit as Qwen3VLKit
 from .qwen3_vl import Qwen3VLAdapter

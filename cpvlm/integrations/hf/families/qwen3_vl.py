@@ -23,10 +23,10 @@ from cpvlm.vision.cost import VisionCost, block_linear_macs
 
 from ..adapter import VLMAdapter
 from ..kit import FamilyKit
-from ..registry import register
+from ..registration import register
 from ..tiny import TEXT, VISION, VISION_TOKEN_IDS, split_overrides, with_overrides
-from ..vision_cost import patch_merger_macs, values_per_patch
 from .qwen_vl_processing import QwenVLProcessing, tiny_qwen_vl_processor
+from .tower_cost import patch_merger_macs, values_per_patch
 
 TIMESTAMP_TOKENS = 3
 """Text tokens of the timestamp the processor writes before every video frame ("<0.5 seconds>")."""

@@ -12,7 +12,7 @@ from transformers import Qwen3VLMoeConfig
 
 from ..adapter import MoeRouter
 from ..kit import MoeKit
-from ..registry import register
+from ..registration import register
 from ..tiny import VISION_TOKEN_IDS, split_overrides, with_overrides
 from .qwen3_vl import TINY_TEXT, Qwen3VLAdapter, tiny_vision
 from .qwen3_vl import Kit as Qwen3VLKit
