@@ -55,6 +55,13 @@ SLOW_MODULES = {
 }  # fmt: skip
 SLOW_TESTS = {
     "tests/test_harness.py::test_results_from_8_ranks_and_the_pooled_ranks_stay",
+    "tests/test_harness.py::test_failing_rank_reports_its_traceback_and_pool_recovers",
+    "tests/test_harness.py::test_hanging_rank_times_out_and_is_named",
+    "tests/test_harness.py::test_the_product_imports_no_test_harness_and_registers_nothing_at_exit",
+    "tests/test_docs.py::test_a_runnable_block_runs",
+    "tests/gpu/test_gpu_check.py::test_a_subprocess_section_is_killed_with_its_children_at_its_budget",
+    "tests/attention/test_attn_compile.py::test_the_ring_schedule_on_the_cuda_call_sites_compiles_exactly",
+    "tests/vision/test_vision_split_decode.py::test_the_loader_decodes_only_the_pieces_rows",
     "tests/hf/test_verify.py::test_verify_command_exit_codes",
     "tests/simulate/test_simulate.py::test_reduced_depth_and_optimizer_against_full_depth_and_hand_count",
 }
