@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from cpvlm.integrations.hf.families.qwen3_5 import Kit, tiny_qwen3_5_config
+from cpvlm.integrations.hf.families.qwen3_5 import Qwen3_5Kit, tiny_qwen3_5_config
 from cpvlm.integrations.hf.float64 import KeepFloat64
 from cpvlm.integrations.hf.kit import with_float64_forward
 from cpvlm.testing import rel_err
@@ -121,14 +121,14 @@ def test_islands_survive_a_renamed_attribute_and_a_wrapped_function():
     seen, unchanged, _, _ = _run(planted, x)
     assert seen, "the copy computes no float32 without the islands: the check below cannot fail"
 
-    with_float64_forward(planted, Kit.float32_islands)
+    with_float64_forward(planted, Qwen3_5Kit.float32_islands)
     seen, out, dx, grads = _run(planted, x)
     assert not seen, "a float32 tensor inside the planted copy's islands"
 
     # The same layers from transformers' own module, islands on: the plants change nothing.
     reference = _layers(real)
     reference.load_state_dict(planted.state_dict())
-    with_float64_forward(reference, Kit.float32_islands)
+    with_float64_forward(reference, Qwen3_5Kit.float32_islands)
     _, ref_out, ref_dx, ref_grads = _run(reference, x)
     assert rel_err(out, ref_out) <= 1e-14
     assert rel_err(dx, ref_dx) <= 1e-14
@@ -144,7 +144,7 @@ def test_the_zero_centred_norm_island_is_its_formula_in_float64():
     hf = _planted_copy()
     norm = _layers(hf)["norm"]
     x = torch.randn(4, 7, norm.weight.numel(), dtype=torch.float64)
-    with_float64_forward(norm, Kit.float32_islands)
+    with_float64_forward(norm, Qwen3_5Kit.float32_islands)
     eps = tiny_qwen3_5_config().text_config.rms_norm_eps
     expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + norm.weight)
     assert rel_err(norm(x), expected) <= 1e-15
@@ -156,7 +156,7 @@ def test_a_cp_forward_keeps_its_own_precision(island):
     by itself, or a check must see it fail); the class's forward is looked up at each call (a
     class swapped after the islands, as ``install_context_parallel`` does, is the one that runs)."""
     layers = _layers(importlib.import_module(QWEN3_5))
-    with_float64_forward(layers, Kit.float32_islands)
+    with_float64_forward(layers, Qwen3_5Kit.float32_islands)
     calls = []
 
     def forward(self, x, cpvlm_cp=None):

@@ -40,7 +40,7 @@ Adding a family is one file, one import line and one line in the tests:
 
 1. ``cpvlm/integrations/hf/families/<family>.py``::
 
-       class Kit(FamilyKit):
+       class MyKit(FamilyKit):
            tiny_configs = {"<family>-tiny": tiny_<family>_config}  # from the real config class
 
        @register
@@ -48,7 +48,7 @@ Adding a family is one file, one import line and one line in the tests:
            family = "<family>"
            model_classes = ("<Name>ForConditionalGeneration",)
            model_types = ("<model_type>",)
-           kit = Kit
+           kit = MyKit
            ...  # the hooks whose default does not hold, and vision_cost
 
 2. ``families/__init__.py``: import the module (that registers it).

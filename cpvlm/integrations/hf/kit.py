@@ -5,9 +5,9 @@ holds the knowledge that serves checks and tiny models: tiny configs and how to 
 where a float64 model still computes in float32 and how to compute those parts in float64, the
 module groups a check reports, the gradients that are zero in exact arithmetic, the items and
 tokens a synthetic sample of the family has, and a tiny processor for a checkpoint directory.
-Each family defines its kit in its own file (``class Kit(FamilyKit)``) and links it from its
-adapter (``kit = Kit``); ``cpvlm.integrations.hf.registry.kit_for(model_or_config)`` gives the
-kit of a model.
+Each family defines its kit in its own file (``class <Family>Kit(FamilyKit)``) and links it
+from its adapter (``kit = <Family>Kit``); ``cpvlm.integrations.hf.registry.kit_for(model_or_config)``
+gives the kit of a model.
 """
 
 from __future__ import annotations

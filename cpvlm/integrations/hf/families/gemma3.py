@@ -142,7 +142,7 @@ def _image_processor(config):
     return Gemma3ImageProcessorPil(size={"height": side, "width": side})
 
 
-class Kit(FamilyKit):
+class Gemma3Kit(FamilyKit):
     tiny_configs = {"gemma3-tiny": tiny_gemma3_config}
     traits = frozenset({"image_spans"})
     zero_gradients = (r"model\.vision_tower\..*\.self_attn\.k_proj\.bias$",)
@@ -328,6 +328,6 @@ class Gemma3Adapter(FixedImageLayout):
     family = "gemma3"
     model_classes = ("Gemma3ForConditionalGeneration",)
     model_types = ("gemma3",)
-    kit = Kit
+    kit = Gemma3Kit
     span_token_types = (1,)  # get_block_sequence_ids_for_mask: token_type_ids == 1
     span_layers = "all"  # create_masks_for_vision_model: full and sliding layers

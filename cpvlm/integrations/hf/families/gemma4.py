@@ -183,7 +183,7 @@ def _video_processor(config) -> dict:
     }
 
 
-class Kit(FamilyKit):
+class Gemma4Kit(FamilyKit):
     tiny_configs = {"gemma4-tiny": tiny_gemma4_config}
     traits = frozenset({"image_spans"})
     tiny_processor = TinyProcessor(
@@ -242,7 +242,7 @@ class Gemma4Adapter(VLMAdapter):
     family = "gemma4"
     model_classes = ("Gemma4ForConditionalGeneration",)
     model_types = ("gemma4",)
-    kit = Kit
+    kit = Gemma4Kit
     chat_media = Gemma4Media  # the data path's processor hooks
     model_batch_keys = (
         "image_position_ids",

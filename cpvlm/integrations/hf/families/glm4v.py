@@ -165,7 +165,7 @@ class _GlmKit(FamilyKit):
         )
 
 
-class Kit(_GlmKit):
+class Glm4vKit(_GlmKit):
     tiny_configs = {"glm4v-tiny": tiny_glm4v_config, "glm46v-tiny": tiny_glm46v_config}
     published_towers = {
         "GLM-4.1V-9B": {"depth": 24, "hidden_size": 1536, "intermediate_size": 13696,
@@ -222,7 +222,7 @@ class Glm4vAdapter(_GlmLayout):
     family = "glm4v"
     model_classes = ("Glm4vForConditionalGeneration", "Glm46VForConditionalGeneration")
     model_types = ("glm4v", "glm46v")
-    kit = Kit
+    kit = Glm4vKit
 
 
 @register

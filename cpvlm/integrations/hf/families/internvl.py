@@ -154,7 +154,7 @@ def _video_processor(config) -> dict:
     }
 
 
-class Kit(FamilyKit):
+class InternVLKit(FamilyKit):
     tiny_configs = {"internvl-tiny": tiny_internvl_config}
     traits = frozenset({"tiled"})
     tiny_processor = TinyProcessor(
@@ -205,7 +205,7 @@ class InternVLAdapter(VLMAdapter):
     family = "internvl"
     model_classes = ("InternVLForConditionalGeneration",)
     model_types = ("internvl",)
-    kit = Kit
+    kit = InternVLKit
     chat_media = InternVLMedia  # the data path's processor hooks
 
     def __init__(self, config):

@@ -175,7 +175,7 @@ def _processor_settings(config) -> dict:
     }
 
 
-class Kit(FamilyKit):
+class LlavaOnevisionKit(FamilyKit):
     tiny_configs = {"llava-onevision-tiny": tiny_llava_onevision_config}
     traits = frozenset({"tiled"})
     tiny_processor = TinyProcessor(
@@ -226,7 +226,7 @@ class LlavaOnevisionAdapter(VLMAdapter):
     family = "llava_onevision"
     model_classes = ("LlavaOnevisionForConditionalGeneration",)
     model_types = ("llava_onevision",)
-    kit = Kit
+    kit = LlavaOnevisionKit
     chat_media = LlavaOnevisionMedia  # the data path's processor hooks
     split_frames = False
     model_batch_keys = ("image_sizes", "batch_num_images", "image_sizes_videos")

@@ -88,7 +88,7 @@ def qwen2_5_vl_vision_cost(vc) -> VisionCost:
     )
 
 
-class Kit(FamilyKit):
+class Qwen2_5_VLKit(FamilyKit):
     tiny_configs = {"qwen2.5-vl-tiny": tiny_qwen2_5_vl_config}
     published_towers = {
         "Qwen2.5-VL-7B": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420,
@@ -106,7 +106,7 @@ class Qwen2_5_VLAdapter(QwenVLProcessing, VLMAdapter):
     family = "qwen2_5_vl"
     model_classes = ("Qwen2_5_VLForConditionalGeneration",)
     model_types = ("qwen2_5_vl",)
-    kit = Kit
+    kit = Qwen2_5_VLKit
     video_keys = ("second_per_grid_ts",)
     split_vision = True
 

@@ -61,7 +61,7 @@ def qwen2_vl_vision_cost(vc) -> VisionCost:
     return VisionCost(linear_per_patch=linear, pair=2 * w, full_blocks=vc.depth)
 
 
-class Kit(FamilyKit):
+class Qwen2VLKit(FamilyKit):
     tiny_configs = {"qwen2-vl-tiny": tiny_qwen2_vl_config}
     # hidden_size is the tower's output width; embed_dim is the tower's.
     published_towers = {
@@ -76,7 +76,7 @@ class Qwen2VLAdapter(QwenVLProcessing, VLMAdapter):
     family = "qwen2_vl"
     model_classes = ("Qwen2VLForConditionalGeneration",)
     model_types = ("qwen2_vl",)
-    kit = Kit
+    kit = Qwen2VLKit
     split_vision = True  # positions and cu_seqlens precomputable, everything else per patch
 
     def vision_cost(self):

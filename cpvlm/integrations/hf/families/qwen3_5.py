@@ -46,8 +46,7 @@ from ..adapter import MoeRouter
 from ..kit import MoeKit
 from ..registration import register
 from ..tiny import TEXT, VISION, VISION_TOKEN_IDS, split_overrides, with_overrides
-from .qwen3_vl import Kit as Qwen3VLKit
-from .qwen3_vl import Qwen3VLAdapter
+from .qwen3_vl import Qwen3VLAdapter, Qwen3VLKit
 
 # ---- the CP linear-attention layer ---------------------------------------------------------------
 
@@ -180,7 +179,7 @@ def tiny_qwen3_5_moe_config(**overrides) -> Qwen3_5MoeConfig:
 # ---- the adapters --------------------------------------------------------------------------------
 
 
-class Kit(Qwen3VLKit):
+class Qwen3_5Kit(Qwen3VLKit):
     tiny_configs = {"qwen3.5-tiny": tiny_qwen3_5_config}
     traits = frozenset({"linear_attention"})
     tiny_processor = None
@@ -213,7 +212,7 @@ class Kit(Qwen3VLKit):
         return tuple(groups)
 
 
-class Qwen3_5MoeKit(MoeKit, Kit):
+class Qwen3_5MoeKit(MoeKit, Qwen3_5Kit):
     tiny_configs = {"qwen3.5-moe-tiny": tiny_qwen3_5_moe_config}
     shared_tests = False  # tests/hf/test_qwen3_5.py (the shared suite's time)
 
@@ -223,7 +222,7 @@ class Qwen3_5Adapter(Qwen3VLAdapter):
     family = "qwen3_5"
     model_classes = ("Qwen3_5ForConditionalGeneration",)
     model_types = ("qwen3_5",)
-    kit = Kit
+    kit = Qwen3_5Kit
 
     def install_context_parallel(self, model) -> None:
         for module in self.text_model(model).modules():

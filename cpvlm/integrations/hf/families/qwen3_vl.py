@@ -82,7 +82,7 @@ def has_deepstack(config) -> bool:
     return bool(getattr(config.vision_config, "deepstack_visual_indexes", None))
 
 
-class Kit(FamilyKit):
+class Qwen3VLKit(FamilyKit):
     tiny_configs = {"qwen3-vl-tiny": tiny_qwen3_vl_config}
     default_model = True
     published_towers = {
@@ -116,7 +116,7 @@ class Qwen3VLAdapter(QwenVLProcessing, VLMAdapter):
     family = "qwen3_vl"
     model_classes = ("Qwen3VLForConditionalGeneration",)
     model_types = ("qwen3_vl",)
-    kit = Kit
+    kit = Qwen3VLKit
     video_processor = "Qwen3VLVideoProcessor"
     projector = ("merger", "deepstack_merger_list")
 

@@ -14,8 +14,7 @@ from ..adapter import MoeRouter
 from ..kit import MoeKit
 from ..registration import register
 from ..tiny import VISION_TOKEN_IDS, split_overrides, with_overrides
-from .qwen3_vl import TINY_TEXT, Qwen3VLAdapter, tiny_vision
-from .qwen3_vl import Kit as Qwen3VLKit
+from .qwen3_vl import TINY_TEXT, Qwen3VLAdapter, Qwen3VLKit, tiny_vision
 
 
 def tiny_qwen3_vl_moe_config(**overrides) -> Qwen3VLMoeConfig:
@@ -38,7 +37,7 @@ def tiny_qwen3_vl_moe_config(**overrides) -> Qwen3VLMoeConfig:
     return Qwen3VLMoeConfig(text_config=text, vision_config=tiny_vision(vision), **top)
 
 
-class Kit(MoeKit, Qwen3VLKit):
+class Qwen3VLMoeKit(MoeKit, Qwen3VLKit):
     tiny_configs = {"qwen3-vl-moe-tiny": tiny_qwen3_vl_moe_config}
     tiny_processor = None
 
@@ -48,4 +47,4 @@ class Qwen3VLMoeAdapter(MoeRouter, Qwen3VLAdapter):
     family = "qwen3_vl_moe"
     model_classes = ("Qwen3VLMoeForConditionalGeneration",)
     model_types = ("qwen3_vl_moe",)
-    kit = Kit
+    kit = Qwen3VLMoeKit
