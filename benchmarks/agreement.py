@@ -40,7 +40,7 @@ from cpvlm.testing import run_distributed, shutdown_pools  # noqa: E402
 def _worker(rank, world_size, calls, steps):
     from transformers import AutoModelForImageTextToText  # here: the workers start faster
 
-    from cpvlm.integrations.hf import ContextParallelVLM
+    from cpvlm.hf import ContextParallelVLM
 
     torch.manual_seed(0)
     facts = {

@@ -8,7 +8,7 @@ loader's share of step time in ``cpvlm train``.
 Data that looks real: JPEG photos (smooth gradients with noise, so that they decode like
 photographs) of 320x240 to 1920x1080 pixels, one to three per conversation, a 16-frame video
 (a folder of 320x240 JPEG frames) in one sample in five, text-only samples, one or two turns;
-the tiny Qwen3-VL checkpoint of ``cpvlm.integrations.hf.tiny_checkpoint`` with images resized to at most
+the tiny Qwen3-VL checkpoint of ``cpvlm.hf.tiny_checkpoint`` with images resized to at most
 448x448 pixels (3136 patches of 8 pixels) and videos to at most 4 frames' worth of that.
 
 Part 1, the loader alone (``RankLoader``, no model): every CP rank of a group is run in turn in
@@ -109,7 +109,7 @@ def loader_rows(ckpt: Path, jsonl: Path, cps: list[int], repeats: int) -> list[d
     from transformers import AutoConfig
 
     from cpvlm.data import open_source
-    from cpvlm.integrations.hf.processor import ChatEncoder
+    from cpvlm.hf.data.processor import ChatEncoder
 
     encoder = ChatEncoder(
         ckpt,
@@ -178,7 +178,7 @@ def train_rows(ckpt: Path, jsonl: Path, steps: int, worker_counts: list[int]) ->
 
 
 def main():
-    from cpvlm.integrations.hf.tiny_checkpoint import make_tiny_checkpoint
+    from cpvlm.hf.tiny_checkpoint import make_tiny_checkpoint
 
     p = parser(__doc__)
     p.add_argument("--samples", type=int, default=SAMPLES, help="conversations in the data")

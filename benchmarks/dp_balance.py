@@ -215,7 +215,7 @@ def fit_parts(parts, seconds) -> list[float]:
 def _doc_batch(config, meta, n):
     """A one-document batch of ``meta``'s grids and exactly ``n`` tokens where its items allow
     (the synthetic template adds vision start/end tokens: the text makes up the difference)."""
-    from cpvlm.integrations.hf import SampleSpec, synthetic_batch
+    from cpvlm.hf import SampleSpec, synthetic_batch
 
     def build(text_len):
         spec = SampleSpec(
@@ -233,7 +233,7 @@ def _doc_batch(config, meta, n):
 
 def _row_batch(config, slot):
     """``(batch, doc_lens)``: the packed row ``cpvlm train`` runs for ``slot``."""
-    from cpvlm.integrations.hf import pack_documents
+    from cpvlm.hf import pack_documents
 
     parts = [_doc_batch(config, m, n) for m, n in zip(slot.metas, slot.lengths, strict=True)]
     return pack_documents(parts), [p["input_ids"].shape[1] for p in parts]
@@ -274,8 +274,8 @@ def measured(mix, dps, rows, seq_len, steps, samples, scale, repeats, calibratio
     from cpvlm.data.balance import dp_deal, max_over_mean
     from cpvlm.data.packing import dp_split
     from cpvlm.data.rows import RowSlot
-    from cpvlm.integrations.hf import ContextParallelVLM, row_cost
-    from cpvlm.integrations.hf.families.qwen3_vl import tiny_qwen3_vl_config
+    from cpvlm.families.qwen3_vl import tiny_qwen3_vl_config
+    from cpvlm.hf import ContextParallelVLM, row_cost
 
     config = tiny_qwen3_vl_config(**copy.deepcopy(TINY))
     cost = row_cost(config)
@@ -360,7 +360,7 @@ def measured(mix, dps, rows, seq_len, steps, samples, scale, repeats, calibratio
 
 
 def main():
-    from cpvlm.integrations.hf import row_cost
+    from cpvlm.hf import row_cost
 
     p = parser(__doc__)
     p.add_argument("--seq-len", type=int, default=8192)

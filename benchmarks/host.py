@@ -40,8 +40,8 @@ from cpvlm.attention import schedule as attn_schedule
 from cpvlm.attention.cost import Shapes, choose_impl, estimate_seconds
 from cpvlm.attention.mask_spec import MaskSpec
 from cpvlm.distributed import layout as attn_layout
-from cpvlm.integrations.hf import inputs as hf_inputs
-from cpvlm.integrations.hf.adapter import VLMAdapter
+from cpvlm.hf import inputs as hf_inputs
+from cpvlm.hf.adapter import VLMAdapter
 from cpvlm.vision.assign import assign_vision_units
 from cpvlm.vision.route import route_plan
 

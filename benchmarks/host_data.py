@@ -295,8 +295,8 @@ def main():
 
     from cpvlm.data import open_source
     from cpvlm.data.rows import meta_of
-    from cpvlm.integrations.hf.processor import ChatEncoder
-    from cpvlm.integrations.hf.tiny_checkpoint import make_tiny_checkpoint
+    from cpvlm.hf.data.processor import ChatEncoder
+    from cpvlm.hf.tiny_checkpoint import make_tiny_checkpoint
 
     p = parser(__doc__)
     p.add_argument("--samples", type=int, default=160, help="distinct conversations")

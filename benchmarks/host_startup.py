@@ -9,7 +9,7 @@ Planning is per sample (~2 to 3 CPU ms a conversation of this data), so ``prepar
 sample's size from the JSONL file grow as N; the N = 10k, 30k and 100k rows show that scaling
 measured, not extrapolated (``--sizes-max`` below N would scale the JSONL figure, and says so).
 
-Data: the conversations of ``cpvlm.integrations.hf.tiny_checkpoint.example_records`` (text, one
+Data: the conversations of ``cpvlm.hf.tiny_checkpoint.example_records`` (text, one
 or two PNG images, 3-5 frame videos; one or two turns), cycled to N lines of one JSONL file, and
 the tiny Qwen3-VL checkpoint directory with its processor. ``cpvlm train`` plans lazily, a
 packing window at a time (planning split over DP), so its start-up does not tokenize the dataset;
@@ -60,7 +60,7 @@ WINDOW, SEQ_LEN, REPEATS = 64, 1024, 3
 
 
 def _write_data(folder: Path, n: int) -> tuple[Path, Path]:
-    from cpvlm.integrations.hf.tiny_checkpoint import example_records, make_tiny_checkpoint
+    from cpvlm.hf.tiny_checkpoint import example_records, make_tiny_checkpoint
 
     ckpt = folder / "ckpt"
     if not ckpt.is_dir():
@@ -84,7 +84,7 @@ def _best(fn, repeats: int) -> tuple[float, float]:
 def _encoder(ckpt: Path):
     from transformers import AutoConfig
 
-    from cpvlm.integrations.hf.processor import ChatEncoder
+    from cpvlm.hf.data.processor import ChatEncoder
 
     config = AutoConfig.from_pretrained(ckpt, local_files_only=True)
     return config, ChatEncoder(ckpt, config)
@@ -93,7 +93,7 @@ def _encoder(ckpt: Path):
 def _first_rows(ckpt: Path, spec: str) -> None:
     from cpvlm.data import RowStream, open_source
     from cpvlm.data.prepared import PreparedSource
-    from cpvlm.integrations.hf.prepared_key import check_prepared
+    from cpvlm.hf.data.prepared_key import check_prepared
     from cpvlm.train.config import DataConfig
 
     config, encoder = _encoder(ckpt)
@@ -133,7 +133,7 @@ def _all_sizes(ckpt: Path, spec: str, most: int | None) -> tuple[float, float, i
     return clock.wall() * n / measured, clock.cpu() * n / measured, measured
 
 
-IMPORTS = "import torch, transformers, cpvlm.cli, cpvlm.train.loop, cpvlm.integrations.hf"
+IMPORTS = "import torch, transformers, cpvlm.cli, cpvlm.train.loop, cpvlm.hf"
 
 
 def _imports() -> tuple[float, float]:

@@ -126,7 +126,7 @@ LOSS_CHUNK = 1024
 
 
 def model_config(vocab: int | None = None):
-    from cpvlm.integrations.hf import TINY_MODELS
+    from cpvlm.hf import TINY_MODELS
 
     text = dict(TEXT) if vocab is None else {**TEXT, "vocab_size": vocab}
     return TINY_MODELS["qwen3-vl-tiny"](text_config=text, vision_config=dict(VISION))
@@ -134,7 +134,7 @@ def model_config(vocab: int | None = None):
 
 def packed_batch(config, docs=DOCS) -> tuple[dict[str, torch.Tensor], list[int]]:
     """The documents ``docs`` packed into one row, as a packing collator would lay them out."""
-    from cpvlm.integrations.hf import SampleSpec, synthetic_batch
+    from cpvlm.hf import SampleSpec, synthetic_batch
 
     parts = [
         synthetic_batch(config, [SampleSpec(*doc)], seed=100 + i) for i, doc in enumerate(docs)
@@ -335,7 +335,7 @@ def _rss_now() -> int:
 def _worker(rank, world_size, flow, attn, docs, vocab=None, loss_chunk=None):
     from transformers import AutoModelForImageTextToText
 
-    from cpvlm.integrations.hf import ContextParallelVLM
+    from cpvlm.hf import ContextParallelVLM
 
     torch.manual_seed(0)
     config = model_config(vocab)

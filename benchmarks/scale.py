@@ -53,7 +53,7 @@ def spec_for(kind: str, seq_len: int, config):
     of 448x448 frames (sized by the model's patch and merge: 196 tokens a frame pair for Qwen3-VL
     and Qwen3.5, 256 for Qwen2.5-VL). A family without videos (Gemma 3) gets the frames as
     images (``image_size`` a side, ``mm_tokens_per_image`` tokens each), 90% of the row."""
-    from cpvlm.integrations.hf import adapter_for
+    from cpvlm.hf import adapter_for
     from cpvlm.simulate import SequenceSpec
 
     if kind == "text":

@@ -60,7 +60,7 @@ def depth_check(points, out_dir) -> None:
     import time
     from dataclasses import replace
 
-    from cpvlm.integrations.hf import TINY_MODELS
+    from cpvlm.hf import TINY_MODELS
     from cpvlm.simulate import SequenceSpec, Setup, load_config, simulate_step
 
     rows = []
@@ -118,7 +118,7 @@ def main() -> None:
     if args.depth:
         depth_check(args.points, args.out_dir)
         return
-    from cpvlm.integrations.hf import TINY_MODELS
+    from cpvlm.hf import TINY_MODELS
     from cpvlm.simulate import SequenceSpec
     from cpvlm.testing import run_distributed
     from cpvlm.testing.memory_check import real_step, simulated_step

@@ -1,7 +1,7 @@
 """Vision data parallelism: balance by modelled encoder cost, bytes per rank, encoder time per rank.
 
 1. Towers: the cost model of four published vision towers, read from their configs
-   (cpvlm.integrations.hf.vision_cost): linear MACs per patch and attention/linear work of one
+   (cpvlm.hf.vision_cost): linear MACs per patch and attention/linear work of one
    frame of 1024 and 4096 patches.
 2. Balance, for three mixes (cpvlm/testing/vision_cases.py: the 12-image + video mix, NeMo
    Automodel's 4 x 1024 + 400 x 112 patches, a 50-frame video + 300 small images) and cp 2/4/8:
@@ -53,7 +53,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from cpvlm import ShardPlan
-from cpvlm.integrations.hf.vision_cost import vision_cost
+from cpvlm.hf.vision_cost import vision_cost
 from cpvlm.testing.vision_cases import CURRENT_MIX, MIXES, PUBLISHED_TOWERS, SPLIT_MIXES
 from cpvlm.vision import assign_vision_units, contiguous_assignment, route_plan, vision_units
 from cpvlm.vision.cost import VisionCost, block_linear_macs

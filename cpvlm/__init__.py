@@ -3,7 +3,7 @@
 The model-agnostic API lives here: the sequence layout (``ShardPlan``), CP attention and its
 masks, vision data parallelism, the global token-mean loss, data parallelism on a (dp, cp) mesh,
 and the one options object every entry point validates (``CPOptions``). The transformers VLM
-integration (every supported family; it needs ``transformers``) is ``cpvlm.integrations.hf``;
+integration (every supported family; it needs ``transformers``) is ``cpvlm.hf``;
 ``cpvlm verify`` and its engine are ``cpvlm.verify``.
 """
 

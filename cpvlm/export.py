@@ -63,7 +63,7 @@ def load_trained_model(checkpoint: str | Path):
 
     import torch.distributed.checkpoint as dcp
 
-    from cpvlm.integrations.hf import build_model
+    from cpvlm.hf import build_model
     from cpvlm.train.checkpoint import read_meta
     from cpvlm.train.config import TrainConfig
 

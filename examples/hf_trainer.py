@@ -17,8 +17,8 @@ import os
 import torch
 from transformers import Trainer, TrainingArguments, set_seed  # noqa: F401  (the usual imports)
 
-from cpvlm.integrations.hf import SampleSpec, build_model, synthetic_batch
-from cpvlm.integrations.hf.trainer import ContextParallelTrainer  # cpvlm
+from cpvlm.hf import SampleSpec, build_model, synthetic_batch
+from cpvlm.hf.trainer import ContextParallelTrainer  # cpvlm
 
 VISION_KEYS = ("pixel_values", "image_grid_thw")
 ANSWER = 3

@@ -17,7 +17,7 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from cpvlm.integrations.hf import SampleSpec, synthetic_batch
+from cpvlm.hf import SampleSpec, synthetic_batch
 
 SAMPLES = [SampleSpec(images=((4, 4), (8, 4)), text_len=20), SampleSpec(text_len=30)]
 
@@ -38,7 +38,7 @@ checkpoint, cp, dp_shard = args.model, args.cp, dist.get_world_size() // args.cp
 # under torchrun, after dist.init_process_group(); checkpoint, cp and dp_shard = world / cp given
 # (examples/library_step.py runs this block as it is here)
 from cpvlm import build_mesh, count_valid_labels, mesh_groups, parallelize, shift_labels
-from cpvlm.integrations.hf import ContextParallelVLM, adapter_for, build_model
+from cpvlm.hf import ContextParallelVLM, adapter_for, build_model
 
 mesh = build_mesh(dp_shard=dp_shard, cp=cp)  # dp_shard x cp ranks, cp innermost
 groups = mesh_groups(mesh)

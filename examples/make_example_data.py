@@ -21,8 +21,8 @@ its directory to ``cpvlm train --model`` instead.
 import argparse
 from pathlib import Path
 
-from cpvlm.integrations.hf.registry import default_model, tiny_adapters
-from cpvlm.integrations.hf.tiny_checkpoint import (
+from cpvlm.hf.registry import default_model, tiny_adapters
+from cpvlm.hf.tiny_checkpoint import (
     example_records,
     make_tiny_checkpoint,
     takes_example_videos,

@@ -22,8 +22,8 @@ from PIL import Image
 from transformers import AutoProcessor, set_seed
 from trl import SFTConfig, SFTTrainer  # noqa: F401  (the script's usual imports)
 
-from cpvlm.integrations.hf import build_model
-from cpvlm.integrations.hf.trl import ContextParallelSFTTrainer  # cpvlm
+from cpvlm.hf import build_model
+from cpvlm.hf.trl import ContextParallelSFTTrainer  # cpvlm
 
 WORDS = "a red square on a blue field two cats a ball that rolls to the left and stops"
 
@@ -54,7 +54,7 @@ def load_processor(path, model_config):
     try:
         return AutoProcessor.from_pretrained(path)
     except ImportError:  # no torchvision for the video processor; cpvlm's needs none for images
-        from cpvlm.integrations.hf.processor import ChatEncoder
+        from cpvlm.hf.data.processor import ChatEncoder
 
         return ChatEncoder(path, model_config).processor
 
@@ -92,7 +92,7 @@ def main() -> None:
     )
     path = args.model
     if path is None:
-        from cpvlm.integrations.hf.tiny_checkpoint import make_tiny_checkpoint
+        from cpvlm.hf.tiny_checkpoint import make_tiny_checkpoint
 
         path = Path(args.output_dir) / "tiny-checkpoint"
         with PartialState().main_process_first():

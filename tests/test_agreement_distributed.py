@@ -139,7 +139,7 @@ def test_a_value_wrong_on_one_rank_raises_the_same_error_on_every_rank(world_siz
 
 def _count_agreements(rank, world_size, attn, vision):
     """All-reduces of the agreement (three int64s) in one ContextParallelVLM forward."""
-    from cpvlm.integrations.hf import ContextParallelVLM, SampleSpec, build_model, synthetic_batch
+    from cpvlm.hf import ContextParallelVLM, SampleSpec, build_model, synthetic_batch
 
     model = build_model("qwen3-vl-tiny", dtype=torch.float64)
     cp_model = ContextParallelVLM(model, dist.group.WORLD, attn=attn, vision=vision)
@@ -190,7 +190,7 @@ def _divergent_batches(rank, world_size):
     ranks), one case per vision mode: the last rank alone is handed a batch with one pixel row
     too few (it finds it before the tower runs, while the others enter the tower's parameter
     all-gather); in replicate mode also a tower that returns one row too few on that rank."""
-    from cpvlm.integrations.hf import ContextParallelVLM, SampleSpec, build_model, synthetic_batch
+    from cpvlm.hf import ContextParallelVLM, SampleSpec, build_model, synthetic_batch
     from cpvlm.parallelize import build_mesh, mesh_groups, parallelize
 
     bad = world_size - 1

@@ -30,7 +30,7 @@ def test_verify_refuses_bad_flags(capsys, argv, message):
 
 
 def test_verify_refuses_a_model_directory_without_weights(tmp_path, capsys):
-    from cpvlm.integrations.hf import TINY_MODELS
+    from cpvlm.hf import TINY_MODELS
 
     TINY_MODELS["qwen3-vl-tiny"]().save_pretrained(tmp_path)
     assert "has a config.json but no weights" in _refused(
@@ -80,7 +80,7 @@ def test_export_refuses_what_it_cannot_export(tmp_path, capsys):
 
 @pytest.mark.parametrize("command", ["train", "verify"])
 def test_model_flag_lists_the_registry_and_defaults_to_its_default_model(capsys, command):
-    from cpvlm.integrations.hf.registry import default_model, tiny_adapters
+    from cpvlm.hf.registry import default_model, tiny_adapters
 
     with pytest.raises(SystemExit):
         cpvlm_main([command, "--help"])

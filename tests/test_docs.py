@@ -40,8 +40,8 @@ def _families_table(path: Path) -> list[tuple[list[str], list[str]]]:
 
 @pytest.mark.parametrize("path", FAMILY_TABLES, ids=_rel)
 def test_the_families_table_is_the_registry(path):
-    from cpvlm.integrations.hf import registry
-    from cpvlm.integrations.hf.registration import ADAPTERS
+    from cpvlm.hf import registry
+    from cpvlm.hf.registration import ADAPTERS
 
     adapter_of_class = {c: a for a in ADAPTERS for c in a.model_classes}
     adapter_of_tiny = registry.tiny_adapters()

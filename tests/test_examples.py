@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from cpvlm.integrations.hf import SampleSpec, build_model, synthetic_batch  # noqa: E402
+from cpvlm.hf import SampleSpec, build_model, synthetic_batch  # noqa: E402
 from cpvlm.verify import reference_loss_and_grads, rel_err  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "library_step.py"

@@ -117,3 +117,19 @@ def test_a_planted_cycle_is_found(tmp_path):
     assert find_cycle(graph) == ["pkg.sub", "pkg.sub.b", "pkg.c", "pkg.sub"]
     (pkg / "c.py").write_text("C = 1\n")
     assert find_cycle(import_graph(tmp_path, "pkg")) is None
+
+
+def test_hf_public_names_load_lazily():
+    """``cpvlm.hf``'s public names load on first use: its ``__init__`` loads no CP-step module
+    (that would close a circle through the families), and every exported name resolves."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, cpvlm.hf as h\n"
+        "assert 'cpvlm.hf.context_parallel' not in sys.modules\n"
+        "assert sorted(h.__all__) == sorted(h._EXPORTS)\n"
+        "for n in h.__all__: getattr(h, n)\n"
+        "assert 'cpvlm.hf.context_parallel' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -43,7 +43,7 @@ pytestmark = pytest.mark.usefixtures("no_training_process")
 
 
 def _library_messages(rank, world_size, cases):
-    from cpvlm.integrations.hf import ContextParallelVLM, build_model
+    from cpvlm.hf import ContextParallelVLM, build_model
     from cpvlm.vision import VisionDataParallel
 
     model = build_model("qwen3-vl-tiny", seed=0)

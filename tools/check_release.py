@@ -82,7 +82,7 @@ def installed_versions(python: Path) -> dict[str, str]:
 
 def tiny_models(python: Path) -> dict[str, str]:
     code = (
-        "import json; from cpvlm.integrations.hf import TINY_MODELS, build_model, model_family\n"
+        "import json; from cpvlm.hf import TINY_MODELS, build_model, model_family\n"
         "print(json.dumps({m: model_family(build_model(m)) for m in TINY_MODELS}))"
     )
     proc = subprocess.run([python, "-c", code], capture_output=True, text=True, cwd=ROOT)

@@ -1,7 +1,7 @@
 """Training data: records -> planned samples -> packed rows -> this rank's pixels.
 
 Model-agnostic (no ``transformers`` import): a model's processor plugs in as the ``plan`` and
-``decode`` callables (``cpvlm.integrations.hf.processor`` for Hugging Face checkpoints). Read in
+``decode`` callables (``cpvlm.hf.data.processor`` for Hugging Face checkpoints). Read in
 this order: sources.py (where records come from; record.py, one record), sample.py (a planned
 sample), media.py (image headers and decoding), order.py and packing.py (which sample when, rows,
 DP split), balance.py (the deal by cost), rows.py (the global row stream), loader.py (this rank's

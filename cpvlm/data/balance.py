@@ -42,7 +42,7 @@ from cpvlm.vision.cost import VisionCost
 @dataclass(frozen=True)
 class RowCost:
     """Forward MACs of a packed row (see the module docstring); build one with
-    ``cpvlm.integrations.hf.row_cost(config)`` for a transformers VLM."""
+    ``cpvlm.hf.data.row_cost(config)`` for a transformers VLM."""
 
     token: int  # decoder MACs per token
     pair: int  # decoder MACs per attended (query, key) pair, summed over the layers

@@ -345,7 +345,7 @@ class RankLoader:
         if balance not in DP_BALANCE:
             raise ValueError(f"balance must be one of {DP_BALANCE}, got {balance!r}")
         if balance == "cost" and row_cost is None:
-            raise ValueError("balance='cost' needs row_cost (cpvlm.integrations.hf.row_cost)")
+            raise ValueError("balance='cost' needs row_cost (cpvlm.hf.data.row_cost)")
         if exchange is not None and exchange.size != dp_size:
             raise ValueError(f"the exchange has {exchange.size} ranks, dp is {dp_size}")
         self.balance, self.row_cost = balance, row_cost

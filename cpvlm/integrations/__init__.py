@@ -1,1 +1,1 @@
-"""Integrations with model libraries; each subpackage needs its library (e.g. ``cpvlm[hf]``)."""
+"""Moved: ``cpvlm.integrations.hf`` is now ``cpvlm.hf`` (a compatibility name, see its module)."""

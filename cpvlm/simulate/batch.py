@@ -63,7 +63,7 @@ def _grid(adapter, config, h: int, w: int) -> tuple[int, int]:
 
 def build_batch(config, spec: SequenceSpec) -> tuple[dict[str, torch.Tensor], list[int]]:
     """``(batch, doc_lens)``: one packed row of exactly ``spec.seq_len`` tokens."""
-    from cpvlm.integrations.hf import SampleSpec, adapter_for, pack_documents, synthetic_batch
+    from cpvlm.hf import SampleSpec, adapter_for, pack_documents, synthetic_batch
 
     adapter = adapter_for(config)
     tps = getattr(config.vision_config, "temporal_patch_size", 1)

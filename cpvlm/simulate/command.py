@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--gpus must be >= 1 and --gpu-mem > 0")
         config = load_config(args.model)
         spec = SequenceSpec(args.seq_len, tuple(args.images), tuple(args.videos), args.docs)
-        from cpvlm.integrations.hf import adapter_for
+        from cpvlm.hf import adapter_for
 
         adapter_for(config)  # an unsupported family fails here, with the supported list
     except (ValueError, OSError) as err:

@@ -157,7 +157,7 @@ PUBLISHED = {
 def load_config(name_or_dir: str):
     """The config of a ``PUBLISHED`` name, a tiny model (``TINY_MODELS``) or a local directory
     with a ``config.json``; a ValueError says which names exist otherwise."""
-    from cpvlm.integrations.hf import TINY_MODELS
+    from cpvlm.hf import TINY_MODELS
 
     if name_or_dir in PUBLISHED:
         return PUBLISHED[name_or_dir]()

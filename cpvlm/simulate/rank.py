@@ -230,7 +230,7 @@ def _fit_affine(memory: RankMemory, points: list) -> None:
 def _simulate(config, run_config, depth, spec: SequenceSpec, setup: Setup, cache: dict):
     """``(RankMemory, saved bytes by layer, meta model)`` of ``run_config``'s model (``config``
     builds the batch)."""
-    from cpvlm.integrations.hf import ContextParallelVLM, adapter_for
+    from cpvlm.hf import ContextParallelVLM, adapter_for
     from cpvlm.parallelize import build_mesh, mesh_groups, parallelize
 
     world = setup.dp * setup.cp

@@ -28,7 +28,7 @@ def real_step(rank: int, world_size: int, config, spec, attn: str, loss_chunk) -
     sys.path.insert(0, str(BENCHMARKS))
     from memory import StepMemory  # benchmarks/memory.py
 
-    from cpvlm.integrations.hf import ContextParallelVLM
+    from cpvlm.hf import ContextParallelVLM
     from cpvlm.simulate.batch import build_batch
 
     torch.manual_seed(0)

@@ -34,7 +34,7 @@ SPLIT_MIXES = {"3 x 1600 + small": SPLIT_MIX, "high-res video": HIGH_RES_VIDEO}
 def __getattr__(name: str):
     # PUBLISHED_TOWERS: from the family kits (importing them needs transformers, so lazily).
     if name == "PUBLISHED_TOWERS":
-        from cpvlm.integrations.hf.registry import published_towers
+        from cpvlm.hf.registry import published_towers
 
         return published_towers()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

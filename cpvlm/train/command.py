@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _model_flags(g, m: ModelConfig) -> None:
-    from cpvlm.integrations.hf.registry import model_help
+    from cpvlm.hf.registry import model_help
 
     g.add_argument("--model", default=m.name, help=model_help())
     g.add_argument(

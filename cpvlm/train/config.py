@@ -53,7 +53,7 @@ def _choice(field_name: str, flag: str, value: object, choices: tuple[str, ...])
 
 
 def _registry_default_model() -> str:
-    from cpvlm.integrations.hf.registry import default_model
+    from cpvlm.hf.registry import default_model
 
     return default_model()
 

@@ -74,7 +74,7 @@ def _lead() -> bool:
 
 def model_config(name: str):
     """The HF config of ``--model`` (a tiny name or a local checkpoint directory with weights)."""
-    from cpvlm.integrations.hf import TINY_MODELS, adapter_for
+    from cpvlm.hf import TINY_MODELS, adapter_for
 
     if name in TINY_MODELS:
         return TINY_MODELS[name]()
@@ -199,7 +199,7 @@ def _check_data(config: TrainConfig, mc) -> None:
             "(tokenizer, chat template, image processor); pass --model DIR"
         )
     if kind == "prepared":
-        from cpvlm.integrations.hf.prepared_key import check_prepared_spec
+        from cpvlm.hf.data.prepared_key import check_prepared_spec
 
         check_prepared_spec(config, mc)
 

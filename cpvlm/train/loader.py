@@ -48,7 +48,7 @@ def has_processor(model_name: str) -> bool:
 def token_ids(model_config) -> TokenIds:
     """The data path's ids of ``model_config``, with its family's token-type rule (the adapter's:
     video frames may be image tokens inside video markers)."""
-    from cpvlm.integrations.hf.processor import adapter_token_ids
+    from cpvlm.hf.data.processor import adapter_token_ids
 
     return adapter_token_ids(model_config)
 
@@ -88,7 +88,7 @@ def build_encoder(config: TrainConfig, model_config, source=None):
     a prepared ``source`` (``cpvlm prepare``) plans from its columns, if its key is this run's."""
     if not has_processor(config.model.name):
         return (*_tokenized_only(token_ids(model_config)), 2)
-    from cpvlm.integrations.hf.processor import ChatEncoder
+    from cpvlm.hf.data.processor import ChatEncoder
 
     d = config.data
     encoder = ChatEncoder(
@@ -102,7 +102,7 @@ def build_encoder(config: TrainConfig, model_config, source=None):
     )
     plan = encoder.plan
     if isinstance(source, PreparedSource):
-        from cpvlm.integrations.hf.prepared_key import check_prepared
+        from cpvlm.hf.data.prepared_key import check_prepared
 
         check_prepared(source, encoder, model_config, d)
         plan = source.plan
@@ -122,7 +122,7 @@ def dp_exchange(groups, dp: int, cp: int) -> DPExchange | None:
 def build_loader(
     config: TrainConfig, model_config, groups, *, assign, pieces=None, state=None
 ) -> RankLoader:
-    from cpvlm.integrations.hf.row_cost import row_cost
+    from cpvlm.hf.data.row_cost import row_cost
 
     d = config.data
     source = build_source(config, model_config)

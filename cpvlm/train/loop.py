@@ -45,8 +45,8 @@ from torch.profiler import record_function
 
 from cpvlm.data import ErrorLog, RankLoader
 from cpvlm.distributed import compat
-from cpvlm.integrations.hf import ContextParallelVLM, adapter_for, build_model
-from cpvlm.integrations.hf.registry import kit_for
+from cpvlm.hf import ContextParallelVLM, adapter_for, build_model
+from cpvlm.hf.registry import kit_for
 from cpvlm.loss import count_valid_labels, shift_labels
 from cpvlm.parallelize import MeshGroups, build_mesh, mesh_groups, parallelize, sync_gradients
 from cpvlm.train import faults

@@ -29,7 +29,7 @@ def _matches(name: str, pattern: str) -> bool:
 def lora_target_modules(model: nn.Module, lora) -> list[str]:
     """The full module names of ``model`` that LoRA adapts under ``lora`` (a ``LoraConfig`` of
     ``cpvlm.train.config``). Raises ValueError when a pattern matches no linear layer."""
-    from cpvlm.integrations.hf import adapter_for
+    from cpvlm.hf import adapter_for
 
     adapter = adapter_for(model)
     full = {id(m): n for n, m in model.named_modules()}

@@ -41,7 +41,7 @@ from cpvlm.data.prepared import (
     write_manifest,
     write_shard,
 )
-from cpvlm.integrations.hf.prepared_key import FLAGS, PIXEL_FLAGS, prepared_key
+from cpvlm.hf.data.prepared_key import FLAGS, PIXEL_FLAGS, prepared_key
 
 DEFAULT_SHARD_SIZE = 1024
 PIXEL_HELP = {
@@ -70,8 +70,8 @@ def _encoder(model: str, data):
     """The checkpoint's config and ``ChatEncoder`` for the flags of ``data``."""
     from transformers import AutoConfig
 
-    from cpvlm.integrations.hf import adapter_for
-    from cpvlm.integrations.hf.processor import ChatEncoder
+    from cpvlm.hf import adapter_for
+    from cpvlm.hf.data.processor import ChatEncoder
     from cpvlm.train.loader import has_processor
 
     if not has_processor(model):

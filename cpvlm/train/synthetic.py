@@ -4,7 +4,7 @@ Sample ``i`` is a pure function of ``(seed, i)``, so any rank can produce any sa
 communication and a resumed run reads exactly the samples an uninterrupted run would.
 
 Each sample is one document in the layout the model family's processor writes (built with
-``cpvlm.integrations.hf.synthetic_batch`` from the family's adapter): text-only (2 in 5), one or
+``cpvlm.hf.synthetic_batch`` from the family's adapter): text-only (2 in 5), one or
 two images (9 in 20) (grids from 2x2 to 8x8 patches: sides spread 4x, areas 16x), or a video (3 in
 20; 2 to 4 temporal patch-frames; some layouts write a group with a timestamp per frame).
 Pixels are random and lazy (``cpvlm.data.LazyPixels``): a rank makes, in its DataLoader workers,
@@ -26,8 +26,8 @@ from itertools import count
 import torch
 
 from cpvlm.data.sample import LazyPixels
-from cpvlm.integrations.hf import adapter_for, kit_for
-from cpvlm.integrations.hf.synthetic import SampleSpec, sample_items, sample_tokens
+from cpvlm.hf import adapter_for, kit_for
+from cpvlm.hf.data.synthetic import SampleSpec, sample_items, sample_tokens
 
 TEXT_BASE = 16  # above the tiny configs' pad/bos/eos ids
 TEXT_VOCAB = 64

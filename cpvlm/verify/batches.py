@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-# cpvlm.integrations.hf (and transformers) is imported where a batch is made, not with this module.
+# cpvlm.hf (and transformers) is imported where a batch is made, not with this module.
 
 
 def _side(adapter) -> int:
@@ -18,7 +18,7 @@ def _side(adapter) -> int:
 def mixed_batch(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Images of two sizes (and a video where the model's own forward takes images and videos in
     one call; GLM-4V's does not) in one row, a text-only row; right padding."""
-    from cpvlm.integrations.hf import SampleSpec, adapter_for, kit_for, synthetic_batch
+    from cpvlm.hf import SampleSpec, adapter_for, kit_for, synthetic_batch
 
     adapter = adapter_for(model.config)
     s = _side(adapter)
@@ -34,7 +34,7 @@ def packed_documents(model, dtype: torch.dtype):
     """Documents packed in one row: an image and a video (for GLM-4V an image document, then a
     video document; without videos (Gemma 3) a second image), a 3-token text document, two
     images. Returns ``(packed batch, the single-document batches, doc_lens)``."""
-    from cpvlm.integrations.hf import (
+    from cpvlm.hf import (
         SampleSpec,
         adapter_for,
         kit_for,

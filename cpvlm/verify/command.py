@@ -71,13 +71,13 @@ def hybrid_size(cp: int, ulysses_size: int | None) -> int:
 
 
 def default_cp_model(model, group, attn: str, vision: str, flow: str, **kwargs):
-    from cpvlm.integrations.hf import ContextParallelVLM
+    from cpvlm.hf import ContextParallelVLM
 
     return ContextParallelVLM(model, group, attn=attn, vision=vision, flow=flow, **kwargs)
 
 
 def _cp_rank_main(rank, world_size, model_spec, dtype, cases, factory):
-    from cpvlm.integrations.hf import build_model, kit_for
+    from cpvlm.hf import build_model, kit_for
 
     base = build_model(model_spec, dtype=dtype, seed=0)
     if dtype == torch.float64:
@@ -117,7 +117,7 @@ def run_verify(
     level). Tests pass a deliberately broken one to prove the check can fail. A (vision, flow)
     pair that ``CPOptions`` rejects is skipped (all of them: ValueError).
     """
-    from cpvlm.integrations.hf import build_model, kit_for
+    from cpvlm.hf import build_model, kit_for
 
     torch_dtype = getattr(torch, dtype)
     model = build_model(model_spec, dtype=torch_dtype, seed=0)
@@ -206,7 +206,7 @@ def _csv(kind):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from cpvlm.integrations.hf.registry import default_model, model_help
+    from cpvlm.hf.registry import default_model, model_help
 
     parser.add_argument("--model", default=default_model(), help=model_help())
     parser.add_argument(

@@ -53,7 +53,7 @@ def tolerance(
 
 def module_groups(model) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """The model's module groups, ``(label, parameter-name regexes)``, from its family's kit."""
-    from cpvlm.integrations.hf import kit_for
+    from cpvlm.hf import kit_for
 
     return kit_for(model).module_groups()
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from cpvlm.constants import IGNORE_INDEX
 from cpvlm.verify.moe_reference import switch_load_balancing_loss
 
-# cpvlm.integrations.hf (and transformers) is imported where a reference runs, not with this module.
+# cpvlm.hf (and transformers) is imported where a reference runs, not with this module.
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -41,7 +41,7 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torc
 
 
 def _forward(model, inputs: Mapping, router: bool):
-    from cpvlm.integrations.hf import adapter_for
+    from cpvlm.hf import adapter_for
 
     kwargs = adapter_for(model).to_model_batch({k: v for k, v in inputs.items() if k != "labels"})
     if router:
@@ -73,7 +73,7 @@ def reference_loss_and_grads(
     batch (the documents pooled, as one packed forward would), backward. Returns the detached loss
     and a clone of every trainable parameter's gradient (zeros where a parameter got none); leaves
     ``.grad`` cleared and the model's cached ``rope_deltas`` reset."""
-    from cpvlm.integrations.hf import adapter_for
+    from cpvlm.hf import adapter_for
 
     if (batch is None) == (documents is None):
         raise ValueError("pass batch or documents")
@@ -114,7 +114,7 @@ def reference_loss_and_grads(
 def reference(model, batch: Mapping, doc_lens: Sequence[int] | None):
     """``reference_loss_and_grads`` of a batch as the CP side takes it: the whole ``batch``, or
     with ``doc_lens`` each document of its packed row alone."""
-    from cpvlm.integrations.hf.synthetic import split_documents
+    from cpvlm.hf.data.synthetic import split_documents
 
     if doc_lens is None:
         return reference_loss_and_grads(model, batch)
@@ -124,7 +124,7 @@ def reference(model, batch: Mapping, doc_lens: Sequence[int] | None):
 def mrope_position_ids(model, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The ``[3, B, S]`` M-RoPE position ids the model's own forward computes for ``batch``
     (``get_rope_index`` leaves padding positions at 0)."""
-    from cpvlm.integrations.hf import adapter_for
+    from cpvlm.hf import adapter_for
 
     adapter = adapter_for(model)
     extras = {k: batch[k] for k in adapter.video_keys if batch.get(k) is not None}

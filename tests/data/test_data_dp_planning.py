@@ -18,7 +18,7 @@ from cpvlm.data.exchange import DPExchange, pack_plans, unpack_plans
 from cpvlm.data.meta import SampleMeta
 from cpvlm.data.packing import dp_split
 from cpvlm.data.sources import JsonlSource, ObjectSource
-from cpvlm.integrations.hf import TINY_MODELS, row_cost
+from cpvlm.hf import TINY_MODELS, row_cost
 from cpvlm.testing import run_distributed
 from cpvlm.train.synthetic import SyntheticVLMData
 

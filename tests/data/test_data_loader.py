@@ -11,8 +11,8 @@ import torch
 from transformers import AutoConfig
 
 from cpvlm.data import RankLoader, RowStream, dp_split, open_source, pack_window, parse_data_args
-from cpvlm.integrations.hf.processor import ChatEncoder
-from cpvlm.integrations.hf.tiny_checkpoint import example_records, make_tiny_checkpoint, write_jsonl
+from cpvlm.hf.data.processor import ChatEncoder
+from cpvlm.hf.tiny_checkpoint import example_records, make_tiny_checkpoint, write_jsonl
 from cpvlm.vision import assign_vision_units, vision_units
 
 SEQ_LEN = 192

@@ -18,9 +18,9 @@ from PIL import Image
 from transformers import AutoConfig
 
 from cpvlm.data import DataError, Record
-from cpvlm.integrations.hf.families.qwen_vl_processing import VIDEO_DEFAULTS, patchify_video
-from cpvlm.integrations.hf.processor import ChatEncoder
-from cpvlm.integrations.hf.tiny_checkpoint import make_tiny_checkpoint, write_frames, write_images
+from cpvlm.families.qwen_vl_processing import VIDEO_DEFAULTS, patchify_video
+from cpvlm.hf.data.processor import ChatEncoder
+from cpvlm.hf.tiny_checkpoint import make_tiny_checkpoint, write_frames, write_images
 
 # (family, layout): both families, both checkpoint layouts.
 CHECKPOINTS = [("qwen3_vl", "v5"), ("qwen2_5_vl", "legacy")]
@@ -242,7 +242,7 @@ def test_video_file_sampled_at_fps_equals_the_same_frames_as_a_folder(checkpoint
     frames at int(i * 25 / 10)); its ids, grid and pixel rows equal those of a folder holding the
     same decoded frames, and each temporal patch decoded alone gives its rows."""
     pytest.importorskip("av")
-    from cpvlm.integrations.hf.tiny_checkpoint import write_video
+    from cpvlm.hf.tiny_checkpoint import write_video
 
     _, encoder = checkpoint
     clip = write_video(tmp_path / "clip.mp4", 25, 30, 40, fps=10, seed=3)
@@ -274,7 +274,7 @@ def test_video_file_sampled_at_fps_equals_the_same_frames_as_a_folder(checkpoint
 
 def test_video_file_default_fps_and_bad_files(checkpoint, tmp_path):
     pytest.importorskip("av")
-    from cpvlm.integrations.hf.tiny_checkpoint import write_video
+    from cpvlm.hf.tiny_checkpoint import write_video
 
     _, encoder = checkpoint
     clip = write_video(tmp_path / "clip.mp4", 25, 30, 40, fps=10)
@@ -303,7 +303,7 @@ def test_tokens_spliced_from_the_placeholders_equal_the_expanded_text_tokenized(
     """``ExpandedTokenizer`` (the raw rendering tokenized, each replacement once) against the
     tokenizer on the whole expanded text: the same ids and offsets, also where it must fall
     back (a replacement that begins with text, a placeholder that is not an added token)."""
-    from cpvlm.integrations.hf.expanded_text import ExpandedTokenizer, Rendering
+    from cpvlm.hf.data.expanded_text import ExpandedTokenizer, Rendering
 
     _, encoder = checkpoint
     tok = encoder.tokenizer

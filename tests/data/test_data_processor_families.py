@@ -24,8 +24,8 @@ import transformers
 from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
 from cpvlm.data import Record
-from cpvlm.integrations.hf.processor import ChatEncoder
-from cpvlm.integrations.hf.tiny_checkpoint import make_tiny_checkpoint, write_frames, write_images
+from cpvlm.hf.data.processor import ChatEncoder
+from cpvlm.hf.tiny_checkpoint import make_tiny_checkpoint, write_frames, write_images
 
 FAMILIES = ["llava_onevision", "internvl", "gemma4"]
 SIZES = [(20, 30), (50, 70), (100, 40), (12, 90), (64, 64)]

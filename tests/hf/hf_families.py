@@ -1,7 +1,7 @@
 """The families every shared HF test runs on, and the per-family facts those tests need.
 
-Every fact comes from the registry and the family kits (``cpvlm.integrations.hf.kit``): a family
-added to ``cpvlm/integrations/hf/families/`` is in FAMILIES at once, and the tests select
+Every fact comes from the registry and the family kits (``cpvlm.hf.kit``): a family
+added to ``cpvlm/families/`` is in FAMILIES at once, and the tests select
 families by their kits' ``traits``.
 
 Float32 islands. Some families compute a part of a float64 model in float32 (docs/hf_internals.md
@@ -15,9 +15,9 @@ kit's ``float32_groups``.
 
 import torch
 
-from cpvlm.integrations.hf import build_model, kit_for
-from cpvlm.integrations.hf.kit import TRAITS
-from cpvlm.integrations.hf.registry import tiny_adapters, tiny_models
+from cpvlm.hf import build_model, kit_for
+from cpvlm.hf.kit import TRAITS
+from cpvlm.hf.registry import tiny_adapters, tiny_models
 from cpvlm.verify import gradient_errors
 
 FAMILIES = [n for n, a in tiny_adapters().items() if a.kit.shared_tests]
@@ -25,7 +25,7 @@ FAMILY_OF = {n: a.family for n, a in tiny_adapters().items()}
 
 
 def with_trait(trait: str) -> set[str]:
-    """The tiny models whose kit has ``trait`` (``cpvlm.integrations.hf.kit.TRAITS``)."""
+    """The tiny models whose kit has ``trait`` (``cpvlm.hf.kit.TRAITS``)."""
     if trait not in TRAITS:
         raise KeyError(f"unknown trait {trait!r}; known: {sorted(TRAITS)}")
     return {n for n, a in tiny_adapters().items() if trait in a.kit.traits}

@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from cpvlm.integrations.hf.families.qwen3_5 import Qwen3_5Kit, tiny_qwen3_5_config
-from cpvlm.integrations.hf.float64 import KeepFloat64
-from cpvlm.integrations.hf.kit import with_float64_forward
+from cpvlm.families.qwen3_5 import Qwen3_5Kit, tiny_qwen3_5_config
+from cpvlm.hf.float64 import KeepFloat64
+from cpvlm.hf.kit import with_float64_forward
 from cpvlm.testing import rel_err
 
 QWEN3_5 = "transformers.models.qwen3_5.modeling_qwen3_5"

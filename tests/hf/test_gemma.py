@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 
 from hf_families import GEMMA, cached_model  # noqa: E402
 
-from cpvlm.integrations.hf import (  # noqa: E402
+from cpvlm.hf import (  # noqa: E402
     ContextParallelVLM,
     adapter_for,
     build_model,
@@ -116,7 +116,7 @@ def test_spans_are_transformers_image_blocks_in_padded_positions(name):
 def _changed(variant, ctx_spans_layers):
     """A bridge that builds the masks wrongly: ``variant`` drops the window or the spans, or puts
     the spans on every layer."""
-    import cpvlm.integrations.hf.attention as bridge
+    import cpvlm.hf.attention as bridge
 
     real = bridge._masks
 
@@ -181,8 +181,8 @@ def test_data_path_gives_gemma3_processor_batches(tmp_path):
     from transformers import AutoConfig, AutoProcessor
 
     from cpvlm.data.record import Record
-    from cpvlm.integrations.hf.processor import ChatEncoder
-    from cpvlm.integrations.hf.tiny_checkpoint import make_tiny_checkpoint, write_images
+    from cpvlm.hf.data.processor import ChatEncoder
+    from cpvlm.hf.tiny_checkpoint import make_tiny_checkpoint, write_images
 
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", "gemma3")
     names = write_images(tmp_path, [(30, 50), (70, 20)])
@@ -225,7 +225,7 @@ def _masks_built(rank, world_size, name):
     the wrapped model's own forward (no ``cpvlm_cp``: transformers' sdpa path)."""
     from transformers.masking_utils import AttentionMaskInterface
 
-    import cpvlm.integrations.hf.attention as bridge
+    import cpvlm.hf.attention as bridge
 
     base = cached_model(name)
     batch = mixed_batch(base, torch.float64)

@@ -34,7 +34,7 @@ from hf_families import (  # noqa: E402
 
 from cpvlm import ShardPlan  # noqa: E402
 from cpvlm.attention import Shapes, choose_impl  # noqa: E402
-from cpvlm.integrations.hf import (  # noqa: E402
+from cpvlm.hf import (  # noqa: E402
     ContextParallelVLM,
     SampleSpec,
     adapter_for,

@@ -32,7 +32,7 @@ from hf_families import (
 from transformers import AttentionInterface, AttentionMaskInterface  # noqa: E402
 from transformers.masking_utils import sdpa_mask  # noqa: E402
 
-from cpvlm.integrations.hf import (  # noqa: E402
+from cpvlm.hf import (  # noqa: E402
     IGNORE_INDEX,
     TINY_MODELS,
     SampleSpec,
@@ -215,7 +215,7 @@ def test_tiny_config_overrides():
 def test_unsupported_model_gets_the_list_of_supported_ones():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from cpvlm.integrations.hf import ContextParallelVLM
+    from cpvlm.hf import ContextParallelVLM
 
     config = Qwen2Config(
         vocab_size=64,

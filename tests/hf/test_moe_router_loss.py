@@ -25,12 +25,12 @@ pytest.importorskip("transformers")
 import transformers  # noqa: E402
 from transformers import AutoModelForImageTextToText  # noqa: E402
 
-from cpvlm.integrations.hf import ContextParallelVLM, SampleSpec, synthetic_batch  # noqa: E402
-from cpvlm.integrations.hf.adapter import ExtraLoss  # noqa: E402
-from cpvlm.integrations.hf.families.qwen3_vl_moe import (  # noqa: E402
+from cpvlm.families.qwen3_vl_moe import (  # noqa: E402
     Qwen3VLMoeAdapter,
     tiny_qwen3_vl_moe_config,
 )
+from cpvlm.hf import ContextParallelVLM, SampleSpec, synthetic_batch  # noqa: E402
+from cpvlm.hf.adapter import ExtraLoss  # noqa: E402
 from cpvlm.loss import count_valid_labels, shift_labels  # noqa: E402
 from cpvlm.router_loss import load_balancing_loss  # noqa: E402
 from cpvlm.verify import (  # noqa: E402

@@ -29,8 +29,8 @@ pytest.importorskip("transformers")
 
 from hf_families import FAMILIES, cached_model, grad_errors  # noqa: E402
 
-from cpvlm.integrations.hf import ContextParallelVLM, adapter_for, prepare_batch  # noqa: E402
-from cpvlm.integrations.hf.inputs import batch_keys  # noqa: E402
+from cpvlm.hf import ContextParallelVLM, adapter_for, prepare_batch  # noqa: E402
+from cpvlm.hf.inputs import batch_keys  # noqa: E402
 from cpvlm.verify import (  # noqa: E402
     cp_loss_and_grads,
     mixed_batch,

@@ -30,15 +30,15 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (  # noqa: E402
     Qwen3_5MoeGatedDeltaNet,
 )
 
-from cpvlm.integrations.hf import (  # noqa: E402
+from cpvlm.families.qwen3_5 import (  # noqa: E402
+    ContextParallelQwen3_5GatedDeltaNet,
+    tiny_qwen3_5_moe_config,
+)
+from cpvlm.hf import (  # noqa: E402
     ContextParallelVLM,
     SampleSpec,
     adapter_for,
     synthetic_batch,
-)
-from cpvlm.integrations.hf.families.qwen3_5 import (  # noqa: E402
-    ContextParallelQwen3_5GatedDeltaNet,
-    tiny_qwen3_5_moe_config,
 )
 from cpvlm.verify import (  # noqa: E402
     cp_loss_and_grads,

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
-from cpvlm.integrations.hf import (  # noqa: E402  # noqa: E402
+from cpvlm.hf import (  # noqa: E402  # noqa: E402
     ContextParallelVLM,
     SampleSpec,
     adapter_for,

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from cpvlm import ShardPlan
-from cpvlm.integrations.hf import inputs
-from cpvlm.integrations.hf.adapter import VLMAdapter
+from cpvlm.hf import inputs
+from cpvlm.hf.adapter import VLMAdapter
 
 
 class _Base:

@@ -29,7 +29,7 @@ from transformers.models.llava_onevision.processing_llava_onevision import (  # 
     LlavaOnevisionProcessor,
 )
 
-from cpvlm.integrations.hf import (  # noqa: E402
+from cpvlm.hf import (  # noqa: E402
     ContextParallelVLM,
     SampleSpec,
     adapter_for,
@@ -239,7 +239,7 @@ def test_llava_onevision_feature_layers_equal_the_models_hidden_states(layer):
     capture returns None under FSDP2): equal to the model's own get_image_features."""
     from transformers import AutoModelForImageTextToText
 
-    from cpvlm.integrations.hf.families.llava_onevision import tiny_llava_onevision_config
+    from cpvlm.families.llava_onevision import tiny_llava_onevision_config
 
     config = tiny_llava_onevision_config(vision_feature_layer=layer)
     torch.manual_seed(0)

@@ -56,7 +56,7 @@ def test_synthetic_samples_pass_the_data_path_of_every_family(name):
     """The data path counts placeholders by the family's token-type rule: GLM-4V's video frames
     are image tokens inside video markers, which an id-only rule would reject as bad samples."""
     from cpvlm.data import check_tokens, plan_tokenized
-    from cpvlm.integrations.hf import TINY_MODELS, adapter_for
+    from cpvlm.hf import TINY_MODELS, adapter_for
     from cpvlm.train.loader import token_ids
     from cpvlm.train.synthetic import SyntheticVLMData
 

@@ -1,4 +1,4 @@
-"""transformers.Trainer and TRL's SFTTrainer under cpvlm's CP (cpvlm.integrations.hf.trainer, .trl),
+"""transformers.Trainer and TRL's SFTTrainer under cpvlm's CP (cpvlm.hf.trainer, .trl),
 through the examples a user copies, under torchrun on CPU (gloo), float64, tiny models.
 
 Each configuration is one run of an example, reused by every check on it; the runs of one world
@@ -31,8 +31,8 @@ from safetensors.torch import load_file  # noqa: E402
 from transformers import TrainingArguments  # noqa: E402
 
 from cpvlm import ShardPlan, shift_labels  # noqa: E402
-from cpvlm.integrations.hf import build_model  # noqa: E402
-from cpvlm.integrations.hf.trainer import check_trainer_args  # noqa: E402
+from cpvlm.hf import build_model  # noqa: E402
+from cpvlm.hf.trainer import check_trainer_args  # noqa: E402
 from cpvlm.verify import reference_loss_and_grads, rel_err  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

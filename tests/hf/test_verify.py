@@ -13,8 +13,8 @@ pytest.importorskip("transformers")
 
 from hf_families import FAMILIES, cached_model  # noqa: E402
 
-from cpvlm.integrations.hf import ContextParallelVLM  # noqa: E402
-from cpvlm.integrations.hf.context_parallel import _local_row_order  # noqa: E402
+from cpvlm.hf import ContextParallelVLM  # noqa: E402
+from cpvlm.hf.context_parallel import _local_row_order  # noqa: E402
 from cpvlm.verify import (  # noqa: E402
     group_of,
     main,

@@ -9,7 +9,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from cpvlm.integrations.hf import versions
+from cpvlm.hf import versions
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 ROOT = Path(__file__).resolve().parents[2]

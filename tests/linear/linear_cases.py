@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from cpvlm import ShardPlan
 from cpvlm.attention.linear import cp_causal_conv1d, cp_gated_delta_rule
-from cpvlm.integrations.hf.float64 import in_float64
+from cpvlm.hf.float64 import in_float64
 from cpvlm.testing.attention_check import unshard
 
 

@@ -17,7 +17,7 @@ from linear_cases import (
     run_cases,
 )
 
-from cpvlm.integrations.hf.float64 import in_float64
+from cpvlm.hf.float64 import in_float64
 from cpvlm.testing import rel_err, run_distributed
 from cpvlm.testing.attention_check import unshard
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from cpvlm.integrations.hf import ContextParallelVLM, build_model
+from cpvlm.hf import ContextParallelVLM, build_model
 from cpvlm.parallelize import build_mesh, mesh_groups, parallelize, sync_gradients
 from cpvlm.verify import cp_loss_and_grads, rel_err, run_distributed, verify_batches
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from cpvlm import ShardPlan
-from cpvlm.integrations.hf import TINY_MODELS
+from cpvlm.hf import TINY_MODELS
 from cpvlm.simulate.batch import SequenceSpec, build_batch
 from cpvlm.simulate.rank import Setup, simulate_step
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from cpvlm.cli import main as cli
 from cpvlm.distributed import compat
-from cpvlm.integrations.hf import TINY_MODELS
+from cpvlm.hf import TINY_MODELS
 from cpvlm.simulate.batch import SequenceSpec
 from cpvlm.simulate.depth import meta_model, shard_bytes
 from cpvlm.simulate.rank import Setup, simulate_step

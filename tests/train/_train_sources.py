@@ -6,7 +6,7 @@ pytest puts this directory on sys.path; subprocess tests pass it in PYTHONPATH.
 import torch
 import torch.distributed as dist
 
-from cpvlm.integrations.hf import SampleSpec, synthetic_batch
+from cpvlm.hf import SampleSpec, synthetic_batch
 
 
 def _sample(model_config, spec: SampleSpec, seed: int) -> dict:

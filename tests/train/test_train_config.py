@@ -146,7 +146,7 @@ def test_resume_skips_a_truncated_or_broken_newest_checkpoint(tmp_path):
 
 
 def test_model_directories_without_weights_or_with_a_broken_config(tmp_path, capsys):
-    from cpvlm.integrations.hf import TINY_MODELS
+    from cpvlm.hf import TINY_MODELS
 
     no_weights = tmp_path / "no_weights"
     TINY_MODELS["qwen3-vl-tiny"]().save_pretrained(no_weights)
@@ -167,7 +167,7 @@ def test_config_round_trips_and_lists_its_differences():
 
 @pytest.mark.parametrize("name", ["qwen3-vl-tiny", "qwen2.5-vl-tiny"])
 def test_freeze_vision_keeps_the_mergers_trainable(name):
-    from cpvlm.integrations.hf import build_model
+    from cpvlm.hf import build_model
     from cpvlm.train.loop import freeze_vision_encoder
 
     model = build_model(name)

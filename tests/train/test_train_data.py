@@ -6,7 +6,7 @@ import torch
 from cpvlm.constants import IGNORE_INDEX
 from cpvlm.data import DataError, LazyPixels, RowStream, TokenIds, plan_tokenized
 from cpvlm.data.sources import ObjectSource
-from cpvlm.integrations.hf import TINY_MODELS, SampleSpec, synthetic_batch
+from cpvlm.hf import TINY_MODELS, SampleSpec, synthetic_batch
 from cpvlm.loss import shift_labels
 from cpvlm.train.data import check_data_fits
 from cpvlm.train.synthetic import TEXT_BASE, TEXT_VOCAB, SyntheticVLMData

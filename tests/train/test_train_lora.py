@@ -17,7 +17,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from cpvlm.export import main as export_main
-from cpvlm.integrations.hf import build_model
+from cpvlm.hf import build_model
 from cpvlm.train.command import main as train_main
 from cpvlm.train.config import LoRAConfig
 from cpvlm.train.lora import DEFAULT_TARGETS, apply_lora

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cpvlm.integrations.hf import ContextParallelVLM, build_model
+from cpvlm.hf import ContextParallelVLM, build_model
 from cpvlm.verify import cp_loss_and_grads, rel_err, run_distributed, verify_batches
 
 VARIANTS = {  # name: (loss_chunk, activation checkpointing)

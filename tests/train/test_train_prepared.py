@@ -17,7 +17,7 @@ from cpvlm.cli import main as cpvlm_main
 from cpvlm.data import DataError, open_source
 from cpvlm.data.meta import SampleMeta
 from cpvlm.data.prepared import PreparedSource, shard_path
-from cpvlm.integrations.hf.tiny_checkpoint import example_records, make_tiny_checkpoint
+from cpvlm.hf.tiny_checkpoint import example_records, make_tiny_checkpoint
 from cpvlm.train import prepare as prepare_module
 from cpvlm.train.command import main as train_main
 from cpvlm.train.prepare import prepare_dataset
@@ -51,7 +51,7 @@ def data(tmp_path_factory):
 def _assert_same_plans(ckpt, source, prepared) -> dict[str, str]:
     """Planning each record of ``source`` with the processor against the prepared plan and
     meta; returns the bad samples' reasons by place."""
-    from cpvlm.integrations.hf.processor import ChatEncoder
+    from cpvlm.hf.data.processor import ChatEncoder
     from cpvlm.train.launcher import model_config
 
     encoder = ChatEncoder(ckpt, model_config(str(ckpt)))

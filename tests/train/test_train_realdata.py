@@ -1,6 +1,6 @@
 """``cpvlm train --model DIR --data PATH`` on conversations with images and a video.
 
-A tiny Qwen3-VL checkpoint directory with its processor files (``cpvlm.integrations.hf.tiny_checkpoint``),
+A tiny Qwen3-VL checkpoint directory with its processor files (``cpvlm.hf.tiny_checkpoint``),
 PNG images, frame folders and a JSONL of conversations, trained through the command users run.
 Tolerances: float64 1e-10 relative for CP=2 against CP=1 (the CP run sums the same terms in
 another order, ~1e-16 per operation over three steps); the datasets folder and the resumed run
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cpvlm.integrations.hf.tiny_checkpoint import example_records, make_tiny_checkpoint, write_jsonl
+from cpvlm.hf.tiny_checkpoint import example_records, make_tiny_checkpoint, write_jsonl
 from cpvlm.train.command import main as train_main
 
 FLAGS = ["--seq-len", "160", "--dtype", "float64", "--steps", "4", "--pack-window", "8"]

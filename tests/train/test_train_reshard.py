@@ -21,7 +21,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from cpvlm.export import main as export_main
-from cpvlm.integrations.hf.tiny_checkpoint import example_records, make_tiny_checkpoint, write_jsonl
+from cpvlm.hf.tiny_checkpoint import example_records, make_tiny_checkpoint, write_jsonl
 from cpvlm.train.command import main as train_main
 
 TOL = 1e-10

@@ -36,7 +36,7 @@ def cost_models() -> dict[str, VisionCost]:
     toy tower's and plain patch counts. Built here, not at import: gloo workers import this
     module to run ``_assign_on_rank`` and need neither transformers nor the configs."""
     transformers = pytest.importorskip("transformers")
-    from cpvlm.integrations.hf.vision_cost import vision_cost
+    from cpvlm.hf.vision_cost import vision_cost
 
     published = {
         name: vision_cost(transformers.AutoConfig.for_model(model_type, vision_config=vc))

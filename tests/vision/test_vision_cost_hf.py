@@ -10,9 +10,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 transformers = pytest.importorskip("transformers")
 
-from cpvlm.integrations.hf import TINY_MODELS, adapter_for, build_model  # noqa: E402
-from cpvlm.integrations.hf.adapter import VLMAdapter  # noqa: E402
-from cpvlm.integrations.hf.vision_cost import vision_cost  # noqa: E402
+from cpvlm.hf import TINY_MODELS, adapter_for, build_model  # noqa: E402
+from cpvlm.hf.adapter import VLMAdapter  # noqa: E402
+from cpvlm.hf.vision_cost import vision_cost  # noqa: E402
 from cpvlm.testing.vision_cases import PUBLISHED_TOWERS  # noqa: E402
 from cpvlm.vision.cost import VisionCost  # noqa: E402
 

@@ -19,8 +19,8 @@ import torch.distributed as dist
 pytest.importorskip("transformers")
 
 from cpvlm import ShardPlan  # noqa: E402
-from cpvlm.integrations.hf import adapter_for, build_model  # noqa: E402
-from cpvlm.integrations.hf.vision_attention import SplitTower  # noqa: E402
+from cpvlm.hf import adapter_for, build_model  # noqa: E402
+from cpvlm.hf.vision_attention import SplitTower  # noqa: E402
 from cpvlm.testing import rel_err, run_distributed  # noqa: E402
 from cpvlm.vision import VisionDataParallel, vision_units  # noqa: E402
 from cpvlm.vision.split import Piece, SplitAttention  # noqa: E402
@@ -175,7 +175,7 @@ def test_split_tower_matches_one_process_tower(world):
 
 
 def _bad_inputs_rank(rank, world):
-    from cpvlm.integrations.hf import ContextParallelVLM
+    from cpvlm.hf import ContextParallelVLM
 
     adapter, base = _tower("qwen3-vl-tiny")
     model = copy.deepcopy(base)

@@ -15,7 +15,7 @@ from cpvlm.vision.split_assign import split_assignment
 
 def _qwen3_8b_cost():
     transformers = pytest.importorskip("transformers")
-    from cpvlm.integrations.hf.vision_cost import vision_cost
+    from cpvlm.hf.vision_cost import vision_cost
 
     model_type, vc = PUBLISHED_TOWERS["Qwen3-VL-8B"]
     return vision_cost(transformers.AutoConfig.for_model(model_type, vision_config=vc))

@@ -21,16 +21,16 @@ from transformers import AutoConfig  # noqa: E402
 
 from cpvlm.data import Record  # noqa: E402
 from cpvlm.data.loader import select_groups  # noqa: E402
-from cpvlm.integrations.hf import (  # noqa: E402
+from cpvlm.hf import (  # noqa: E402
     ContextParallelVLM,
     SampleSpec,
     adapter_for,
     build_model,
     synthetic_batch,
 )
-from cpvlm.integrations.hf.piece_pixels import image_piece_rows  # noqa: E402
-from cpvlm.integrations.hf.processor import ChatEncoder  # noqa: E402
-from cpvlm.integrations.hf.tiny_checkpoint import make_tiny_checkpoint, write_frames  # noqa: E402
+from cpvlm.hf.data.piece_pixels import image_piece_rows  # noqa: E402
+from cpvlm.hf.data.processor import ChatEncoder  # noqa: E402
+from cpvlm.hf.tiny_checkpoint import make_tiny_checkpoint, write_frames  # noqa: E402
 from cpvlm.testing import rel_err, run_distributed  # noqa: E402
 from cpvlm.verify import reference_loss_and_grads  # noqa: E402
 from cpvlm.vision import vision_units  # noqa: E402
@@ -185,7 +185,7 @@ def test_the_loader_decodes_only_the_pieces_rows(encoder, tmp_path):
     """A ``RankLoader`` given ``pieces``: each CP rank's pixel rows are exactly the rows it
     reads (``pixel_rows_read``) of the full decode, and some rank holds a piece."""
     from cpvlm.data import RankLoader, RowStream, open_source
-    from cpvlm.integrations.hf.tiny_checkpoint import example_records, write_jsonl
+    from cpvlm.hf.tiny_checkpoint import example_records, write_jsonl
     from cpvlm.vision import split_assignment
     from cpvlm.vision.pieces import piece_groups
     from cpvlm.vision.split import pixel_order

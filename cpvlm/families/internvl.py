@@ -32,12 +32,10 @@ import math
 import torch
 from transformers import InternVLConfig
 
-from cpvlm.vision.cost import VisionCost, block_linear_macs
-
-from ..adapter import VLMAdapter
-from ..kit import FamilyKit, TinyProcessor
-from ..registration import register
-from ..tiny import (
+from cpvlm.hf.adapter import VLMAdapter
+from cpvlm.hf.kit import FamilyKit, TinyProcessor
+from cpvlm.hf.registration import register
+from cpvlm.hf.tiny import (
     IMAGE_TOKEN_ID,
     TEXT,
     VISION,
@@ -46,6 +44,8 @@ from ..tiny import (
     split_overrides,
     with_overrides,
 )
+from cpvlm.vision.cost import VisionCost, block_linear_macs
+
 from .internvl_processing import InternVLMedia
 
 TILE = 32

@@ -25,12 +25,11 @@ from __future__ import annotations
 import torch
 from transformers import Gemma3Config
 
+from cpvlm.hf.adapter import VLMAdapter
+from cpvlm.hf.kit import FamilyKit, TinyProcessor
+from cpvlm.hf.registration import register
+from cpvlm.hf.tiny import TEXT, split_overrides, with_overrides
 from cpvlm.vision.cost import VisionCost, block_linear_macs
-
-from ..adapter import VLMAdapter
-from ..kit import FamilyKit, TinyProcessor
-from ..registration import register
-from ..tiny import TEXT, split_overrides, with_overrides
 
 BOI_TOKEN_ID = 500
 EOI_TOKEN_ID = 501

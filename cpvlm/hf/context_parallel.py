@@ -12,7 +12,7 @@ compatibility flow builds the full ``inputs_embeds`` as the model itself would a
 ``ShardPlan.shard``; it is the reference the scalable flow is tested against. Nothing in
 transformers or torch is patched: the attention is selected through transformers' AttentionInterface
 for the text model only. What is particular to a family (module paths, tower call, positions,
-decoder keywords, extra losses) comes from its adapter (``cpvlm.integrations.hf.adapter``).
+decoder keywords, extra losses) comes from its adapter (``cpvlm.hf.adapter``).
 
 Extra losses are defined per forward batch, as transformers defines them (its MoE models compute
 the router loss over the rows given to one forward call). A training step of several microbatches
@@ -43,15 +43,14 @@ from cpvlm.attention import hybrid_groups
 from cpvlm.constants import IGNORE_INDEX, VISION_MODES
 from cpvlm.distributed.collectives import StepAgreement, agree, fingerprint
 from cpvlm.distributed.shard_plan import pad_and_shard
+from cpvlm.hf.adapter import LossContext, VLMAdapter
+from cpvlm.hf.attention import CP_ATTENTION, CPAttentionContext, cp_forward
+from cpvlm.hf.inputs import PreparedBatch, batch_keys, prepare_batch
+from cpvlm.hf.registry import adapter_for
+from cpvlm.hf.vision_attention import SplitTower
 from cpvlm.loss import chunked_token_mean_loss, token_mean_loss
 from cpvlm.options import CPOptions
 from cpvlm.vision import VisionDataParallel, VisionUnits
-
-from .adapter import LossContext, VLMAdapter
-from .attention import CP_ATTENTION, CPAttentionContext, cp_forward
-from .inputs import PreparedBatch, batch_keys, prepare_batch
-from .registry import adapter_for
-from .vision_attention import SplitTower
 
 
 @dataclass
@@ -133,7 +132,7 @@ class ContextParallelVLM(nn.Module):
     on a CP group.
 
     Args:
-        model: the model; ``cpvlm.integrations.hf.supported()`` lists the classes.
+        model: the model; ``cpvlm.hf.supported()`` lists the classes.
         cp_group: the CP process group (``None``: the default group).
         options: the CP options (``cpvlm.options.CPOptions``; default ``CPOptions()``). Its
             ``cp_size``, if set, must be the group's size.

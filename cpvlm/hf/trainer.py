@@ -2,7 +2,7 @@
 
 A user's Trainer script gains CP by changing its trainer class and passing ``cp_size``::
 
-    from cpvlm.integrations.hf.trainer import ContextParallelTrainer
+    from cpvlm.hf.trainer import ContextParallelTrainer
     trainer = ContextParallelTrainer(model=model, args=args, ..., cp_size=2)
 
 (or ``class MyTrainer(ContextParallelMixin, SFTTrainer)`` for any Trainer subclass), launched
@@ -187,7 +187,7 @@ class ContextParallelMixin:
         """``ContextParallelVLM`` around the HF model (a PEFT model's base, LoRA layers in it),
         in DDP over every rank; built once."""
         if self._cp_runner is None:
-            from cpvlm.integrations.hf.context_parallel import ContextParallelVLM
+            from cpvlm.hf.context_parallel import ContextParallelVLM
 
             model = self.model
             if hasattr(model, "get_base_model"):  # peft.PeftModel
@@ -219,7 +219,7 @@ class ContextParallelMixin:
         if fwd is None:
             from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
-            from cpvlm.integrations.hf.context_parallel import ContextParallelVLM
+            from cpvlm.hf.context_parallel import ContextParallelVLM
 
             if not isinstance(model, FSDPModule):
                 _fail(f"fsdp is set but the model is a {type(model).__name__}, not FSDP2's")

@@ -27,7 +27,7 @@ _CORPUS = (
 
 
 def _kit_class(family: str):
-    from cpvlm.integrations.hf.registry import adapter_of_family
+    from cpvlm.hf.registry import adapter_of_family
 
     kit = adapter_of_family(family).kit
     if kit.tiny_processor is None or not kit.tiny_configs:

@@ -1,7 +1,7 @@
 """TRL's SFTTrainer under cpvlm's context parallelism, packing included.
 
 ``ContextParallelSFTTrainer(..., cp_size=C)`` is ``SFTTrainer`` with ``ContextParallelMixin``
-(see ``cpvlm.integrations.hf.trainer``). TRL refuses ``packing=True`` for vision datasets (and
+(see ``cpvlm.hf.trainer``). TRL refuses ``packing=True`` for vision datasets (and
 under its own CP, whose causal mask would let packed documents see each other); here
 ``SFTConfig(packing=True)`` packs each collated batch into one row with cpvlm's ``doc_lens``, so
 every document attends only to itself and its labels are shifted within it. TRL's own packing of
@@ -10,7 +10,7 @@ text datasets (``seq_lengths``, padding-free position ids) is replaced by the sa
 
 from __future__ import annotations
 
-from cpvlm.integrations.hf.trainer import ContextParallelMixin
+from cpvlm.hf.trainer import ContextParallelMixin
 
 
 def _sft_trainer_class():

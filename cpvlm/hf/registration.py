@@ -7,7 +7,7 @@ imports the families.
 
 from __future__ import annotations
 
-from .adapter import VLMAdapter
+from cpvlm.hf.adapter import VLMAdapter
 
 ADAPTERS: list[type[VLMAdapter]] = []
 """Registered adapter classes, in registration order."""

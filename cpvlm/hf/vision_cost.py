@@ -9,9 +9,8 @@ attended pair (attention), with the widths the tower's modules are built from (s
 
 from __future__ import annotations
 
+from cpvlm.hf.registry import adapter_for
 from cpvlm.vision.cost import VisionCost
-
-from .registry import adapter_for
 
 
 def vision_cost(model_or_config) -> VisionCost:

@@ -26,12 +26,10 @@ from __future__ import annotations
 import torch
 from transformers import Glm4vConfig, Glm4vMoeConfig, Glm46VConfig
 
-from cpvlm.vision.cost import VisionCost, block_linear_macs
-
-from ..adapter import MoeRouter, VLMAdapter
-from ..kit import FamilyKit, MoeKit
-from ..registration import register
-from ..tiny import (
+from cpvlm.hf.adapter import MoeRouter, VLMAdapter
+from cpvlm.hf.kit import FamilyKit, MoeKit
+from cpvlm.hf.registration import register
+from cpvlm.hf.tiny import (
     IMAGE_TOKEN_ID,
     TEXT,
     VIDEO_END_TOKEN_ID,
@@ -43,6 +41,8 @@ from ..tiny import (
     split_overrides,
     with_overrides,
 )
+from cpvlm.vision.cost import VisionCost, block_linear_macs
+
 from .tower_cost import values_per_patch
 
 TIMESTAMP_TOKENS = 1

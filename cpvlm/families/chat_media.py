@@ -2,7 +2,7 @@
 
 Legend: F frames, T frames asked of a video, (H, W) pixels, C channels.
 
-``ChatEncoder`` (``cpvlm.integrations.hf.processor``) renders the template, expands the
+``ChatEncoder`` (``cpvlm.hf.data.processor``) renders the template, expands the
 placeholders with the processor's own ``replace_image_token`` / ``replace_video_token``,
 tokenizes and labels. What differs between families is asked of the adapter's ``chat_media``
 class, whose hooks are declared here: the planned items of a sample's images and videos (grids

@@ -18,11 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from cpvlm.distributed.shard_plan import ShardPlan
+from cpvlm.hf.adapter import VLMAdapter
+from cpvlm.hf.registry import adapter_for
 from cpvlm.loss import count_valid_labels, shift_labels
 from cpvlm.vision.units import grid_list
-
-from .adapter import VLMAdapter
-from .registry import adapter_for
 
 BASE_KEYS = (
     "attention_mask",

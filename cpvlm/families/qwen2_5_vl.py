@@ -16,13 +16,13 @@ import torch
 from transformers import Qwen2_5_VLConfig
 from transformers.vision_utils import get_vision_window_index
 
+from cpvlm.hf.adapter import VLMAdapter
+from cpvlm.hf.kit import FamilyKit
+from cpvlm.hf.registration import register
+from cpvlm.hf.tiny import TEXT, VISION, VISION_TOKEN_IDS, split_overrides, with_overrides
 from cpvlm.vision.cost import VisionCost, block_linear_macs
 from cpvlm.vision.split import UnitOrder
 
-from ..adapter import VLMAdapter
-from ..kit import FamilyKit
-from ..registration import register
-from ..tiny import TEXT, VISION, VISION_TOKEN_IDS, split_overrides, with_overrides
 from .qwen_vl_processing import QwenVLProcessing, tiny_qwen_vl_processor
 from .tower_cost import patch_merger_macs, values_per_patch
 

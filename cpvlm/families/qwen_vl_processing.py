@@ -29,7 +29,7 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import (
     smart_resize as smart_resize_video,
 )
 
-from ..kit import TinyProcessor
+from cpvlm.hf.kit import TinyProcessor
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)

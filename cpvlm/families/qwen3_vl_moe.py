@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from transformers import Qwen3VLMoeConfig
 
-from ..adapter import MoeRouter
-from ..kit import MoeKit
-from ..registration import register
-from ..tiny import VISION_TOKEN_IDS, split_overrides, with_overrides
+from cpvlm.hf.adapter import MoeRouter
+from cpvlm.hf.kit import MoeKit
+from cpvlm.hf.registration import register
+from cpvlm.hf.tiny import VISION_TOKEN_IDS, split_overrides, with_overrides
+
 from .qwen3_vl import TINY_TEXT, Qwen3VLAdapter, Qwen3VLKit, tiny_vision
 
 

@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 from torch import nn
 
-from . import families as _families  # noqa: F401  (importing it registers every family)
-from .adapter import VLMAdapter
-from .kit import FamilyKit
-from .registration import ADAPTERS
+from cpvlm import families as _families  # noqa: F401  (importing it registers every family)
+from cpvlm.hf.adapter import VLMAdapter
+from cpvlm.hf.kit import FamilyKit
+from cpvlm.hf.registration import ADAPTERS
 
 
 def supported() -> list[str]:
@@ -89,7 +89,7 @@ def adapter_class(model_or_config) -> type[VLMAdapter]:
     raise ValueError(
         f"unsupported {what}: cpvlm supports the image-text-to-text models "
         f"{', '.join(supported())} (model_type {', '.join(model_types)}). "
-        "A family is added with one adapter file: see cpvlm/integrations/hf/adapter.py"
+        "A family is added with one adapter file: see cpvlm/hf/adapter.py"
     )
 
 

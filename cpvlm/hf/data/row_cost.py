@@ -12,8 +12,7 @@ than the window). The vision part is the family's ``VisionCost`` (its adapter's)
 from __future__ import annotations
 
 from cpvlm.data.balance import RowCost
-
-from .vision_cost import vision_cost
+from cpvlm.hf.vision_cost import vision_cost
 
 
 def _field(config, name: str, default=None):

@@ -81,7 +81,7 @@ def check_prepared(source: PreparedSource, encoder, model_config, data) -> None:
 
 def check_prepared_spec(config, model_config) -> None:
     """``check_prepared`` for ``config.data.source`` (the launcher's check before any rank)."""
-    from cpvlm.integrations.hf.processor import ChatEncoder
+    from cpvlm.hf.data.processor import ChatEncoder
 
     d = config.data
     try:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from cpvlm.constants import IGNORE_INDEX
-from cpvlm.integrations.hf.registry import adapter_for
+from cpvlm.hf.registry import adapter_for
 
 VISION_KEYS = (
     "pixel_values",

@@ -28,12 +28,12 @@ from __future__ import annotations
 import torch
 from transformers import Gemma4Config
 
+from cpvlm.hf.adapter import VLMAdapter
+from cpvlm.hf.kit import FamilyKit, TinyProcessor
+from cpvlm.hf.registration import register
+from cpvlm.hf.tiny import IMAGE_TOKEN_ID, TEXT, VIDEO_TOKEN_ID, split_overrides, with_overrides
 from cpvlm.vision.cost import VisionCost
 
-from ..adapter import VLMAdapter
-from ..kit import FamilyKit, TinyProcessor
-from ..registration import register
-from ..tiny import IMAGE_TOKEN_ID, TEXT, VIDEO_TOKEN_ID, split_overrides, with_overrides
 from .gemma3 import untied_lm_head
 from .gemma4_processing import Gemma4Media
 

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 from transformers import Qwen3VLConfig
 
+from cpvlm.hf.adapter import VLMAdapter
+from cpvlm.hf.kit import FamilyKit
+from cpvlm.hf.registration import register
+from cpvlm.hf.tiny import TEXT, VISION, VISION_TOKEN_IDS, split_overrides, with_overrides
 from cpvlm.vision.cost import VisionCost, block_linear_macs
 
-from ..adapter import VLMAdapter
-from ..kit import FamilyKit
-from ..registration import register
-from ..tiny import TEXT, VISION, VISION_TOKEN_IDS, split_overrides, with_overrides
 from .qwen_vl_processing import QwenVLProcessing, tiny_qwen_vl_processor
 from .tower_cost import patch_merger_macs, values_per_patch
 
@@ -134,7 +134,7 @@ class Qwen3VLAdapter(QwenVLProcessing, VLMAdapter):
     def split_tower_kwargs(self, tower, pieces, n):
         """The learned position table's interpolation taps and float32 weights, computed by the
         tower's own function and arguments on each whole unit's grid, at the local patches."""
-        from ..vision_attention import local_rows, tower_function
+        from cpvlm.hf.vision_attention import local_rows, tower_function
 
         kwargs = super().split_tower_kwargs(tower, pieces, n)
         interpolation = tower_function(tower, "get_vision_interpolation_indices_and_weights")

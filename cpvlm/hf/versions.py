@@ -74,4 +74,4 @@ def warn_outside_window() -> None:
         )
 
 
-warn_outside_window()  # at the first import of cpvlm.integrations.hf (its __init__)
+warn_outside_window()  # at the first import of cpvlm.hf (its __init__)

@@ -23,7 +23,7 @@ is the turn. A template for which those renderings are not prefixes of each othe
 
 A family whose processor the Qwen-VL rules do not describe (LLaVA-OneVision's anyres crops,
 InternVL's tiles, Gemma 4's patch budget) gives its adapter a ``chat_media`` class
-(``cpvlm.integrations.hf.families.chat_media``): the items' grids, what the replacement code
+(``cpvlm.families.chat_media``): the items' grids, what the replacement code
 reads, the items in the model's order and the pixel rows; the rest above is shared.
 
 ``AutoProcessor`` needs torchvision for processors with a video processor; where it fails, the
@@ -46,9 +46,8 @@ from cpvlm.data.errors import DataError
 from cpvlm.data.media import image_ref, video_frames
 from cpvlm.data.record import Record
 from cpvlm.data.sample import SamplePlan, TokenIds, VisionItem, check_tokens, plan_tokenized
-
-from .expanded_text import ExpandedTokenizer, Rendering
-from .registry import adapter_for
+from cpvlm.hf.data.expanded_text import ExpandedTokenizer, Rendering
+from cpvlm.hf.registry import adapter_for
 
 
 def adapter_token_ids(model_config) -> TokenIds:
@@ -514,16 +513,15 @@ class ChatEncoder:
                     f"header gave {list(item.grid)}",
                 )
             return out["pixel_values"]
-        from .families.chat_media import frames_of
+        from cpvlm.families.chat_media import frames_of
 
         frames = frames_of(item, temporal, self.video.temporal_patch_size)
         return self.video.pixels(frames, item.grid[1:])
 
     def _decode_pieces(self, item: VisionItem, temporal, groups) -> torch.Tensor:
         from cpvlm.data.loader import select_groups
-
-        from .families.chat_media import frames_of
-        from .piece_pixels import image_piece_rows, video_piece_rows
+        from cpvlm.families.chat_media import frames_of
+        from cpvlm.hf.data.piece_pixels import image_piece_rows, video_piece_rows
 
         if self.media is None and item.kind == "image":
             rows = image_piece_rows(self.image_processor, item.image.load(), item.grid, groups[0])

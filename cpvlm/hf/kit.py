@@ -1,12 +1,12 @@
 """The family kit: what tests, ``cpvlm verify`` and synthetic data know of a family.
 
-The CP step never reads a kit; it reads the adapter (``cpvlm.integrations.hf.adapter``). A kit
+The CP step never reads a kit; it reads the adapter (``cpvlm.hf.adapter``). A kit
 holds the knowledge that serves checks and tiny models: tiny configs and how to initialise them,
 where a float64 model still computes in float32 and how to compute those parts in float64, the
 module groups a check reports, the gradients that are zero in exact arithmetic, the items and
 tokens a synthetic sample of the family has, and a tiny processor for a checkpoint directory.
 Each family defines its kit in its own file (``class <Family>Kit(FamilyKit)``) and links it
-from its adapter (``kit = <Family>Kit``); ``cpvlm.integrations.hf.registry.kit_for(model_or_config)``
+from its adapter (``kit = <Family>Kit``); ``cpvlm.hf.registry.kit_for(model_or_config)``
 gives the kit of a model.
 """
 
@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from .float64 import KeepFloat64
+from cpvlm.hf.float64 import KeepFloat64
 
 TRAITS = {
     "tiled": "square tiles or crops of an image through a ViT, image tokens only, 1D RoPE",
@@ -34,7 +34,7 @@ TRAITS = {
 @dataclass(frozen=True)
 class TinyProcessor:
     """What a tiny checkpoint directory of the family holds besides the model
-    (``cpvlm.integrations.hf.tiny_checkpoint.make_tiny_checkpoint``)."""
+    (``cpvlm.hf.tiny_checkpoint.make_tiny_checkpoint``)."""
 
     special_tokens: tuple[str, ...]  # the tokenizer's special tokens, in id order
     tokenizer_kwargs: dict[str, Any]  # PreTrainedTokenizerFast keywords (eos, pad, ...)

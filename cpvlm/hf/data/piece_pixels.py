@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from cpvlm.families.qwen_vl_processing import IMAGE_RULES, VideoSettings, base_class_name
 from cpvlm.vision.pieces import Groups, band_rows, group_band
-
-from .families.qwen_vl_processing import IMAGE_RULES, VideoSettings, base_class_name
 
 
 def image_piece_rows(

@@ -41,11 +41,11 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
 
 from cpvlm.attention.linear import cp_causal_conv1d, cp_gated_delta_rule
 from cpvlm.attention.linear.delta_rule import compute_dtype
+from cpvlm.hf.adapter import MoeRouter
+from cpvlm.hf.kit import MoeKit
+from cpvlm.hf.registration import register
+from cpvlm.hf.tiny import TEXT, VISION, VISION_TOKEN_IDS, split_overrides, with_overrides
 
-from ..adapter import MoeRouter
-from ..kit import MoeKit
-from ..registration import register
-from ..tiny import TEXT, VISION, VISION_TOKEN_IDS, split_overrides, with_overrides
 from .qwen3_vl import Qwen3VLAdapter, Qwen3VLKit
 
 # ---- the CP linear-attention layer ---------------------------------------------------------------

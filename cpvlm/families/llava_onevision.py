@@ -46,12 +46,19 @@ import torch
 from transformers import LlavaOnevisionConfig
 from transformers.image_processing_utils import select_best_resolution
 
+from cpvlm.hf.adapter import VLMAdapter
+from cpvlm.hf.kit import FamilyKit, TinyProcessor
+from cpvlm.hf.registration import register
+from cpvlm.hf.tiny import (
+    IMAGE_TOKEN_ID,
+    TEXT,
+    VIDEO_TOKEN_ID,
+    VISION,
+    split_overrides,
+    with_overrides,
+)
 from cpvlm.vision.cost import VisionCost, block_linear_macs
 
-from ..adapter import VLMAdapter
-from ..kit import FamilyKit, TinyProcessor
-from ..registration import register
-from ..tiny import IMAGE_TOKEN_ID, TEXT, VIDEO_TOKEN_ID, VISION, split_overrides, with_overrides
 from .llava_onevision_processing import LlavaOnevisionMedia
 
 CROP = 32

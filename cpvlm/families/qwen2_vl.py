@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from transformers import Qwen2VLConfig
 
+from cpvlm.hf.adapter import VLMAdapter
+from cpvlm.hf.kit import FamilyKit
+from cpvlm.hf.registration import register
+from cpvlm.hf.tiny import TEXT, VISION, VISION_TOKEN_IDS, split_overrides, with_overrides
 from cpvlm.vision.cost import VisionCost, block_linear_macs
 
-from ..adapter import VLMAdapter
-from ..kit import FamilyKit
-from ..registration import register
-from ..tiny import TEXT, VISION, VISION_TOKEN_IDS, split_overrides, with_overrides
 from .qwen_vl_processing import QwenVLProcessing
 from .tower_cost import patch_merger_macs, values_per_patch
 

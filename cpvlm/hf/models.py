@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForImageTextToText
 
-from .registry import adapter_class, adapter_for, kit_for, tiny_models
+from cpvlm.hf.registry import adapter_class, adapter_for, kit_for, tiny_models
 
 TINY_MODELS = tiny_models()
 """``{"<family>-tiny": config builder}``: random tiny models of every supported family."""

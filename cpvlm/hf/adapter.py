@@ -5,7 +5,7 @@ Legend: B batch, S full length, L local length, D hidden size, R visual rows.
 The core knows the CP step: replicated integer inputs and the plan (``prepare_batch``), local
 embeddings, vision data parallelism (``VisionDataParallel``, the split tower), the decoder on the
 shard, the token-mean loss (``ContextParallelVLM``), FSDP units and freezing (the trainer), and
-the data path (``cpvlm.integrations.hf.processor``, the loader). Everything it asks a family is a
+the data path (``cpvlm.hf.data.processor``, the loader). Everything it asks a family is a
 hook declared on ``VLMAdapter`` below, with its contract; nothing else is read from an adapter:
 
 - tokens and batch layout: ``image_token_id``, ``video_token_id``, ``special_token_ids``,
@@ -28,7 +28,7 @@ hook declared on ``VLMAdapter`` below, with its contract; nothing else is read f
 
 What only tests, ``cpvlm verify`` and synthetic data need (tiny configs, float64 islands, module
 groups, zero-gradient parameters, synthetic items and tokens, a tiny processor) is the family's
-kit (``cpvlm.integrations.hf.kit.FamilyKit``), in the same family file, linked as ``kit``.
+kit (``cpvlm.hf.kit.FamilyKit``), in the same family file, linked as ``kit``.
 
 The defaults are the base layout: one ``<vision_start> pads <vision_end>`` group per item, a tower
 ``model.model.visual(pixel_rows, grid_thw)`` with the merger inside that returns
@@ -38,7 +38,7 @@ overrides what differs; facts that a config or the model says are read from it, 
 
 Adding a family is one file, one import line and one line in the tests:
 
-1. ``cpvlm/integrations/hf/families/<family>.py``::
+1. ``cpvlm/families/<family>.py``::
 
        class MyKit(FamilyKit):
            tiny_configs = {"<family>-tiny": tiny_<family>_config}  # from the real config class
@@ -51,7 +51,7 @@ Adding a family is one file, one import line and one line in the tests:
            kit = MyKit
            ...  # the hooks whose default does not hold, and vision_cost
 
-2. ``families/__init__.py``: import the module (that registers it).
+2. ``cpvlm/families/__init__.py``: import the module (that registers it).
 3. ``tests/hf/test_<family>.py``: what is particular to the family. The shared exactness,
    checkpoint, training and verify tests take their families from the registry
    (``tests/hf/hf_families.py``) and run on the new tiny model at once; they select families by
@@ -69,11 +69,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cpvlm.hf.kit import FamilyKit
 from cpvlm.router_loss import load_balancing_loss_share
 from cpvlm.vision.cost import VisionCost
 from cpvlm.vision.split import Piece, UnitOrder, pixel_order
-
-from .kit import FamilyKit
 
 VisionRows = torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]
 """What ``encode`` returns: ``[R, D]`` rows, or ``([R, D], [[R, D_l], ...])`` with deepstack
@@ -122,13 +121,13 @@ class VLMAdapter:
     # ---- identity -------------------------------------------------------------------------------
 
     family: ClassVar[str] = ""
-    """The family's name (``"<family>"``, the name of its file in ``families/``)."""
+    """The family's name (``"<family>"``, the name of its file in ``cpvlm/families/``)."""
     model_classes: ClassVar[tuple[str, ...]] = ()
     """The transformers ``*ForConditionalGeneration`` class names the adapter serves."""
     model_types: ClassVar[tuple[str, ...]] = ()
     """Their ``config.model_type`` values (a config is looked up by it, before a model exists)."""
     kit: ClassVar[type[FamilyKit]] = FamilyKit
-    """The family's test- and verify-side knowledge (``cpvlm.integrations.hf.kit``); the CP step
+    """The family's test- and verify-side knowledge (``cpvlm.hf.kit``); the CP step
     never reads it."""
 
     def __init__(self, config):
@@ -204,7 +203,7 @@ class VLMAdapter:
     # ---- the processor (the data path) ----------------------------------------------------------
 
     chat_media: ClassVar[type | None] = None
-    """A ``cpvlm.integrations.hf.families.chat_media.ChatMedia`` class: the data path's items,
+    """A ``cpvlm.families.chat_media.ChatMedia`` class: the data path's items,
     placeholder inputs and pixel rows of the family's processor, where the Qwen-VL rules below
     (``processor_image_grid``, ``processor_image_inputs``, ``video_processing``) do not fit."""
 
@@ -319,8 +318,8 @@ class VLMAdapter:
         """``vision="split"``: the tower's precomputed inputs for ``n`` local patches, the
         ``pieces`` one after another: rotary positions of exactly those patches (the tower's own
         function on each whole unit's grid, sliced) and one attention call over all of them
-        (``cpvlm.integrations.hf.vision_attention``)."""
-        from .vision_attention import local_rows, single_call, tower_function
+        (``cpvlm.hf.vision_attention``)."""
+        from cpvlm.hf.vision_attention import local_rows, single_call, tower_function
 
         position_ids = tower_function(tower, "get_vision_position_ids")
         m = tower.spatial_merge_size
