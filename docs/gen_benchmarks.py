@@ -458,7 +458,7 @@ def data_loading() -> str:
     before, after = d["load_avg_before"][0], d["load_avg_after"][0]
     return (
         _table(head, rows)
-        + f"\n\nPlanning every sample: {by[1, 'split']['plan_s']:.2f} s on every rank. In `cpvlm"
+        + f"\n\nPlanning every sample, on every rank: {by[1, 'split']['plan_s']:.2f} s. In `cpvlm"
         + f" train` (CP 2) a rank waits for its rows {wait}. Load average (1 minute):"
         + f" {before:.1f} before, {after:.1f} after."
     )
