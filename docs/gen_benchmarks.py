@@ -1,9 +1,9 @@
-"""Render docs/benchmarks.md's generated tables from benchmarks/results/*.json.
+"""Render the docs' generated tables from benchmarks/results/*.json.
 
-Each generated table sits between ``<!-- gen:NAME -->`` and ``<!-- /gen:NAME -->``; everything
-else on the page is written by hand. Run ``python docs/gen_benchmarks.py`` after a benchmark
-rewrites its JSON; ``--check`` exits 1 when the page differs from what the JSON gives
-(tests/test_docs.py runs it), so a figure cannot drift from its measurement.
+Each generated table sits between ``<!-- gen:NAME -->`` and ``<!-- /gen:NAME -->`` on one of
+``PAGES``; everything else on a page is written by hand. Run ``python docs/gen_benchmarks.py``
+after a benchmark rewrites its JSON; ``--check`` exits 1 when a page differs from what the JSON
+gives (tests/test_docs.py runs it), so a figure cannot drift from its measurement.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-PAGE = ROOT / "docs" / "benchmarks.md"
+# Every page with generated blocks; tests/test_docs.py checks that no other page has one.
+PAGES = [ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "plan.md"]
 BLOCK = re.compile(r"(<!-- gen:(\w+) -->\n)(.*?)(<!-- /gen:\2 -->)", re.S)
 
 
@@ -225,6 +226,488 @@ def scale_longest() -> str:
     return _scale_tables()[1]
 
 
+def _load_range(loads) -> str:
+    """``a to b`` (one decimal) over the 1-minute load averages ``loads``, or ``a``."""
+    values = [float(x) for x in loads]
+    lo, hi = min(values), max(values)
+    return f"{lo:.1f}" if f"{lo:.1f}" == f"{hi:.1f}" else f"{lo:.1f} to {hi:.1f}"
+
+
+def _sig(x: float, digits: int = 3) -> str:
+    """``x`` to ``digits`` significant digits, without an exponent: 0.0003, 3.37, 72.1, 3382."""
+    if x == 0:
+        return "0"
+    text = f"{x:.{digits}g}"
+    if "e" in text:
+        mantissa, exponent = text.split("e")
+        if int(exponent) < 0:
+            return f"{x:.{digits - 1 - int(exponent)}f}".rstrip("0").rstrip(".")
+        return f"{x:.0f}"
+    return text
+
+
+# The rows of attention_impls.json the page shows, at S = 16384: (heads, docs, cp, layout).
+IMPL_POINTS = [("8/2", "one sequence", 2, None), ("8/2", "one sequence", 4, None)]
+IMPL_POINTS += [("8/2", "64 documents", 4, "head_tail"), ("8/2", "64 documents", 4, "balanced")]
+IMPL_POINTS += [("8/8", "one sequence", 4, None), ("8/8", "64 documents", 4, "head_tail")]
+IMPL_POINTS += [("8/8", "64 documents", 4, "balanced")]
+IMPLS = ["ring", "allgather", "ulysses", "hybrid 2x2"]
+LAYOUT_NAMES = {"head_tail": "head-tail", "balanced": "balanced"}
+
+
+def attention_impls() -> str:
+    rows, loads = [], []
+    data = [r for r in _load("attention_impls")["rows"] if r["S"] == 16384]
+    for heads, docs, cp, layout in IMPL_POINTS:
+        got = {
+            r["impl"]: r
+            for r in data
+            if (r["heads"], r["docs"], r["cp"]) == (heads, docs, cp)
+            and (layout is None or r["layout"] == layout)
+        }
+        label = ", ".join([heads, docs, str(cp)] + ([LAYOUT_NAMES[layout]] if layout else []))
+        cells = [f"{got[i]['cpu/a']:.2f}" if i in got else "" for i in IMPLS]
+        mib = " / ".join(f"{got[i]['MiB/rank']:.0f}" for i in IMPLS if i in got)
+        rows.append([label, *cells, mib, next(iter(got.values()))["auto"]])
+        loads += [r["load"] for r in got.values()]
+    head = ["heads, docs, cp, layout", "ring", "all-gather", "Ulysses", "hybrid 2x2"]
+    table = _table(head + ["MiB/rank (same order)", "auto picks"], rows)
+    return table + f"\n\nLoad average (1 minute) while these rows ran: {_load_range(loads)}."
+
+
+def attention_window() -> str:
+    data = _load("attention_window")["rows"]
+    points = list(dict.fromkeys((r["cp"], r["w"]) for r in data))
+    rows = []
+    for cp, w in points:
+        got = {r["impl"]: r for r in data if (r["cp"], r["w"]) == (cp, w)}
+        cells = [f"{got[i]['wall/sdpa']:.2f} / {got[i]['cpu/sdpa']:.2f}" for i in IMPLS[:3]]
+        work = f"{got['ring']['work/causal']:.3f}, {got['ulysses']['work/causal']:.3f}"
+        rows.append([str(w), str(cp), *cells, work, f"{got['ring']['balance']:.2f}"])
+    head = ["w", "cp", "ring wall / cpu", "all-gather wall / cpu", "Ulysses wall / cpu"]
+    table = _table(head + ["work (ring, Ulysses)", "balance (ring)"], rows)
+    errs = [float(r["err"]) for r in data]
+    loads = _load_range(r["load"] for r in data)
+    return (
+        table
+        + f"\n\nErrors against SDPA {_sci(min(errs))} to {_sci(max(errs))} (float32); load"
+        + f" average (1 minute) while the rows ran: {loads}."
+    )
+
+
+MIX_LABELS = {"current": "current", "automodel": "Automodel", "long video": "long video"}
+
+
+def vision_modelled() -> str:
+    data = _load("vision_dp")["balance"]
+    rows = []
+    for mix in dict.fromkeys(r["mix"] for r in data):
+        rs = sorted((r for r in data if r["mix"] == mix), key=lambda r: r["cp"])
+        cells = [" / ".join(f"{r[k]:.3f}" for r in rs) for k in ("count", "patch", "cost", "bound")]
+        rows.append([MIX_LABELS[mix], " / ".join(str(r["cp"]) for r in rs), *cells])
+    head = ["mix", "cp", "by count (contiguous, public frameworks)", "by patches", "by cost"]
+    return _table(head + ["bound"], rows)
+
+
+def vision_measured() -> str:
+    d = _load("vision_dp")
+    data = d["encoder_time"]
+    rows = []
+    for mix in dict.fromkeys(r["mix"] for r in data):
+        rs = sorted((r for r in data if r["mix"] == mix), key=lambda r: r["cp"])
+        cells = [f"{r['measured_patch']:.3f} / {r['measured_cost']:.3f}" for r in rs]
+        rows.append([MIX_LABELS[mix], *cells, " / ".join(f"{r['measured_same']:.3f}" for r in rs)])
+    cps = sorted({r["cp"] for r in data})
+    head = ["mix", *(f"cp {cp}" for cp in cps), f"noise floor cp {' / '.join(map(str, cps))}"]
+    loads = " / ".join(f"{x:.1f}" for x in d["load_average"])
+    return _table(head, rows) + f"\n\nLoad average (1 / 5 / 15 minutes) at the end: {loads}."
+
+
+def vision_bytes() -> str:
+    rows = []
+    for r in _load("vision_dp")["comm"]:
+
+        def mib(x: float) -> str:
+            return f"{x:g}"
+
+        rows.append(
+            [
+                str(r["cp"]),
+                f"{mib(r['route_fwd_send_MiB'])} / {mib(r['route_fwd_recv_MiB'])}",
+                mib(r["allgather_fwd_MiB"]),
+                mib(r["allgather_bwd_allreduce_MiB"]),
+            ]
+        )
+    head = ["cp", "MiB per rank: route (send / receive)", "all-gather (= reduce-scatter backward)"]
+    return _table(head + ["all-reduce backward"], rows)
+
+
+def memory() -> str:
+    d = _load("memory")
+    by = {(r["cp"], r["flow"]): r for r in d["rows"]}
+    rows = []
+    for cp in sorted({cp for cp, _ in by}):
+        s, c = by[cp, "scalable"], by[cp, "compat"]
+        full = []
+        for flow in ("scalable", "compat"):
+            n = max(len(r["full_len_floats"]) for r in d["ranks"][f"cp{cp}_{flow}"])
+            full.append(f"{flow}: {n or 'none'}")
+        rows.append(
+            [
+                str(cp),
+                f"{s['saved_MiB']:.0f}",
+                f"{s['saved x cp']:.2f}",
+                f"{s['peak_MiB']:.0f}",
+                f"{s['peak x cp']:.2f}",
+                f"{c['peak_MiB']:.0f}",
+                "-" if cp == 1 else "; ".join(full),
+            ]
+        )
+    head = ["cp", "scalable: saved MiB", "x cp", "peak MiB", "x cp", "compat: peak MiB"]
+    return _table(head + ["full-length float tensors on a rank"], rows)
+
+
+TRAIN_NAMES = {
+    ("route", "ring"): "route, ring",
+    ("allgather", "ring"): "vision all-gather",
+    ("replicate", "ring"): "vision replicate",
+    ("route", "allgather"): "all-gather attention",
+}
+
+
+def train() -> str:
+    d = _load("train")
+    runs = d["sweep"] + [r for r in d["modes"] if (r["vision"], r["attn"]) != ("route", "ring")]
+    base = d["sweep"][0]
+    rows = []
+    for r in runs:
+        grows = "seq_MiB" in r
+        rows.append(
+            [
+                f"CP {r['cp']}, {TRAIN_NAMES[r['vision'], r['attn']]}",
+                f"{r['tok/s']:.0f}",
+                f"{r['tok/s'] / base['tok/s']:.2f}",
+                f"{r['seq_MiB']:.1f} MiB" if grows else "",
+                f"{r['seq_MiB'] / base['seq_MiB']:.2f}" if grows else "",
+            ]
+        )
+    head = ["run", "tokens/s", "x CP=1", "per-rank memory that grows with the sequence", "x CP=1"]
+    before = d["config"]["load_average_before"][0]
+    after = d["config"]["load_average_after"][0]
+    return (
+        _table(head, rows) + f"\n\nLoad average (1 minute): {before:.1f} before, {after:.1f} after."
+    )
+
+
+# The buckets of train_profile.json the page shows, with what each holds.
+PROFILE_BUCKETS = [
+    ("data", "data (planning rows in the main process; waiting for the loader)"),
+    ("prepare", "prepare (positions, labels, plan; replicated)"),
+    ("vision", "vision"),
+    ("attention compute", "attention compute"),
+    ("attention comm", "attention comm (exposed)"),
+    ("decoder", "decoder (embeddings, layers, lm head)"),
+    ("loss", "loss"),
+    ("fsdp", "fsdp (all-gathers, reduce-scatters, copies, waiting for the other rank)"),
+    ("optimizer", "optimizer (norm, clip, AdamW on DTensors)"),
+    ("python", "python (between ops)"),
+]
+
+
+def train_profile() -> str:
+    d = _load("train_profile")
+    one, two = (next(r["ms"] for r in d["runs"] if r["cp"] == cp) for cp in (1, 2))
+
+    def ms(x: float) -> str:
+        return f"{x:.1f}" if x < 1 else f"{x:.0f}"
+
+    rows = []
+    for key, label in PROFILE_BUCKETS:
+        rows.append([label, ms(one[key]), ms(two[key]), f"{two[key] - one[key]:+.0f}"])
+    rows.append(["step wall (max over ranks)", ms(one["wall"]), ms(two["wall"]), ""])
+    c = d["config"]
+    before, after = c["load_average_before"][0], c["load_average_after"][0]
+    tok = {r["cp"]: r["tok/s"] for r in d["runs"]}
+    return (
+        _table(["bucket", "CP=1", "CP=2", "CP=2 - CP=1"], rows)
+        + f"\n\ntokens/s: {tok[1]:.0f} at CP=1, {tok[2]:.0f} at CP=2 ({tok[2] / tok[1]:.2f}x);"
+        + f" load average (1 minute) {before:.1f} before, {after:.1f} after."
+    )
+
+
+def data_loading() -> str:
+    d = _load("data")
+    by = {(r["cp"], r["decode"]): r for r in d["loader"]}
+    rows = []
+    for cp in sorted({cp for cp, _ in by}):
+        s, a = by[cp, "split"], by[cp, "all"]
+        rows.append(
+            [
+                str(cp),
+                f"{s['samples_per_s']:.2f}",
+                f"{a['samples_per_s']:.2f}",
+                f"{s['samples_per_s'] / a['samples_per_s']:.2f}",
+                f"{s['decoded_per_rank_max']} / {a['decoded_per_rank_max']}",
+            ]
+        )
+    head = ["cp", "samples/s, each rank decodes its own units", "decoding everything on every rank"]
+    head += ["ratio", "images and frames decoded per rank (max)"]
+    wait = ", ".join(
+        f"{r['data_share']:.1%} of the step with {r['workers']} workers" for r in d["train"]
+    )
+    before, after = d["load_avg_before"][0], d["load_avg_after"][0]
+    return (
+        _table(head, rows)
+        + f"\n\nPlanning every sample, on every rank: {by[1, 'split']['plan_s']:.2f} s. In `cpvlm"
+        + f" train` (CP 2) a rank waits for its rows {wait}. Load average (1 minute):"
+        + f" {before:.1f} before, {after:.1f} after."
+    )
+
+
+def _host_quick() -> dict:
+    return {
+        (r["part"], r.get("layout"), r.get("mask"), r.get("impl")): r
+        for r in _load("host_quick")["rows"]
+    }
+
+
+def host_headline() -> str:
+    got = _host_quick()
+    cols = [(lay, mask) for lay in ("head_tail", "balanced") for mask in ("causal", "window 4096")]
+
+    def ring(lay, mask):
+        return got["schedule", lay, mask, "ring"]
+
+    rows = [
+        ["ring schedule, before (reference loops)"]
+        + [f"{ring(*c)['reference_cpu_ms']:.0f}" for c in cols],
+        ["ring schedule, now"] + [f"{ring(*c)['cpu_ms']:.1f}" for c in cols],
+        ["ratio"] + [f"{ring(*c)['ratio']:.0f}x" for c in cols],
+        ["hybrid (Ulysses 4 x ring 4) / Ulysses schedule"]
+        + [
+            f"{got[('schedule', *c, 'hybrid u=4')]['cpu_ms']:.1f}"
+            f" / {got[('schedule', *c, 'ulysses')]['cpu_ms']:.1f}"
+            for c in cols
+        ],
+        ['`impl="auto"`\'s choice (cost model over every candidate, pruned; chosen once per plan)']
+        + [
+            f"{next(r for k, r in got.items() if k[:3] == ('auto', *c))['cpu_ms']:.0f}"
+            for c in cols
+        ],
+    ]
+    head = ["part"] + [f"{LAYOUT_NAMES[lay]} {mask}" for lay, mask in cols]
+    return _table(head, rows)
+
+
+def host_parts() -> str:
+    got = _host_quick()
+
+    def ms(part, layout=None, mask=None, impl=None):
+        return got[part, layout, mask, impl]["cpu_ms"]
+
+    rows = [
+        [
+            "`ShardPlan`, head-tail / balanced",
+            f"{ms('plan', 'head_tail'):.1f} / {ms('plan', 'balanced'):.1f}",
+        ],
+        [
+            "position ids per document, 1D / M-RoPE",
+            f"{ms('positions', impl='1d'):.1f} / {ms('positions', impl='mrope'):.1f}",
+        ],
+        ["vision unit assignment (1024 units)", f"{ms('vision'):.1f}"],
+        ["one rank's route plan", f"{ms('route'):.1f}"],
+    ]
+    loads = _load_range(r["load"] for r in _load("host_quick")["rows"])
+    return _table(["part", "ms"], rows) + f"\n\nLoad average (1 minute) during the run: {loads}."
+
+
+def dp_measured() -> str:
+    rows = []
+    for r in _load("dp_balance")["measured"]["results"]:
+        rows.append(
+            [
+                MIX_NAMES[r["mix"]],
+                str(r["dp"]),
+                f"{r['tokens_modelled']:.3f} / {r['tokens_measured']:.3f}",
+                f"{r['cost_modelled']:.3f} / {r['cost_measured']:.3f}",
+                f"{r['fitted_measured']:.3f}",
+                f"{r['oracle_measured']:.3f}",
+                f"{r['rank_corr_cost']:.2f}",
+            ]
+        )
+    head = ["mix", "dp", "tokens: modelled / measured", "cost: modelled / measured"]
+    head += [
+        "fitted, measured",
+        "oracle, measured",
+        "rank-time correlation, cost model vs measured",
+    ]
+    shares = _load("dp_balance")["measured"]["shares"]
+    loads = ", ".join(f"{MIX_NAMES[s['mix']]} {s['load']:.1f}" for s in shares)
+    spread = ", ".join(f"{MIX_NAMES[s['mix']]} {s['repeat_spread']:.0%}" for s in shares)
+    return (
+        _table(head, rows)
+        + f"\n\nLoad average (1 minute) while each mix was timed: {loads}; repeat spread: {spread}."
+    )
+
+
+def split_decode() -> str:
+    rows = []
+    for r in _load("split_decode")["results"]:
+        rows.append(
+            [
+                str(r["cp"]),
+                f"{r['rows_before_max']} -> {r['rows_after_max']}",
+                f"{r['large_image_s_before']:.2f} -> {r['large_image_s_after']:.2f}"
+                f" ({r['s_after/before']:.2f}x)",
+            ]
+        )
+    return _table(["cp", "pixel rows, before -> after", "large image s, before -> after"], rows)
+
+
+def host_data() -> str:
+    d = _load("host_data")
+    rows = []
+    for r in d["results"]:
+        rows.append(
+            [
+                str(r["dp"]),
+                f"{r['before_max_ms']:.0f}",
+                f"{r['turns_max_ms']:.0f}",
+                f"{r['split_max_ms']:.0f}",
+                f"{r['split_mean_ms']:.0f}",
+                f"{r['split_plan_max_ms']:.0f}",
+                str(r["split_calls"]),
+                f"{r['plan_call_ms']:.2f}",
+                f"{r['split_max_vs_ideal']:.2f}, {r['split_mean_vs_ideal']:.2f}",
+                f"{r['split_vs_before']:.2f}",
+                f"{r['split_floor_max_ms']:.0f}",
+                f"{r['split_floor_max_vs_ideal']:.2f}",
+                f"{r['split_imbalance']:.2f}",
+                f"{r['metas_max_ms']:.0f}",
+                f"{r['metas_max_vs_ideal']:.2f}",
+            ]
+        )
+    head = ["dp", "before", "turns, slowest", "split, slowest", "split, mean"]
+    head += ["of which in `plan`, slowest", "plan calls, busiest rank", "CPU ms a plan call"]
+    head += ["split x dp / dp 1 (slowest, mean)", "split x dp / before", "floor"]
+    head += ["floor x dp / dp 1", "slowest / mean", "metas", "metas x dp / dp 1"]
+    start, end = d["load"]
+    return (
+        _table(head, rows)
+        + f"\n\nLoad average (1 minute): {start:.1f} at the start, {end:.1f} at the end."
+    )
+
+
+N_NAMES = {2000: "2000", 10000: "10k", 20000: "20k", 100000: "100k"}
+
+
+def _startup_runs() -> list[tuple[str, dict]]:
+    """``(label suffix, row)`` of every row of the start-up runs, the quiet 100k run last."""
+    out = []
+    for run in _load("host_startup")["runs"]:
+        out += [("", r) for r in run["rows"]]
+    out += [(", quiet", r) for r in _load("host_startup_100k")["rows"]]
+    return sorted(out, key=lambda sr: (sr[1]["samples"], sr[0]))
+
+
+def _wall_cpu(wall: float, cpu: float, extra: str = "") -> str:
+    return f"{_sig(wall)} ({_sig(cpu)}{extra})"
+
+
+def host_startup() -> str:
+    rows, seen = [], set()
+    for suffix, r in _startup_runs():
+        key = (r["samples"], suffix, r["source"])
+        if "train_start_s" in r and not suffix or key in seen:
+            continue  # the train start run's rows are the next table's
+        seen.add(key)
+        prepared = r["source"] == "prepared"
+        n = r["all_sizes_measured"]
+        how = f"all {N_NAMES[n]}" if n == r["samples"] else f"{n} measured, scaled"
+        prepare = ""
+        if "prepare_s" in r:
+            prepare = (
+                f"{_sig(r['prepare_s'])} ({_sig(r['prepare_cpu_s'])} CPU s:"
+                f" {_sig(r['prepare_cpu_ms_per_sample'])} ms a sample); on a finished folder"
+                f" {_sig(r['prepare_again_s'])}"
+            )
+        rows.append(
+            [
+                N_NAMES[r["samples"]] + suffix,
+                "prepared folder" if prepared else "JSONL",
+                _wall_cpu(r["open_s"], r["open_cpu_s"]),
+                _wall_cpu(r["first_rows_s"], r["first_rows_cpu_s"]),
+                _wall_cpu(r["all_sizes_s"], r["all_sizes_cpu_s"], f"; {how}"),
+                prepare,
+            ]
+        )
+    head = ["N", "source", "open", "processor + first window", "every sample's size"]
+    loads = [f"{run['load_start']:.1f}" for run in _load("host_startup")["runs"]]
+    quiet = _load("host_startup_100k")["load_start"]
+    return (
+        _table(head + ["prepare (2 workers)"], rows)
+        + f"\n\nLoad average (1 minute) at the start of each run: {', '.join(loads)}"
+        + f" (the loaded runs, in order), {quiet:.2f} (100k, quiet)."
+    )
+
+
+def host_train_start() -> str:
+    rows = []
+    for _, r in _startup_runs():
+        if "train_start_s" not in r:
+            continue
+        source = "prepared folder" if r["source"] == "prepared" else "JSONL"
+        rows.append(
+            [
+                f"{N_NAMES[r['samples']]}, {source} (load {r['load']:.1f})",
+                _sig(r["train_start_s"]),
+                _sig(r["imports_s"]),
+                _sig(r["open_s"] + r["first_rows_s"], 2),
+                f"{_sig(r['first_step_s'])} ({_sig(r['first_step_data_s'])})",
+                _sig(r["rest_s"], 2),
+            ]
+        )
+    head = ["N, source", "whole start", "imports", "data start", "first step (its data wait)"]
+    return _table(head + ["rest"], rows)
+
+
+def scale_peers() -> str:
+    rows = []
+    for r in _load("scale_peers")["nearest"]:
+        rows.append(
+            [r["peer"], r["model"], str(r["gpus"]), f"{r['max_seq']:,}", r["note"], r["source"]]
+        )
+    return _table(["peer", "model", "GPUs", "max sequence", "note", "source"], rows)
+
+
+# The scale points whose memory categories docs/plan.md shows: (model, sequence, cp).
+PLAN_POINTS = [("qwen3-vl-8b", "text 128k", 4), ("qwen3-vl-8b", "text 128k", 8)]
+
+
+def plan_categories() -> str:
+    gib = 2**30
+    by = {(r["model"], r["seq"], r["cp"]): r for r in _load("scale")["rows"]}
+    rows = []
+    for point in PLAN_POINTS:
+        r = by[point]
+        m = r["memory"]
+        rows.append(
+            [
+                str(r["cp"]),
+                f"{r['saved_GiB']:.2f}",
+                f"{m['saved_gathered'] / gib:.3f}",
+                f"{m['loss_saved'] / gib:.3g}",
+                f"{r['saved_act_GiB']:.3f}",
+                f"{r['peak_GiB']:.2f}",
+                f"{m['gathered'] / gib:.2f}",
+                f"{m['loss'] / gib:.2f}",
+            ]
+        )
+    head = ["cp", "saved", "of which gathered (`lm_head` weight)", "of which loss"]
+    head += ["saved activations", "peak", "peak: gathered", "peak: loss"]
+    return _table(head, rows)
+
+
 TABLES = {
     "balance": balance,
     "attention": attention,
@@ -236,6 +719,24 @@ TABLES = {
     "simulate_check_depth": simulate_check_depth,
     "scale_peak": scale_peak,
     "scale_longest": scale_longest,
+    "attention_impls": attention_impls,
+    "attention_window": attention_window,
+    "vision_modelled": vision_modelled,
+    "vision_measured": vision_measured,
+    "vision_bytes": vision_bytes,
+    "memory": memory,
+    "train": train,
+    "train_profile": train_profile,
+    "data_loading": data_loading,
+    "host_headline": host_headline,
+    "host_parts": host_parts,
+    "dp_measured": dp_measured,
+    "split_decode": split_decode,
+    "host_data": host_data,
+    "host_startup": host_startup,
+    "host_train_start": host_train_start,
+    "scale_peers": scale_peers,
+    "plan_categories": plan_categories,
 }
 
 
@@ -250,16 +751,21 @@ def render(text: str) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--check", action="store_true", help="exit 1 if the page is not up to date")
+    p.add_argument("--check", action="store_true", help="exit 1 if a page is not up to date")
     args = p.parse_args()
-    text = PAGE.read_text()
-    new = render(text)
-    if args.check:
-        if new != text:
-            print(f"{PAGE.relative_to(ROOT)} is out of date: run python docs/gen_benchmarks.py")
-            return 1
-        return 0
-    PAGE.write_text(new)
+    stale = []
+    for page in PAGES:
+        text = page.read_text()
+        new = render(text)
+        if new == text:
+            continue
+        stale.append(page)
+        if not args.check:
+            page.write_text(new)
+    if args.check and stale:
+        for page in stale:
+            print(f"{page.relative_to(ROOT)} is out of date: run python docs/gen_benchmarks.py")
+        return 1
     return 0
 
 
