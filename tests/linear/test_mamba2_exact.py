@@ -3,9 +3,9 @@ unmodified ``NemotronHMamba2Mixer`` on each document alone.
 
 float64 tolerance 1e-10: both sides do the same sums in float64 (the reference under
 ``in_float64``) in different orders (other kernel chunks, a cross-rank scan of the pieces'
-states), measured at <= 1e-15; the same computation with the state not carried across pieces (each
-from zero, the conv halo still exchanged) is off by 0.1 or more in the output and every gradient
-but D's and out_proj's bias (which see no state, or only the output's sum over tokens).
+states), measured at <= 4e-14; the same computation with the state not carried across pieces (each
+from zero, the conv halo still exchanged) is off by >= 0.08 in the output and every gradient but
+out_proj's bias (the sum of the upstream gradient, which no state reaches).
 """
 
 import pytest
@@ -66,8 +66,9 @@ def test_state_not_carried_fails_the_same_check(cp):
     for i, (label, c) in enumerate(cases.items()):
         errs = errors([r[i] for r in results], c, cp)
         print(f"cp={cp} {label}, not carried: out {errs['out']:.1e}, dhidden {errs['dhidden']:.1e}")
-        for name in ("out", "dhidden", "din_proj.weight", "dA_log", "dconv1d.weight"):
-            assert errs[name] > 1e-3, f"not carried, {name} is close ({errs[name]:.1e}): {label}"
+        for name, err in errs.items():
+            if name != "dout_proj.bias":
+                assert err > 1e-2, f"not carried, {name} is close ({err:.1e}): {label}"
 
 
 def test_float32_mixer_matches_transformers_float32():
