@@ -160,6 +160,7 @@ class Gemma3Kit(FamilyKit):
         config_ids=_config_ids,
         image_processor=_image_processor,
         processor_settings=lambda config: {"image_seq_length": config.mm_tokens_per_image},
+        end_of_turn="<end_of_turn>",
     )
 
     def synthetic_items(self, kind, grid, *, images_in_sample=1):

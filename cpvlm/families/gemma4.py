@@ -220,6 +220,8 @@ class Gemma4Kit(FamilyKit):
         image_processor=_image_processor,
         video_processor=_video_processor,
         processor_settings=lambda config: {"image_seq_length": TINY_SOFT_TOKENS},
+        end_of_turn="<end_of_turn>",
+        frame_size=(96, 160),  # 12 x 20 patches of 8, at most TINY_SOFT_TOKENS pooled
     )
 
     def item_tokens(self, kind, grid, text):

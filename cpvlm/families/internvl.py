@@ -194,6 +194,7 @@ class InternVLKit(FamilyKit):
         image_processor=_image_processor,
         video_processor=_video_processor,
         processor_settings=lambda config: {"image_seq_length": config.image_seq_length},
+        frame_size=(TILE, TILE),  # one tile
     )
 
     def synthetic_items(self, kind, grid, *, images_in_sample=1):

@@ -224,6 +224,7 @@ class LlavaOnevisionKit(FamilyKit):
         image_processor=_image_processor,
         video_processor=_video_processor,
         processor_settings=_processor_settings,
+        frame_size=(CROP, CROP),  # one crop
     )
     zero_gradients = (r"model\.vision_tower\..*self_attn\.k_proj\.bias",)
     unused_parameters = r"model\.vision_tower\.post_layernorm\."  # SigLIP's, at feature layer -1
