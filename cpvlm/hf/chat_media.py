@@ -55,6 +55,8 @@ class ChatMedia:
         video_min_pixels: int | None = None,
         video_max_pixels: int | None = None,
     ):
+        if adapter.takes_videos and type(self).video_item is ChatMedia.video_item:
+            raise ValueError(f"the data path has no video pipeline for {adapter.family}")
         self.adapter = adapter
         self.image_processor = image_processor
         self.video_config = video_config
@@ -99,7 +101,9 @@ class ChatMedia:
         return items
 
     def video_item(self, frames, fps) -> VisionItem:
-        """The planned item of a video of ``frames`` (frame references) at ``fps`` (or None)."""
+        """The planned item of a video of ``frames`` (frame references) at ``fps`` (or None).
+        Default: none (a family that takes videos and keeps this default has no data path: the
+        media refuses to be built)."""
         raise DataError("bad_record", f"cpvlm takes no videos for {self.adapter.family}")
 
     def image_inputs(self, items, i) -> tuple[dict, int]:
