@@ -27,7 +27,7 @@ def main():
         Qwen2VLImageProcessorPil,
     )
 
-    from cpvlm.hf.data.piece_pixels import image_piece_rows
+    from cpvlm.families.qwen2_vl import image_piece_rows
     from cpvlm.vision import split_assignment, vision_units
     from cpvlm.vision.pieces import piece_groups, pixel_rows_read
     from cpvlm.vision.split import pixel_order

@@ -172,7 +172,7 @@ def _item_rows(
             rows = torch.cat([pixels[j * n : (j + 1) * n] for j in temporal])
         return select_groups(rows, temporal, groups, ids.merge) if groups else rows
     rows = decode(item, temporal, groups) if groups else decode(item, temporal)
-    # the family's rows per item (LLaVA-OneVision: t crops of s*s rows, whatever its h, w)
+    # the family's rows per item (a family's item may be t crops of s*s rows, whatever its h, w)
     sizes = ids.item_sizes if ids is not None else lambda g, _: (g[0] * g[1] * g[2], 0)
     if temporal is None:
         need = sizes(item.grid, item.kind)[0]

@@ -7,7 +7,7 @@ while only the rank that encodes an image decodes it. Decoding gives what transf
 
 A video is a folder of frames (image files, in name order), a list of frame references, or a
 video file (mp4, mkv, webm, mov, avi; read with PyAV, the ``[video]`` extra). A video file's frames
-are sampled at the record's ``fps`` (default 2 per second, as the Qwen video processors sample):
+are sampled at the record's ``fps`` (default 2 per second, as common video processors sample):
 ``n = min(total, max(1, int(total / file_fps * fps)))`` frames at ``int(i * total / n)``, and the
 frame count and size come from the container (packets counted, nothing decoded). Each frame is
 decoded only by the rank that encodes its temporal patch: a rank decodes a file from its start

@@ -40,7 +40,8 @@ from cpvlm.data.sample import SamplePlan, VisionItem
 
 FORMAT_VERSION = 2
 """2: an item's kind is its column (``image_grids`` / ``video_grids``) alone; format 1 wrote
-LLaVA-OneVision videos with the grid (F, 2**20, 2**20), which format 2 reads as (F, S, S)."""
+the videos of a family whose video grid is (F, S, S) (F frames of one S x S crop) with the grid
+(F, 2**20, 2**20), which format 2 reads as (F, S, S)."""
 MANIFEST = "prepared.json"
 SHARDS = "shards"
 

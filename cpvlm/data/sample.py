@@ -8,11 +8,12 @@ how to get its pixels: a reference to decode (conversations) or the pixel rows t
 (tokenized samples). It is built identically on every rank; pixels are made later, only for the
 units a rank encodes.
 
-Tokenized samples are dicts laid out as a Qwen-VL processor writes one sample (a leading batch
-dim of 1 is dropped): ``input_ids`` [L]; optional ``labels`` [L] (unshifted; default: the ids
-with image/video tokens set to -100), ``attention_mask`` (right padding, cut off);
-``pixel_values`` [patches, C] + ``image_grid_thw`` [n, 3]; ``pixel_values_videos`` +
-``video_grid_thw``; ``second_per_grid_ts`` [n_videos]; ``mm_token_type_ids`` (ignored: derived).
+Tokenized samples are dicts laid out as a processor of the base layout writes one sample (the
+adapter's defaults, ``cpvlm.hf.adapter``; a leading batch dim of 1 is dropped): ``input_ids``
+[L]; optional ``labels`` [L] (unshifted; default: the ids with image/video tokens set to -100),
+``attention_mask`` (right padding, cut off); ``pixel_values`` [patches, C] + ``image_grid_thw``
+[n, 3]; ``pixel_values_videos`` + ``video_grid_thw``; ``second_per_grid_ts`` [n_videos];
+``mm_token_type_ids`` (ignored: derived).
 A pixel entry may be a ``LazyPixels`` instead of a tensor: its rows are then made only where a
 rank encodes them (the synthetic source's random pixels), not by every rank while planning.
 """
@@ -44,8 +45,8 @@ TOKENIZED_KEYS = (
 @dataclass(frozen=True)
 class TokenIds:
     """The ids and sizes the data path needs from a model config (read, not imported), and the
-    family's token-type rule where placeholder ids alone do not say it (GLM-4V writes video
-    frames with image tokens; its rule looks at the enclosing video markers)."""
+    family's token-type rule where placeholder ids alone do not say it (a family that writes video
+    frames with image tokens: its rule looks at the enclosing video markers)."""
 
     image: int
     video: int
@@ -126,7 +127,7 @@ class VisionItem:
     image: ImageRef | None = None  # an image to decode
     frames: tuple[ImageRef | VideoFrameRef, ...] = ()  # a video's frames to decode
     fps: float | None = None  # frames per second of ``frames`` (None: unknown)
-    second_per_grid: float | None = None  # seconds per temporal patch (Qwen2.5-VL positions)
+    second_per_grid: float | None = None  # seconds per temporal patch (a positions input)
     pixels: torch.Tensor | LazyPixels | None = None  # [t*h*w, C] of tokenized samples
 
     @property

@@ -26,6 +26,7 @@ import torch
 from transformers import Gemma3Config
 
 from cpvlm.hf.adapter import VLMAdapter
+from cpvlm.hf.chat_media import ChatMedia
 from cpvlm.hf.kit import FamilyKit, TinyProcessor
 from cpvlm.hf.registration import register
 from cpvlm.hf.tiny import TEXT, split_overrides, with_overrides
@@ -159,6 +160,7 @@ class Gemma3Kit(FamilyKit):
         config_ids=_config_ids,
         image_processor=_image_processor,
         processor_settings=lambda config: {"image_seq_length": config.mm_tokens_per_image},
+        end_of_turn="<end_of_turn>",
     )
 
     def synthetic_items(self, kind, grid, *, images_in_sample=1):
@@ -203,12 +205,37 @@ class Gemma3Kit(FamilyKit):
 # ---- the adapter ---------------------------------------------------------------------------------
 
 
+class FixedImageMedia(ChatMedia):
+    """The data path of a processor of fixed-size images (Gemma 3's): every image resized to the
+    tower's one size, a ``(1, s, s)`` grid; images only (the processor class built without a video
+    processor, ``takes_videos`` False)."""
+
+    def image_grid(self, height: int, width: int):
+        """The grid of an image through the checkpoint's image processor: its one size (resized,
+        whatever the image's); pan-and-scan (crops as extra images) is not planned here."""
+        image_processor, adapter = self.image_processor, self.adapter
+        if getattr(image_processor, "do_pan_and_scan", None):
+            raise ValueError("pan-and-scan (do_pan_and_scan) is not supported by the data path")
+        size = image_processor.size
+        if (size["height"], size["width"]) != (adapter.config.vision_config.image_size,) * 2:
+            raise ValueError(
+                f"the image processor resizes to {size['height']}x{size['width']}, the tower "
+                f"takes {adapter.config.vision_config.image_size} a side"
+            )
+        return (1, adapter.side, adapter.side)
+
+    def image_inputs(self, items, i):
+        """What ``Gemma3Processor.replace_image_token`` reads: no pan-and-scan crops."""
+        return {"num_crops": [0] * len(items)}, i
+
+
 class FixedImageLayout(VLMAdapter):
     """Towers that encode fixed-size ``[N, 3, H, W]`` images (Gemma 3's SigLIP): each image a
     ``(1, p, p)`` grid of pixel rows, merge size k (the projector's pooling)."""
 
     split_frames = False
     takes_videos = False
+    chat_media = FixedImageMedia
     model_batch_keys = ("token_type_ids",)
 
     def __init__(self, config):
@@ -241,23 +268,6 @@ class FixedImageLayout(VLMAdapter):
     def pixel_width(self) -> int:
         vc = self.config.vision_config
         return vc.num_channels * vc.image_size**2 // self.side**2
-
-    def processor_image_grid(self, image_processor, height: int, width: int):
-        """The grid of an image through the checkpoint's image processor: its one size (resized,
-        whatever the image's); pan-and-scan (crops as extra images) is not planned here."""
-        if getattr(image_processor, "do_pan_and_scan", None):
-            raise ValueError("pan-and-scan (do_pan_and_scan) is not supported by the data path")
-        size = image_processor.size
-        if (size["height"], size["width"]) != (self.config.vision_config.image_size,) * 2:
-            raise ValueError(
-                f"the image processor resizes to {size['height']}x{size['width']}, the tower "
-                f"takes {self.config.vision_config.image_size} a side"
-            )
-        return (1, self.side, self.side)
-
-    def processor_image_inputs(self, grids) -> dict:
-        """What ``Gemma3Processor.replace_image_token`` reads: no pan-and-scan crops."""
-        return {"num_crops": [0] * len(grids)}
 
     # ---- the model's own batch <-> the core's -------------------------------------------------
 

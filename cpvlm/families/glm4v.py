@@ -41,9 +41,8 @@ from cpvlm.hf.tiny import (
     split_overrides,
     with_overrides,
 )
+from cpvlm.hf.tower_cost import values_per_patch
 from cpvlm.vision.cost import VisionCost, block_linear_macs
-
-from .tower_cost import values_per_patch
 
 TIMESTAMP_TOKENS = 1
 """Text tokens of the timestamp the processor writes after every video frame (``int(seconds)``)."""

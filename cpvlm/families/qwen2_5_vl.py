@@ -20,11 +20,11 @@ from cpvlm.hf.adapter import VLMAdapter
 from cpvlm.hf.kit import FamilyKit
 from cpvlm.hf.registration import register
 from cpvlm.hf.tiny import TEXT, VISION, VISION_TOKEN_IDS, split_overrides, with_overrides
+from cpvlm.hf.tower_cost import patch_merger_macs, values_per_patch
 from cpvlm.vision.cost import VisionCost, block_linear_macs
 from cpvlm.vision.split import UnitOrder
 
-from .qwen_vl_processing import QwenVLProcessing, tiny_qwen_vl_processor
-from .tower_cost import patch_merger_macs, values_per_patch
+from .qwen2_vl import QwenVLMedia, tiny_qwen_vl_processor
 
 
 def tiny_qwen2_5_vl_config(**overrides) -> Qwen2_5_VLConfig:
@@ -102,11 +102,12 @@ class Qwen2_5_VLKit(FamilyKit):
 
 
 @register
-class Qwen2_5_VLAdapter(QwenVLProcessing, VLMAdapter):
+class Qwen2_5_VLAdapter(VLMAdapter):
     family = "qwen2_5_vl"
     model_classes = ("Qwen2_5_VLForConditionalGeneration",)
     model_types = ("qwen2_5_vl",)
     kit = Qwen2_5_VLKit
+    chat_media = QwenVLMedia
     video_keys = ("second_per_grid_ts",)
     split_vision = True
 

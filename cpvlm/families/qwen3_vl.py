@@ -23,10 +23,10 @@ from cpvlm.hf.adapter import VLMAdapter
 from cpvlm.hf.kit import FamilyKit
 from cpvlm.hf.registration import register
 from cpvlm.hf.tiny import TEXT, VISION, VISION_TOKEN_IDS, split_overrides, with_overrides
+from cpvlm.hf.tower_cost import patch_merger_macs, values_per_patch
 from cpvlm.vision.cost import VisionCost, block_linear_macs
 
-from .qwen_vl_processing import QwenVLProcessing, tiny_qwen_vl_processor
-from .tower_cost import patch_merger_macs, values_per_patch
+from .qwen2_vl import Qwen3VLMedia, tiny_qwen_vl_processor
 
 TIMESTAMP_TOKENS = 3
 """Text tokens of the timestamp the processor writes before every video frame ("<0.5 seconds>")."""
@@ -112,12 +112,12 @@ class Qwen3VLKit(FamilyKit):
 
 
 @register
-class Qwen3VLAdapter(QwenVLProcessing, VLMAdapter):
+class Qwen3VLAdapter(VLMAdapter):
     family = "qwen3_vl"
     model_classes = ("Qwen3VLForConditionalGeneration",)
     model_types = ("qwen3_vl",)
     kit = Qwen3VLKit
-    video_processor = "Qwen3VLVideoProcessor"
+    chat_media = Qwen3VLMedia
     projector = ("merger", "deepstack_merger_list")
 
     def vision_cost(self):

@@ -13,8 +13,8 @@ hook declared on ``VLMAdapter`` below, with its contract; nothing else is read f
   ``item_sizes`` (pixel and output rows of an item of a grid and kind), ``video_keys``, ``model_batch_keys``,
   ``takes_videos``, ``from_model_batch`` / ``to_model_batch`` (the model's own batch <-> the
   core's pixel rows with grids);
-- the processor (data path): ``processor_image_grid``, ``processor_image_inputs``,
-  ``video_processing``, or a ``chat_media`` class;
+- the processor (data path): a ``chat_media`` class (``cpvlm.hf.chat_media``: grids, placeholder
+  inputs, pixel rows);
 - modules: ``text_model``, ``decoder_layers``, ``embed_tokens``, ``lm_head``, ``vision_tower``
   (the tower's own parameters), ``projector``, ``fsdp_units``, ``freeze_vision_encoder``,
   ``install_context_parallel`` (sequence mixers other than attention);
@@ -69,6 +69,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cpvlm.hf.chat_media import ChatMedia
 from cpvlm.hf.kit import FamilyKit
 from cpvlm.router_loss import load_balancing_loss_share
 from cpvlm.vision.cost import VisionCost
@@ -202,29 +203,11 @@ class VLMAdapter:
 
     # ---- the processor (the data path) ----------------------------------------------------------
 
-    chat_media: ClassVar[type | None] = None
-    """A ``cpvlm.families.chat_media.ChatMedia`` class: the data path's items,
-    placeholder inputs and pixel rows of the family's processor, where the Qwen-VL rules below
-    (``processor_image_grid``, ``processor_image_inputs``, ``video_processing``) do not fit."""
-
-    def processor_image_grid(self, image_processor, height: int, width: int):
-        """``(1, h, w)``: the grid the checkpoint's image processor gives an image of ``height x
-        width`` pixels, computed from the header before any pixel is decoded. Default: none known
-        (the data path then reports the family)."""
-        raise ValueError(
-            f"the data path has no resize rule for {self.family}'s image processor "
-            f"{type(image_processor).__name__} (the adapter's processor_image_grid)"
-        )
-
-    def processor_image_inputs(self, grids: Sequence[tuple[int, int, int]]) -> dict:
-        """What the processor's ``replace_image_token`` reads for images of these grids."""
-        return {"image_grid_thw": torch.tensor(list(grids), dtype=torch.long).reshape(-1, 3)}
-
-    def video_processing(self, config: dict):
-        """The checkpoint's video pipeline from its video processor ``config`` (file entries over
-        the class defaults): ``.grid(frames, height, width)``, ``.pixels(frames_THWC, grid_hw)``
-        and its patch, merge and temporal patch sizes and pixel bounds. Default: none known."""
-        raise ValueError(f"the data path has no video pipeline for {self.family}")
+    chat_media: ClassVar[type[ChatMedia]] = ChatMedia
+    """The ``cpvlm.hf.chat_media.ChatMedia`` class of the family's processor: how the data path
+    builds it, the items' grids, what its placeholder expansion reads, the items in the model's
+    order, and the pixel rows of an item (or of a piece of it). Default: the base layout, with no
+    resize rule and no videos."""
 
     # ---- modules (ContextParallelVLM, parallelize, the trainer) ---------------------------------
 

@@ -45,6 +45,14 @@ class TinyProcessor:
     video_processor: Callable[[Any], dict] | None = None  # model config -> its config (or none)
     processor_settings: Callable[[Any], dict] = field(default=lambda config: {})
     """Extra entries of ``processor_config.json`` from the model config."""
+    end_of_turn: str | None = None
+    """The text that closes an assistant turn in the template (labelled with the answer; None: the
+    eos token). The data-path tests check labels by it."""
+    frame_size: tuple[int, int] | None = None
+    """``(H, W)``: a video frame size that the tiny processor's video path and its image processor
+    take alike (no resize on either side, a frame's rows the leading rows of the picture's as an
+    image); the data-path tests check videos on frames of it. None: no such size (no videos, or
+    frames paired into temporal patches)."""
 
 
 class FamilyKit:

@@ -18,7 +18,7 @@ from PIL import Image
 from transformers import AutoConfig
 
 from cpvlm.data import DataError, Record
-from cpvlm.families.qwen_vl_processing import VIDEO_DEFAULTS, patchify_video
+from cpvlm.families.qwen2_vl import VIDEO_DEFAULTS, patchify_video
 from cpvlm.hf.data.processor import ChatEncoder
 from cpvlm.hf.tiny_checkpoint import make_tiny_checkpoint, write_frames, write_images
 

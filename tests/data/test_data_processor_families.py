@@ -1,17 +1,23 @@
-"""The processor path of LLaVA-OneVision, InternVL and Gemma 4 against their own processors.
+"""The processor path of every family with a tiny processor against its own processor.
+
+The families come from the registry (``cpvlm.hf.registry``: the kits with a ``tiny_processor``),
+and what differs between them from what they declare: the end-of-turn text and a video frame size
+of the tiny processor (``TinyProcessor.end_of_turn`` / ``frame_size``), the parts of the
+processor class (the family's ``chat_media``), the core's layout of the processor's output (the
+adapter's ``from_model_batch``) and the rows of an item (its ``item_sizes``). A new family with a
+tiny processor is tested here without editing this file.
 
 The reference is the checkpoint's processor class running its own ``apply_chat_template(...,
 tokenize=True, return_dict=True)`` around the PIL image processor (AutoProcessor where
-torchvision works; their video processors need it, so without it the reference takes videos
-through a stand-in for the video processor, LLaVA-OneVision's and InternVL's, on frames of the
-tower's size; Gemma 4's through a stand-in that gives its processor's replacement code the
-video processor's outputs). The data path reads grids from headers, expands the text itself and decodes each image
-alone. Ids and pixels must be equal exactly (the same float32 operations on the same pixels);
-labels are checked against their definition: each run of labelled tokens decodes to one
-assistant answer and its end-of-turn token. Video frames (processed as the video processors do,
-written out without torchvision) are checked against the image processor on the same frames at
-the tower's size (no resize on either side), to float32 round-off (1e-6: the video processors
-rescale and normalise in one fused step, the image processors in two).
+torchvision works; video processors need it, so without it the reference takes videos through
+a stand-in for a fixed-size video processor on frames of its size; Gemma 4's video ids are
+checked in tests/hf/test_gemma.py). The data path reads grids from headers, expands the text
+itself and decodes each image alone. Ids and pixels must be equal exactly (the same float32
+operations on the same pixels); labels are checked against their definition: each run of
+labelled tokens decodes to one assistant answer and its end-of-turn token. Video frames
+(processed as the video processors do, written out without torchvision) are checked against
+the image processor on the same frames (no resize on either side), to float32 round-off (1e-6:
+the video processors rescale and normalise in one fused step, the image processors in two).
 """
 
 import json
@@ -25,11 +31,14 @@ from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
 from cpvlm.data import Record
 from cpvlm.hf.data.processor import ChatEncoder
+from cpvlm.hf.registry import tiny_adapters
 from cpvlm.hf.tiny_checkpoint import make_tiny_checkpoint, write_frames, write_images
 
-FAMILIES = ["llava_onevision", "internvl", "gemma4"]
+# every family whose kit has a tiny processor: its tiny processor
+TINY = {a.family: a.kit.tiny_processor for a in tiny_adapters().values() if a.kit.tiny_processor}
+FAMILIES = sorted(TINY)
+VIDEO_FAMILIES = sorted(f for f, tiny in TINY.items() if tiny.frame_size)  # videos checked here
 SIZES = [(20, 30), (50, 70), (100, 40), (12, 90), (64, 64)]
-END = {"llava_onevision": "<|im_end|>", "internvl": "<|im_end|>", "gemma4": "<end_of_turn>"}
 
 
 @pytest.fixture(scope="module")
@@ -39,14 +48,22 @@ def media(tmp_path_factory):
     return root
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def checkpoint(request, tmp_path_factory):
-    family = request.param
+def _encoder(family: str, tmp_path_factory):
     path = make_tiny_checkpoint(tmp_path_factory.mktemp(family), family)
     return family, path, ChatEncoder(path, AutoConfig.from_pretrained(path))
 
 
-def _reference(family: str, path: Path):
+@pytest.fixture(scope="module", params=FAMILIES)
+def checkpoint(request, tmp_path_factory):
+    return _encoder(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=VIDEO_FAMILIES)
+def video_checkpoint(request, tmp_path_factory):
+    return _encoder(request.param, tmp_path_factory)
+
+
+def _reference(encoder: ChatEncoder, path: Path):
     """The processor class itself, around a freshly loaded tokenizer and PIL image processor."""
     try:
         return transformers.AutoProcessor.from_pretrained(path)
@@ -56,13 +73,13 @@ def _reference(family: str, path: Path):
     cls = getattr(transformers, config.pop("processor_class"))
     config.pop("image_processor"), config.pop("video_processor", None)
     lenient = type(cls.__name__, (cls,), {"check_argument_for_proper_class": lambda *a: None})
-    parts = {"feature_extractor": None} if family == "gemma4" else {}
+    if encoder.adapter.takes_videos:  # the family's processor class takes a video processor
+        config["video_processor"] = None
     return lenient(
         image_processor=AutoImageProcessor.from_pretrained(path),
         tokenizer=AutoTokenizer.from_pretrained(path),
-        video_processor=None,
         chat_template=(path / "chat_template.jinja").read_text(),
-        **parts,
+        **encoder.media.processor_parts,  # the further parts the class requires
         **config,
     )
 
@@ -84,18 +101,6 @@ def _conversations(media: Path):
     ]  # fmt: skip
 
 
-def _processor_rows(family, adapter, out, grids) -> torch.Tensor:
-    """The reference's pixels in cpvlm's layout: each tile's or crop's [C, S, S] values as rows
-    (LLaVA-OneVision: an image's crops without the batch's padding), Gemma 4's real patches."""
-    pixels = out["pixel_values"]
-    if family == "llava_onevision":
-        return torch.cat([pixels[i, : g[0]].reshape(-1, adapter.pixel_width)
-                          for i, g in enumerate(grids)])  # fmt: skip
-    if family == "internvl":
-        return pixels.reshape(-1, adapter.pixel_width)
-    return adapter.from_model_batch(dict(out))["pixel_values"]
-
-
 def _answers(labels, ids, tokenizer) -> list[str]:
     runs, run = [], []
     for label, token in zip(labels.tolist(), ids.tolist(), strict=True):
@@ -107,9 +112,17 @@ def _answers(labels, ids, tokenizer) -> list[str]:
     return [tokenizer.decode(r).strip() for r in [*runs, run] if r]
 
 
+def _end_of_turn(family: str, encoder: ChatEncoder) -> str:
+    return TINY[family].end_of_turn or encoder.tokenizer.eos_token
+
+
 def test_ids_grids_pixels_and_labels_equal_the_processor(checkpoint, media):
+    """Ids, labels, grids (the processor's output in the core's layout) and pixel rows; the rows
+    of every vision unit of an image decoded alone are its rows in the whole image's."""
     family, path, encoder = checkpoint
-    reference, adapter = _reference(family, path), encoder.adapter
+    reference, adapter = _reference(encoder, path), encoder.adapter
+    end = _end_of_turn(family, encoder)
+    several = 0  # images of several crops or tiles
     for messages in _conversations(media):
         out = reference.apply_chat_template(
             messages, tokenize=True, return_dict=True, return_tensors="pt"
@@ -117,47 +130,58 @@ def test_ids_grids_pixels_and_labels_equal_the_processor(checkpoint, media):
         plan = encoder.plan(Record(0, "test", {"messages": messages}, None))
         assert torch.equal(plan.input_ids, out["input_ids"][0])
         answers = [m["content"][0]["text"] for m in messages if m["role"] == "assistant"]
-        want = [a + END[family] for a in answers]
+        want = [a + end for a in answers]
         assert _answers(plan.labels, plan.input_ids, encoder.tokenizer) == want
         if not plan.images:
             assert "pixel_values" not in out
             continue
-        grids = [it.grid for it in plan.images]
-        if family == "llava_onevision":  # (crops, H, W): the sizes, and crops per image
-            assert out["image_sizes"].tolist() == [[h, w] for _, h, w in grids]
-            assert [t for t, _, _ in grids] == (
-                [1] * len(grids) if len(grids) > 1 else [out["pixel_values"].shape[1]]
-            )
-        elif family == "internvl":  # (tiles, s, s)
-            assert sum(t for t, _, _ in grids) == out["pixel_values"].shape[0] > len(grids)
-        else:
-            core = adapter.from_model_batch(dict(out))
-            assert core["image_grid_thw"].tolist() == [list(g) for g in grids]
+        core = adapter.from_model_batch(dict(out))
+        assert core["image_grid_thw"].tolist() == [list(it.grid) for it in plan.images]
         rows = torch.cat([encoder.decode(item, None) for item in plan.images])
-        assert torch.equal(rows, _processor_rows(family, adapter, out, grids))
-        if family == "internvl":  # each tile decoded alone gives its rows
-            item = plan.images[0]
-            tiles = [encoder.decode(item, [j]) for j in range(item.grid[0])]
-            assert torch.equal(torch.cat(tiles), encoder.decode(item, None))
+        assert torch.equal(rows, core["pixel_values"])
+        several += sum(it.grid[0] > 1 for it in plan.images)
+        for item in plan.images:  # an image of several units (tiles): each decoded alone
+            if adapter.split_frames and item.grid[0] > 1:
+                alone = [encoder.decode(item, [j]) for j in range(item.grid[0])]
+                assert torch.equal(torch.cat(alone), encoder.decode(item, None))
+    if "tiled" in adapter.kit.traits:  # the conversations exercise the crops or tiles
+        assert several > 0
 
 
-def _video_stand_in(videos, **kwargs):
-    """LLaVA-OneVision's and InternVL's video processors on frames of the tower's size (no
-    resize): rescale and normalise with the CLIP mean and std, ``[videos, F, C, S, S]``."""
+def _fixed_size_video(encoder: ChatEncoder) -> bool:
+    """The checkpoint's video processor resizes every frame to one ``size`` (height x width) and
+    rescales and normalises it, as ``BaseVideoProcessor`` does: the stand-in below is it on frames
+    of that size."""
+    size = encoder.media.video_config.get("size") or {}
+    return {"height", "width"} <= set(size)
+
+
+def _video_stand_in(config: dict):
+    """A fixed-size video processor on frames of its size (no resize): rescale and normalise with
+    the config's mean and std (the CLIP ones, the class defaults, where it has none),
+    ``[videos, F, C, S, S]``."""
     from transformers import BatchFeature
     from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
-    x = torch.stack([torch.as_tensor(v) for v in videos]).permute(0, 1, 4, 2, 3).float()
-    mean, std = (torch.tensor(v).view(-1, 1, 1) for v in (OPENAI_CLIP_MEAN, OPENAI_CLIP_STD))
-    return BatchFeature({"pixel_values_videos": (x / 255 - mean) / std})
+    stats = (
+        config.get("image_mean") or OPENAI_CLIP_MEAN,
+        config.get("image_std") or OPENAI_CLIP_STD,
+    )
+
+    def process(videos, **kwargs):
+        x = torch.stack([torch.as_tensor(v) for v in videos]).permute(0, 1, 4, 2, 3).float()
+        mean, std = (torch.tensor(v).view(-1, 1, 1) for v in stats)
+        return BatchFeature({"pixel_values_videos": (x / 255 - mean) / std})
+
+    return process
 
 
-def _with_video(family, path, messages, image, video):
+def _with_video(encoder, path, messages, image, video):
     """The reference processor's output for ``messages`` with the image and the video's frames
     (its video processor, or the stand-in where torchvision is missing)."""
-    reference = _reference(family, path)
+    reference = _reference(encoder, path)
     if getattr(reference, "video_processor", None) is None:
-        reference.video_processor = _video_stand_in
+        reference.video_processor = _video_stand_in(encoder.media.video_config)
     text = reference.apply_chat_template(messages, tokenize=False)
     frames = np.stack([np.array(f.load()) for f in video.frames])
     return reference(
@@ -165,169 +189,86 @@ def _with_video(family, path, messages, image, video):
     )
 
 
-def test_video_tokens_and_frames(checkpoint, tmp_path):
-    """Videos: InternVL's frames are one-tile images among the images in text order, Gemma 4's a
-    video of frames, LLaVA-OneVision's a video of (F, S, S) (S x S frames) after the image;
-    LLaVA-OneVision's and InternVL's ids equal to their processors' (the processor's own
+def _plan(encoder, content, answer="a ball"):
+    messages = [
+        {"role": "user", "content": content},
+        {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+    ]
+    return messages, encoder.plan(Record(0, "test", {"messages": messages}, None))
+
+
+def _units(grids, split_frames: bool) -> list[tuple[int, int, int]]:
+    """The vision units of items of ``grids`` (``cpvlm.vision.units``' rule)."""
+    if not split_frames:
+        return [tuple(g) for g in grids]
+    return [(1, h, w) for t, h, w in grids for _ in range(t)]
+
+
+def test_video_tokens_and_frames(video_checkpoint, tmp_path):
+    """Videos of frames of the tiny processor's ``frame_size``, after an image: the video's grid
+    is its frame's as an image (F frames), the tokens of each kind are the items' (the adapter's
+    ``item_sizes``; a family may put frames among the images, as InternVL's one-tile images in
+    text order); with a fixed-size video processor the ids equal the processor's (its own
     expansion; its video processor, which needs torchvision, replaced by its rescale and
-    normalise on frames of the tower's size); each frame decoded alone gives its rows; at the
-    tower's size a frame's rows are the image processor's of the same picture."""
-    family, path, encoder = checkpoint
-    size = {"internvl": (32, 32), "gemma4": (96, 160), "llava_onevision": (32, 32)}[family]
-    clip = write_frames(tmp_path / "clip", 3, *size, seed=2)
+    normalise on frames of its size) and so do the grids and pixels in the core's layout (the
+    image exactly, the frames to 1e-6); each frame decoded alone gives its rows; a frame's rows
+    are the leading rows of the image processor's of the same picture (all of them where the
+    picture is one unit)."""
+    family, path, encoder = video_checkpoint
+    adapter = encoder.adapter
+    clip = write_frames(tmp_path / "clip", 3, *TINY[family].frame_size, seed=2)
     names = write_images(tmp_path, [(40, 70)], seed=3)
     content = [
         {"type": "image", "image": str(tmp_path / names[0])},
         {"type": "video", "video": str(clip), "fps": 2.0},
         {"type": "text", "text": "Describe the video."},
     ]
-    messages = [
-        {"role": "user", "content": content},
-        {"role": "assistant", "content": [{"type": "text", "text": "a ball"}]},
-    ]
-    record = Record(0, "test", {"messages": messages}, None)
-    plan = encoder.plan(record)
+    messages, plan = _plan(encoder, content)
+    items = [*plan.images, *plan.videos]
+    (video,) = [it for it in items if it.frames]
+    (image,) = [it for it in items if it.image is not None]
+    first = str(sorted(clip.iterdir())[0])
+    _, alone = _plan(encoder, [{"type": "image", "image": first}])
+    (frame,) = alone.images  # the first frame as an image
+    assert video.grid == (3, *frame.grid[1:])
     types = encoder.ids.mm_token_type_ids(plan.input_ids)
-    if family == "llava_onevision":
-        (video,) = plan.videos
-        side = encoder.adapter.crop  # each frame one crop
-        assert video.grid == (3, side, side) and plan.images[0].grid[1:] == (40, 70)
-        out = _with_video(family, path, messages, plan.images[0], video)
+    for code, kind_items in ((1, plan.images), (2, plan.videos)):
+        tokens = sum(adapter.item_sizes(it.grid, it.kind)[1] for it in kind_items)
+        assert int((types == code).sum()) == tokens
+    if _fixed_size_video(encoder):
+        out = _with_video(encoder, path, messages, image, video)
         assert torch.equal(plan.input_ids, out["input_ids"][0])
-        assert int((types == 2).sum()) == 3 * 2 * 2 + 1  # 3 frames of 2 x 2 pooled rows, newline
-        core = encoder.adapter.from_model_batch(dict(out))
-        assert core["video_grid_thw"].tolist() == [list(video.grid)]
-        torch.testing.assert_close(
-            encoder.decode(video, None), core["pixel_values_videos"], rtol=0, atol=1e-6
-        )
-    elif family == "internvl":
-        assert not plan.videos and len(plan.images) == 2
-        video = plan.images[1]
-        assert video.grid == (3, 4, 4) and video.frames
-        text = encoder.tokenizer.decode(plan.input_ids)
-        assert [f"Frame{i}: <img>" in text for i in (1, 2, 3, 4)] == [True] * 3 + [False]
-        assert int((types == 1).sum()) == (plan.images[0].grid[0] + 3) * 4
-        out = _with_video(family, path, messages, plan.images[0], video)
-        assert torch.equal(plan.input_ids, out["input_ids"][0])
-        rows = torch.cat([encoder.decode(item, None) for item in plan.images])
-        want = out["pixel_values"].reshape(rows.shape)
-        n = encoder.decode(plan.images[0], None).shape[0]
-        assert torch.equal(rows[:n], want[:n])  # the image: its image processor itself
-        torch.testing.assert_close(rows[n:], want[n:], rtol=0, atol=1e-6)
-    else:  # its ids against its processor: test_gemma4_video_ids_equal_its_processor
-        (video,) = plan.videos
-        assert video.grid == (3, 12, 20)
-        text = encoder.tokenizer.decode(plan.input_ids)
-        assert text.count("00:00 <start_of_image>") == 2 and "00:01 <start_of_image>" in text
-        assert int((types == 2).sum()) == 3 * 12 * 20 // 4
+        core = adapter.from_model_batch(dict(out))
+        for kind_items, grids, pixels in (
+            (plan.images, "image_grid_thw", "pixel_values"),
+            (plan.videos, "video_grid_thw", "pixel_values_videos"),
+        ):
+            if not kind_items:
+                assert core.get(pixels) is None
+                continue
+            # the vision units (a family that splits frames: one per temporal frame or tile;
+            # the processor may write a video's frames as images of one tile each)
+            want_units = _units([it.grid for it in kind_items], adapter.split_frames)
+            assert _units(core[grids].tolist(), adapter.split_frames) == want_units
+            rows = [encoder.decode(it, None) for it in kind_items]
+            want = core[pixels].split([r.shape[0] for r in rows])
+            for it, got, ref in zip(kind_items, rows, want, strict=True):
+                if it.frames:  # the video processor's fused rescale and normalise
+                    torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
+                else:  # the image processor itself
+                    assert torch.equal(got, ref)
     whole = encoder.decode(video, None)
     frames = [encoder.decode(video, [j]) for j in range(3)]
     assert torch.equal(torch.cat(frames), whole)
-    first = encoder.image_processor(images=[video.frames[0].load()], return_tensors="pt")
-    if family == "internvl":
-        expect = first["pixel_values"].reshape(-1, encoder.adapter.pixel_width)
-    elif family == "llava_onevision":  # the base crop of the frame as an image alone
-        expect = first["pixel_values"][0, 0].reshape(-1, encoder.adapter.pixel_width)
-    else:
-        expect = encoder.adapter.from_model_batch(dict(first))["pixel_values"]
-    torch.testing.assert_close(frames[0], expect, rtol=0, atol=1e-6)
+    picture = encoder.decode(frame, None)
+    n = frames[0].shape[0]
+    assert picture.shape[0] == n if frame.grid[0] == 1 else picture.shape[0] > n
+    torch.testing.assert_close(frames[0], picture[:n], rtol=0, atol=1e-6)
 
 
-class _Gemma4VideoStandIn:
-    """What ``Gemma4Processor`` reads of its video processor's output, without torchvision (which
-    ``Gemma4VideoProcessor`` needs to import): the videos and their metadata as its
-    ``preprocess`` makes them (transformers' ``make_batched_videos`` and ``make_batched_metadata``,
-    no frame sampling), and each video's soft tokens per frame from transformers' Gemma 4 image
-    processor on its first frame at the video processor's ``max_soft_tokens`` (the same
-    ``get_aspect_ratio_preserving_size`` target and the same patches // k**2 count as its
-    ``_preprocess``)."""
-
-    def __init__(self, image_processor, max_soft_tokens: int):
-        self.image_processor, self.max_soft_tokens = image_processor, max_soft_tokens
-
-    def __call__(self, videos, video_metadata=None, return_metadata=False, **kwargs):
-        from PIL import Image
-        from transformers import BatchFeature
-        from transformers.video_utils import make_batched_metadata, make_batched_videos
-
-        assert kwargs.get("do_sample_frames") is False  # the metadata's frames are all frames
-        videos = make_batched_videos(videos)
-        tokens = [
-            int(
-                self.image_processor(
-                    images=[Image.fromarray(np.asarray(v[0]))],
-                    max_soft_tokens=self.max_soft_tokens,
-                    return_tensors="pt",
-                )["num_soft_tokens_per_image"][0]
-            )
-            for v in videos
-        ]
-        data = {"num_soft_tokens_per_video": tokens}
-        if return_metadata:
-            data["video_metadata"] = make_batched_metadata(videos, video_metadata)
-        return BatchFeature(data)
-
-
-def test_gemma4_video_ids_equal_its_processor(tmp_path):
-    """Gemma 4's ids for an image and two videos of frames (one resized, one at 1/40 fps: minute
-    timestamps) equal ``Gemma4Processor.apply_chat_template(..., tokenize=True)``'s: its
-    template, its ``replace_video_token`` (mm:ss timestamps from transformers' ``VideoMetadata``,
-    boi, soft tokens, eoi per frame) and tokenizer, with the stand-in above for the video
-    processor; the frames' timestamps and token counts are checked apart too."""
-    import re
-
-    path = make_tiny_checkpoint(tmp_path / "gemma4", "gemma4")
-    encoder = ChatEncoder(path, AutoConfig.from_pretrained(path))
-    reference = _reference("gemma4", path)
-    video_config = json.loads((path / "processor_config.json").read_text())["video_processor"]
-    reference.video_processor = _Gemma4VideoStandIn(
-        reference.image_processor, video_config["max_soft_tokens"]
-    )
-    clips = [(write_frames(tmp_path / "a", 3, 96, 160, seed=2), 0.025),
-             (write_frames(tmp_path / "b", 4, 50, 200, seed=4), 2.0)]  # fmt: skip
-    (image,) = write_images(tmp_path, [(40, 70)], seed=3)
-    content = [{"type": "image", "image": str(tmp_path / image)}]
-    content += [{"type": "video", "video": str(clip), "fps": fps} for clip, fps in clips]
-    content += [{"type": "text", "text": "Describe the videos."}]
-    messages = [
-        {"role": "user", "content": content},
-        {"role": "assistant", "content": [{"type": "text", "text": "a ball"}]},
-    ]
-    plan = encoder.plan(Record(0, "test", {"messages": messages}, None))
-
-    frames = [np.stack([np.array(f.load()) for f in v.frames]) for v in plan.videos]
-    decoded = json.loads(json.dumps(messages))
-    for block, video in zip(decoded[0]["content"][1:3], frames, strict=True):
-        block["video"] = video  # the frames cpvlm read, decoded (the stand-in cannot read files)
-    metadata = [{"fps": fps, "total_num_frames": len(v), "frames_indices": list(range(len(v)))}
-                for (_, fps), v in zip(clips, frames, strict=True)]  # fmt: skip
-    out = reference.apply_chat_template(
-        decoded, tokenize=True, return_dict=True, return_tensors="pt",
-        processor_kwargs={"video_metadata": metadata, "do_sample_frames": False},
-    )  # fmt: skip
-    assert torch.equal(plan.input_ids, out["input_ids"][0])
-
-    def frames_of(ids) -> list[tuple[str, int]]:
-        text = encoder.tokenizer.decode(ids)
-        runs = re.findall(r"(\d\d:\d\d) <start_of_image>((?:<\|video\|>)+)<end_of_image>", text)
-        return [(stamp, run.count("<|video|>")) for stamp, run in runs]
-
-    mine, theirs = frames_of(plan.input_ids), frames_of(out["input_ids"][0])
-    assert mine == theirs and len(mine) == 3 + 4
-    seconds = [
-        int(i / fps) for (_, fps), v in zip(clips, frames, strict=True) for i in range(len(v))
-    ]
-    assert [stamp for stamp, _ in mine] == [f"{s // 60:02d}:{s % 60:02d}" for s in seconds]
-    assert seconds == [0, 40, 80, 0, 0, 1, 1]  # frame i at i / fps seconds
-    k = encoder.adapter.config.vision_config.pooling_kernel_size
-    per_frame = [v.grid[1] * v.grid[2] // k**2 for v in plan.videos for _ in range(v.grid[0])]
-    assert [n for _, n in mine] == per_frame
-    assert [v.grid for v in plan.videos] == [(3, 12, 20), (4, 8, 32)]  # 50 x 200 resized
-
-
-def test_video_pixels_equal_the_video_processor(checkpoint, tmp_path):
+def test_video_pixels_equal_the_video_processor(video_checkpoint, tmp_path):
     pytest.importorskip("torchvision", exc_type=ImportError)
-    family, path, encoder = checkpoint
+    family, path, encoder = video_checkpoint
     processor = transformers.AutoProcessor.from_pretrained(path)
     clip = write_frames(tmp_path / "clip", 3, 30, 40, seed=2)
     frames = sorted(str(p) for p in clip.iterdir())
@@ -341,9 +282,9 @@ def test_video_pixels_equal_the_video_processor(checkpoint, tmp_path):
     )  # fmt: skip
     plan = encoder.plan(Record(0, "test", {"messages": messages}, None))
     assert torch.equal(plan.input_ids, ref["input_ids"][0])
-    item = (plan.images + plan.videos)[0]
+    item = (plan.images + plan.videos)[0]  # the video (or its frames as an image)
     rows = encoder.decode(item, None)
-    if family == "internvl":
-        assert torch.equal(rows, ref["pixel_values"].reshape(rows.shape))
-    else:
-        assert torch.equal(rows, encoder.adapter.from_model_batch(dict(ref))["pixel_values_videos"])
+    core = encoder.adapter.from_model_batch(dict(ref))
+    assert torch.equal(
+        rows, core["pixel_values" if item.kind == "image" else "pixel_values_videos"]
+    )

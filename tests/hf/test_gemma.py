@@ -7,11 +7,13 @@ to the tower); the spans the core derives equal transformers' own image blocks; 
 the mask is needed: the CP loss with the window dropped, or the image spans dropped, or (Gemma 4)
 the spans put on every layer, misses the model's loss by far more than the 1e-10 of the real
 mask, so the exactness tests would catch a bridge that got any of them wrong.
+The data path: Gemma 3's processor batches, and Gemma 4's video ids against its processor.
 """
 
 import copy
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -215,6 +217,127 @@ def test_data_path_gives_gemma3_processor_batches(tmp_path):
     model = build_model(ckpt)  # the checkpoint round trip, with the tokenizer's ids
     prep = prepare_batch(model, {**out, "labels": out["input_ids"]}, 2)
     assert [b - a for a, b in prep.spans[0]] == [16, 16]
+
+
+def _gemma4_processor(path):
+    """``Gemma4Processor`` of the checkpoint around a freshly loaded tokenizer and PIL image
+    processor, without its video processor (which needs torchvision) and audio part."""
+    import json
+
+    import transformers
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    config = json.loads((path / "processor_config.json").read_text())
+    cls = getattr(transformers, config.pop("processor_class"))
+    config.pop("image_processor"), config.pop("video_processor", None)
+    lenient = type(cls.__name__, (cls,), {"check_argument_for_proper_class": lambda *a: None})
+    return lenient(
+        image_processor=AutoImageProcessor.from_pretrained(path),
+        tokenizer=AutoTokenizer.from_pretrained(path),
+        video_processor=None,
+        chat_template=(path / "chat_template.jinja").read_text(),
+        feature_extractor=None,
+        **config,
+    )
+
+
+class _Gemma4VideoStandIn:
+    """What ``Gemma4Processor`` reads of its video processor's output, without torchvision (which
+    ``Gemma4VideoProcessor`` needs to import): the videos and their metadata as its
+    ``preprocess`` makes them (transformers' ``make_batched_videos`` and ``make_batched_metadata``,
+    no frame sampling), and each video's soft tokens per frame from transformers' Gemma 4 image
+    processor on its first frame at the video processor's ``max_soft_tokens`` (the same
+    ``get_aspect_ratio_preserving_size`` target and the same patches // k**2 count as its
+    ``_preprocess``)."""
+
+    def __init__(self, image_processor, max_soft_tokens: int):
+        self.image_processor, self.max_soft_tokens = image_processor, max_soft_tokens
+
+    def __call__(self, videos, video_metadata=None, return_metadata=False, **kwargs):
+        from PIL import Image
+        from transformers import BatchFeature
+        from transformers.video_utils import make_batched_metadata, make_batched_videos
+
+        assert kwargs.get("do_sample_frames") is False  # the metadata's frames are all frames
+        videos = make_batched_videos(videos)
+        tokens = [
+            int(
+                self.image_processor(
+                    images=[Image.fromarray(np.asarray(v[0]))],
+                    max_soft_tokens=self.max_soft_tokens,
+                    return_tensors="pt",
+                )["num_soft_tokens_per_image"][0]
+            )
+            for v in videos
+        ]
+        data = {"num_soft_tokens_per_video": tokens}
+        if return_metadata:
+            data["video_metadata"] = make_batched_metadata(videos, video_metadata)
+        return BatchFeature(data)
+
+
+def test_gemma4_video_ids_equal_its_processor(tmp_path):
+    """Gemma 4's ids for an image and two videos of frames (one resized, one at 1/40 fps: minute
+    timestamps) equal ``Gemma4Processor.apply_chat_template(..., tokenize=True)``'s: its
+    template, its ``replace_video_token`` (mm:ss timestamps from transformers' ``VideoMetadata``,
+    boi, soft tokens, eoi per frame) and tokenizer, with the stand-in above for the video
+    processor; the frames' timestamps and token counts are checked apart too."""
+    import json
+    import re
+
+    from transformers import AutoConfig
+
+    from cpvlm.data.record import Record
+    from cpvlm.hf.data.processor import ChatEncoder
+    from cpvlm.hf.tiny_checkpoint import make_tiny_checkpoint, write_frames, write_images
+
+    path = make_tiny_checkpoint(tmp_path / "gemma4", "gemma4")
+    encoder = ChatEncoder(path, AutoConfig.from_pretrained(path))
+    reference = _gemma4_processor(path)
+    video_config = json.loads((path / "processor_config.json").read_text())["video_processor"]
+    reference.video_processor = _Gemma4VideoStandIn(
+        reference.image_processor, video_config["max_soft_tokens"]
+    )
+    clips = [(write_frames(tmp_path / "a", 3, 96, 160, seed=2), 0.025),
+             (write_frames(tmp_path / "b", 4, 50, 200, seed=4), 2.0)]  # fmt: skip
+    (image,) = write_images(tmp_path, [(40, 70)], seed=3)
+    content = [{"type": "image", "image": str(tmp_path / image)}]
+    content += [{"type": "video", "video": str(clip), "fps": fps} for clip, fps in clips]
+    content += [{"type": "text", "text": "Describe the videos."}]
+    messages = [
+        {"role": "user", "content": content},
+        {"role": "assistant", "content": [{"type": "text", "text": "a ball"}]},
+    ]
+    plan = encoder.plan(Record(0, "test", {"messages": messages}, None))
+
+    frames = [np.stack([np.array(f.load()) for f in v.frames]) for v in plan.videos]
+    decoded = json.loads(json.dumps(messages))
+    for block, video in zip(decoded[0]["content"][1:3], frames, strict=True):
+        block["video"] = video  # the frames cpvlm read, decoded (the stand-in cannot read files)
+    metadata = [{"fps": fps, "total_num_frames": len(v), "frames_indices": list(range(len(v)))}
+                for (_, fps), v in zip(clips, frames, strict=True)]  # fmt: skip
+    out = reference.apply_chat_template(
+        decoded, tokenize=True, return_dict=True, return_tensors="pt",
+        processor_kwargs={"video_metadata": metadata, "do_sample_frames": False},
+    )  # fmt: skip
+    assert torch.equal(plan.input_ids, out["input_ids"][0])
+
+    def frames_of(ids) -> list[tuple[str, int]]:
+        text = encoder.tokenizer.decode(ids)
+        runs = re.findall(r"(\d\d:\d\d) <start_of_image>((?:<\|video\|>)+)<end_of_image>", text)
+        return [(stamp, run.count("<|video|>")) for stamp, run in runs]
+
+    mine, theirs = frames_of(plan.input_ids), frames_of(out["input_ids"][0])
+    assert mine == theirs and len(mine) == 3 + 4
+    seconds = [
+        int(i / fps) for (_, fps), v in zip(clips, frames, strict=True) for i in range(len(v))
+    ]
+    assert [stamp for stamp, _ in mine] == [f"{s // 60:02d}:{s % 60:02d}" for s in seconds]
+    assert seconds == [0, 40, 80, 0, 0, 1, 1]  # frame i at i / fps seconds
+    k = encoder.adapter.config.vision_config.pooling_kernel_size
+    per_frame = [v.grid[1] * v.grid[2] // k**2 for v in plan.videos for _ in range(v.grid[0])]
+    assert [n for _, n in mine] == per_frame
+    assert [v.grid for v in plan.videos] == [(3, 12, 20), (4, 8, 32)]  # 50 x 200 resized
 
 
 # ---- no dense mask under CP ------------------------------------------------------------------

@@ -21,6 +21,7 @@ from transformers import AutoConfig  # noqa: E402
 
 from cpvlm.data import Record  # noqa: E402
 from cpvlm.data.loader import select_groups  # noqa: E402
+from cpvlm.families.qwen2_vl import image_piece_rows  # noqa: E402
 from cpvlm.hf import (  # noqa: E402
     ContextParallelVLM,
     SampleSpec,
@@ -28,7 +29,6 @@ from cpvlm.hf import (  # noqa: E402
     build_model,
     synthetic_batch,
 )
-from cpvlm.hf.data.piece_pixels import image_piece_rows  # noqa: E402
 from cpvlm.hf.data.processor import ChatEncoder  # noqa: E402
 from cpvlm.hf.tiny_checkpoint import make_tiny_checkpoint, write_frames  # noqa: E402
 from cpvlm.testing import rel_err, run_distributed  # noqa: E402

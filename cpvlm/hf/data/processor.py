@@ -10,21 +10,20 @@ of a checkpoint directory (either layout: ``preprocessor_config.json`` + a templ
 - ``plan(record)``: what ``processor.apply_chat_template(messages, tokenize=True)`` returns,
   without pixels: the template rendered, each image/video placeholder expanded by the processor's
   own ``replace_image_token`` / ``replace_video_token`` for grids computed from the image headers
-  (the adapter's ``processor_image_grid``), tokenized; labels on the assistant turns only (or on every
+  (the family's ``chat_media``), tokenized; labels on the assistant turns only (or on every
   text token with ``train_on="all"``), image/video tokens never labelled.
 - ``decode(item, temporal)``: the pixel rows of one image (the image processor itself) or of some
-  temporal patches of a video (the adapter's ``video_processing``), checked against the planned
-  grid.
+  temporal patches of a video (the family's ``chat_media``), checked against the planned grid.
 
 Assistant turns are found without template markers: for the i-th message (an assistant turn)
 the conversation up to it is rendered with the generation prompt; what the full rendering adds
 after that prefix, up to the end of the rendering of messages[:i+1] (trailing whitespace off),
 is the turn. A template for which those renderings are not prefixes of each other is reported.
 
-A family whose processor the Qwen-VL rules do not describe (LLaVA-OneVision's anyres crops,
-InternVL's tiles, Gemma 4's patch budget) gives its adapter a ``chat_media`` class
-(``cpvlm.families.chat_media``): the items' grids, what the replacement code
-reads, the items in the model's order and the pixel rows; the rest above is shared.
+What differs between families (resize rules, crops or tiles, patch budgets, video pipelines)
+is asked of the adapter's ``chat_media`` class (``cpvlm.hf.chat_media``): how the processor is
+built, the items' grids, what the replacement code reads, the items in the model's order and the
+pixel rows (of an item, or of a piece of it); the rest above is shared.
 
 ``AutoProcessor`` needs torchvision for processors with a video processor; where it fails, the
 processor class is built around the image processor with a stand-in for the video processor, so
@@ -33,11 +32,9 @@ that its token-replacement code still runs.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -85,16 +82,6 @@ def load_chat_template(model_dir: Path, tokenizer) -> str:
     return template
 
 
-def video_settings(model_dir: Path, adapter, image_processor):
-    """The video pipeline (the adapter's ``video_processing``) of the video processor's config
-    file (either layout) over the class defaults; patch, merge and temporal sizes default to the
-    image processor's."""
-    config = video_config(model_dir)
-    for key in ("patch_size", "merge_size", "temporal_patch_size"):
-        config.setdefault(key, getattr(image_processor, key))
-    return adapter.video_processing(config)
-
-
 def _processor_class(model_dir: Path, model_type: str):
     import transformers
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
@@ -108,37 +95,20 @@ def _processor_class(model_dir: Path, model_type: str):
 
 
 def build_processor(
-    model_dir: Path,
-    model_type: str,
-    tokenizer,
-    image_processor,
-    video,
-    template,
-    *,
-    stand_in=None,
-    **parts,
+    model_dir: Path, model_type: str, tokenizer, image_processor, template, **kwargs
 ):
-    """The checkpoint's processor class around these parts, without its video processor.
+    """The checkpoint's processor class around these parts; ``kwargs``: the rest of its keywords
+    (the family's ``chat_media.processor_kwargs``).
 
     Its ``__init__`` type-checks every part, and the video processor class cannot be built without
-    torchvision; only its ``merge_size`` / ``temporal_patch_size`` are read by the methods used
-    (or what ``stand_in`` holds). ``parts``: further keywords (processor settings, parts).
+    torchvision: given a ``video_processor`` (a stand-in holding what the methods used read), the
+    class is built with that check waived.
     """
     cls = _processor_class(model_dir, model_type)
-    lenient = type(cls.__name__, (cls,), {"check_argument_for_proper_class": lambda *a: None})
-    if stand_in is None:
-        stand_in = SimpleNamespace(
-            merge_size=video.merge_size,
-            temporal_patch_size=video.temporal_patch_size,
-            patch_size=video.patch_size,
-            model_input_names=["pixel_values_videos", "video_grid_thw"],
-        )
-    return lenient(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        video_processor=stand_in,
-        chat_template=template,
-        **parts,
+    if "video_processor" in kwargs:
+        cls = type(cls.__name__, (cls,), {"check_argument_for_proper_class": lambda *a: None})
+    return cls(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=template, **kwargs
     )
 
 
@@ -200,43 +170,14 @@ class ChatEncoder:
         self.image_processor = AutoImageProcessor.from_pretrained(
             self.model_dir, local_files_only=True
         )
-        self.media = None
-        if self.adapter.chat_media is not None:
-            self._init_media(model_type)
-            return
-        if not self.adapter.takes_videos:
-            self._init_images_only(model_type)
-            return
-        size = self.image_processor.size
-        self.image_processor.size = type(size)(
-            shortest_edge=min_pixels or size["shortest_edge"],
-            longest_edge=max_pixels or size["longest_edge"],
-        )
-        self.video = video_settings(self.model_dir, self.adapter, self.image_processor)
-        if video_min_pixels or video_max_pixels:
-            self.video = dataclasses.replace(
-                self.video,
-                min_pixels=video_min_pixels or self.video.min_pixels,
-                max_pixels=video_max_pixels or self.video.max_pixels,
-            )
-        template = load_chat_template(self.model_dir, self.tokenizer)
-        self.processor = build_processor(
-            self.model_dir, model_type, self.tokenizer, self.image_processor, self.video, template
-        )
-        self.chat_template = template
-        self._seconds = "second_per_grid_ts" in self.processor.model_input_names
-        merge = self.image_processor.merge_size
-        if merge != self.ids.merge:
-            raise ValueError(
-                f"{self.model_dir}: the image processor merges {merge}x{merge} patches, the "
-                f"model {self.ids.merge}x{self.ids.merge}"
-            )
-
-    def _init_media(self, model_type: str) -> None:
-        """A family with its own ``chat_media``: the processor class around the tokenizer, the
-        image processor and the media's video stand-in, with its settings."""
         self.media = self.adapter.chat_media(
-            self.adapter, self.image_processor, video_config(self.model_dir)
+            self.adapter,
+            self.image_processor,
+            video_config(self.model_dir),
+            min_pixels=min_pixels,
+            max_pixels=max_pixels,
+            video_min_pixels=video_min_pixels,
+            video_max_pixels=video_max_pixels,
         )
         template = load_chat_template(self.model_dir, self.tokenizer)
         self.processor = build_processor(
@@ -244,39 +185,16 @@ class ChatEncoder:
             model_type,
             self.tokenizer,
             self.image_processor,
-            None,
             template,
-            stand_in=self.media.video_stand_in(),
-            **self.media.processor_parts,
-            **processor_settings(self.model_dir),
+            **self.media.processor_kwargs(processor_settings(self.model_dir)),
         )
         self.media.bind(self.processor)
         self.chat_template = template
-        self.video = None
-        self._seconds = False
 
     @property
     def temporal_patch(self) -> int:
         """Frames per temporal unit of a video (what the loader names a unit's frames by)."""
-        if self.media is not None:
-            return self.media.temporal_patch_size
-        return self.video.temporal_patch_size if self.video is not None else 1
-
-    def _init_images_only(self, model_type: str) -> None:
-        """A processor without videos: its own class around the tokenizer and image processor,
-        with its settings (``image_seq_length``) from ``processor_config.json``."""
-        template = load_chat_template(self.model_dir, self.tokenizer)
-        settings = processor_settings(self.model_dir)
-        cls = _processor_class(self.model_dir, model_type)
-        self.processor = cls(
-            image_processor=self.image_processor,
-            tokenizer=self.tokenizer,
-            chat_template=template,
-            **settings,
-        )
-        self.chat_template = template
-        self.video = None
-        self._seconds = False
+        return self.media.temporal_patch_size
 
     def __reduce__(self):
         # Rebuilt from its arguments in a spawned DataLoader worker (the processor class made
@@ -311,8 +229,7 @@ class ChatEncoder:
         else:
             labels = input_ids.clone()
         vision = (input_ids == self.ids.image) | (input_ids == self.ids.video)
-        if self.media is not None:
-            images, videos = self.media.model_items(images, videos, rendered)
+        images, videos = self.media.model_items(images, videos, rendered)
         plan = SamplePlan(
             record.index,
             record.where,
@@ -348,30 +265,12 @@ class ChatEncoder:
                     images.append(image_ref(value, base_dir))
                 else:
                     videos.append(self._video_item(value, item.get("fps"), base_dir))
-        if self.media is not None:
-            return messages, self.media.image_items(images), videos
-        return messages, [self._image_item(ref) for ref in images], videos
-
-    def _image_item(self, ref) -> VisionItem:
-        height, width = ref.size()
-        try:
-            grid = self.adapter.processor_image_grid(self.image_processor, height, width)
-        except ValueError as err:  # e.g. an aspect ratio the processor refuses
-            raise DataError("unreadable_media", f"{ref.name}: {err}") from None
-        return VisionItem("image", grid, image=ref)
+        return messages, self.media.image_items(images), videos
 
     def _video_item(self, value, fps, base_dir) -> VisionItem:
         fps = float(fps) if fps is not None else None
         frames, fps = video_frames(value, base_dir, fps)
-        if self.media is not None:
-            return self.media.video_item(frames, fps)
-        height, width = frames[0].size()
-        try:
-            grid = self.video.grid(len(frames), height, width)
-        except ValueError as err:
-            raise DataError("unreadable_media", f"video {frames[0].name}: {err}") from None
-        seconds = self.video.temporal_patch_size / (fps or 24.0) if self._seconds else None
-        return VisionItem("video", grid, frames=frames, fps=fps, second_per_grid=seconds)
+        return self.media.video_item(frames, fps)
 
     def _render(self, messages, *, generation_prompt: bool = False) -> str:
         from transformers.utils.chat_template_utils import render_jinja_template
@@ -387,32 +286,9 @@ class ChatEncoder:
     def _expand(self, text: str, images, videos) -> tuple[str, list[dict]]:
         """The processor's own placeholder expansion, for the planned grids; with the offsets of
         each replacement (``get_text_with_replacements``' ``span`` / ``new_span``)."""
-        p = self.processor
-        if self.media is not None:
-            m = self.media
-            image_repl = [
-                p.replace_image_token(*m.image_inputs(images, i)) for i in range(len(images))
-            ]
-            video_repl = [
-                p.replace_video_token(*m.video_inputs(videos, i)) for i in range(len(videos))
-            ]
-            return self._replace(text, images, videos, image_repl, video_repl)
-        from transformers.video_utils import VideoMetadata
-
-        image_inputs = self.adapter.processor_image_inputs([it.grid for it in images])
-        video_inputs = {
-            "video_grid_thw": torch.tensor([it.grid for it in videos]).reshape(-1, 3),
-            "video_metadata": [
-                VideoMetadata(
-                    total_num_frames=len(it.frames),
-                    fps=it.fps,
-                    frames_indices=list(range(len(it.frames))),
-                )
-                for it in videos
-            ],
-        }
-        image_repl = [p.replace_image_token(image_inputs, image_idx=i) for i in range(len(images))]
-        video_repl = [p.replace_video_token(video_inputs, video_idx=i) for i in range(len(videos))]
+        p, m = self.processor, self.media
+        image_repl = [p.replace_image_token(*m.image_inputs(images, i)) for i in range(len(images))]
+        video_repl = [p.replace_video_token(*m.video_inputs(videos, i)) for i in range(len(videos))]
         return self._replace(text, images, videos, image_repl, video_repl)
 
     def _placeholders(self, text: str) -> tuple[int, int]:
@@ -499,48 +375,8 @@ class ChatEncoder:
         """Pixel rows of ``item``'s temporal patches ``temporal`` (None: all); of a patch j in
         ``groups`` only the rows of its merge groups ``groups[j]`` (``vision="split"``)."""
         if groups:
-            return self._decode_pieces(item, temporal, groups)
-        if self.media is not None:
-            return self.media.decode(item, temporal)
-        if item.kind == "image":
-            out = self.image_processor(images=[item.image.load()], return_tensors="pt")
-            out = self.adapter.from_model_batch(dict(out))  # the core's pixel rows and grid
-            grid = tuple(int(v) for v in out["image_grid_thw"][0])
-            if grid != item.grid:
-                raise DataError(
-                    "vision_token_mismatch",
-                    f"{item.image.name}: the image processor made a grid {list(grid)}, the image "
-                    f"header gave {list(item.grid)}",
-                )
-            return out["pixel_values"]
-        from cpvlm.families.chat_media import frames_of
-
-        frames = frames_of(item, temporal, self.video.temporal_patch_size)
-        return self.video.pixels(frames, item.grid[1:])
-
-    def _decode_pieces(self, item: VisionItem, temporal, groups) -> torch.Tensor:
-        from cpvlm.data.loader import select_groups
-        from cpvlm.families.chat_media import frames_of
-        from cpvlm.hf.data.piece_pixels import image_piece_rows, video_piece_rows
-
-        if self.media is None and item.kind == "image":
-            rows = image_piece_rows(self.image_processor, item.image.load(), item.grid, groups[0])
-            if rows is not None:
-                return rows
-        if self.media is not None or item.kind == "image":  # the whole frame, then the piece
-            return select_groups(self.decode(item, temporal), temporal, groups, self.ids.merge)
-        tp = self.video.temporal_patch_size
-        frames = frames_of(item, temporal, tp)
-        return torch.cat(
-            [
-                video_piece_rows(
-                    self.video, frames[i * tp : (i + 1) * tp], item.grid[1:], groups[j]
-                )
-                if j in groups
-                else self.video.pixels(frames[i * tp : (i + 1) * tp], item.grid[1:])
-                for i, j in enumerate(temporal)
-            ]
-        )
+            return self.media.piece_rows(item, temporal, groups)
+        return self.media.decode(item, temporal)
 
 
 def _rebuild(args, kwargs) -> ChatEncoder:
