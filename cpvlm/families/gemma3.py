@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from transformers import Gemma3Config
 
-from cpvlm.hf.adapter import VLMAdapter
+from cpvlm.hf.adapter import ModulePaths, VLMAdapter
 from cpvlm.hf.kit import FamilyKit, TinyProcessor
 from cpvlm.hf.registration import register
 from cpvlm.hf.tiny import TEXT, split_overrides, with_overrides
@@ -207,6 +207,7 @@ class FixedImageLayout(VLMAdapter):
     """Towers that encode fixed-size ``[N, 3, H, W]`` images (Gemma 3's SigLIP): each image a
     ``(1, p, p)`` grid of pixel rows, merge size k (the projector's pooling)."""
 
+    modules = ModulePaths(vision_tower="model.vision_tower")
     split_frames = False
     takes_videos = False
     model_batch_keys = ("token_type_ids",)
@@ -295,11 +296,6 @@ class FixedImageLayout(VLMAdapter):
     def _images(self, rows: torch.Tensor) -> torch.Tensor:
         vc = self.config.vision_config
         return rows.reshape(-1, vc.num_channels, vc.image_size, vc.image_size)
-
-    # ---- modules -----------------------------------------------------------------------------
-
-    def vision_tower(self, model):
-        return model.model.vision_tower
 
     # ---- vision ------------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from transformers import Gemma4Config
 
-from cpvlm.hf.adapter import VLMAdapter
+from cpvlm.hf.adapter import ModulePaths, VLMAdapter
 from cpvlm.hf.kit import FamilyKit, TinyProcessor
 from cpvlm.hf.registration import register
 from cpvlm.hf.tiny import IMAGE_TOKEN_ID, TEXT, VIDEO_TOKEN_ID, split_overrides, with_overrides
@@ -242,6 +242,7 @@ class Gemma4Adapter(VLMAdapter):
     family = "gemma4"
     model_classes = ("Gemma4ForConditionalGeneration",)
     model_types = ("gemma4",)
+    modules = ModulePaths(vision_tower="model.vision_tower")
     kit = Gemma4Kit
     chat_media = Gemma4Media  # the data path's processor hooks
     model_batch_keys = (
@@ -331,11 +332,6 @@ class Gemma4Adapter(VLMAdapter):
             positions[f, : h * w] = torch.stack([x, y], -1).reshape(-1, 2)
             start += h * w
         return pixels, positions
-
-    # ---- modules -----------------------------------------------------------------------------
-
-    def vision_tower(self, model):
-        return model.model.vision_tower
 
     # ---- vision ------------------------------------------------------------------------------
 

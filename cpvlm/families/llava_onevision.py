@@ -46,7 +46,7 @@ import torch
 from transformers import LlavaOnevisionConfig
 from transformers.image_processing_utils import select_best_resolution
 
-from cpvlm.hf.adapter import VLMAdapter
+from cpvlm.hf.adapter import ModulePaths, VLMAdapter
 from cpvlm.hf.kit import FamilyKit, TinyProcessor
 from cpvlm.hf.registration import register
 from cpvlm.hf.tiny import (
@@ -233,6 +233,16 @@ class LlavaOnevisionAdapter(VLMAdapter):
     family = "llava_onevision"
     model_classes = ("LlavaOnevisionForConditionalGeneration",)
     model_types = ("llava_onevision",)
+    # encode runs the tower, then the projector and pack_image_features of LlavaOnevisionModel
+    # (the projector and image_newline are beside the tower). FSDP units are the tower's layers,
+    # not the tower: encode reads the feature layer's output, not the tower's, and FSDP2
+    # re-gathers a unit's parameters for the backward from the gradient of the unit's outputs
+    # (the embeddings and post_layernorm stay with the root).
+    modules = ModulePaths(
+        vision_tower="model.vision_tower",
+        tower_units=("encoder.layers",),
+        extra_units=("model.multi_modal_projector",),
+    )
     kit = LlavaOnevisionKit
     chat_media = LlavaOnevisionMedia  # the data path's processor hooks
     split_frames = False
@@ -437,21 +447,6 @@ class LlavaOnevisionAdapter(VLMAdapter):
             "image_sizes": torch.tensor([[h, w] for _, h, w in grids], dtype=torch.long),
             "batch_num_images": torch.tensor(_samples_of(grids), dtype=torch.long),
         }
-
-    # ---- modules --------------------------------------------------------------------------------
-
-    def vision_tower(self, model):
-        # encode runs this tower, then the projector and pack_image_features of
-        # LlavaOnevisionModel (the projector and image_newline are beside the tower).
-        return model.model.vision_tower
-
-    def fsdp_units(self, model):
-        # The tower's layers, not the tower: encode reads the feature layer's output, not the
-        # tower's, and FSDP2 re-gathers a unit's parameters for the backward from the gradient
-        # of the unit's outputs (the embeddings and post_layernorm stay with the root).
-        inner = model.model
-        layers = list(inner.vision_tower.encoder.layers)
-        return [*self.decoder_layers(model), *layers, inner.multi_modal_projector]
 
     # ---- vision ---------------------------------------------------------------------------------
 

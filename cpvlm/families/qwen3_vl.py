@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from transformers import Qwen3VLConfig
 
-from cpvlm.hf.adapter import VLMAdapter
+from cpvlm.hf.adapter import ModulePaths, VLMAdapter
 from cpvlm.hf.kit import FamilyKit
 from cpvlm.hf.registration import register
 from cpvlm.hf.tiny import TEXT, VISION, VISION_TOKEN_IDS, split_overrides, with_overrides
@@ -118,7 +118,7 @@ class Qwen3VLAdapter(QwenVLProcessing, VLMAdapter):
     model_types = ("qwen3_vl",)
     kit = Qwen3VLKit
     video_processor = "Qwen3VLVideoProcessor"
-    projector = ("merger", "deepstack_merger_list")
+    modules = ModulePaths(projector=("merger", "deepstack_merger_list"))
 
     def vision_cost(self):
         return qwen3_vl_vision_cost(self.config.vision_config)
