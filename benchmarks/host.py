@@ -10,7 +10,7 @@ tokens in D documents over cp ranks, one thread:
                cpvlm computed it before (``cpvlm.testing.schedule_reference``: every rank's
                rows, loops over rectangles), which every rank computed in full, and the ratio;
   - positions: per-document position ids of a text row (``prepare_batch``'s ``_positions``),
-               1D (``[B, S]``) and M-RoPE (``[3, B, S]``, the base adapter's ``rope_index``);
+               1D (``[B, S]``) and M-RoPE (``[3, B, S]``, ``cpvlm.hf.inputs.rope_index``);
   - vision:    ``assign_vision_units`` of one vision unit per document;
   - auto:      ``impl="auto"``'s choice (``choose_impl``: the cost model over every candidate,
                which reads every rank's calls and pairs per step), per layout and mask;
@@ -41,7 +41,7 @@ from cpvlm.attention.cost import Shapes, choose_impl, estimate_seconds
 from cpvlm.attention.mask_spec import MaskSpec
 from cpvlm.distributed import layout as attn_layout
 from cpvlm.hf import inputs as hf_inputs
-from cpvlm.hf.adapter import VLMAdapter
+from cpvlm.hf.adapter import ModulePaths
 from cpvlm.vision.assign import assign_vision_units
 from cpvlm.vision.route import route_plan
 
@@ -109,10 +109,8 @@ def reference_schedule(plan: ShardPlan, mask: MaskSpec):
     return reference_steps(plan, mask)
 
 
-class _Adapter:
-    """The base adapter's ``rope_index``: what a family without an override runs."""
-
-    rope_index = VLMAdapter.rope_index
+_ADAPTER = SimpleNamespace(modules=ModulePaths())
+"""The base layout's module paths (text documents ask the adapter nothing else)."""
 
 
 def positions(lens: list[int], mrope: bool) -> torch.Tensor:
@@ -121,7 +119,7 @@ def positions(lens: list[int], mrope: bool) -> torch.Tensor:
     model = SimpleNamespace(model=SimpleNamespace(get_rope_index=print) if mrope else None)
     ids = torch.zeros(1, sum(lens), dtype=torch.long)
     plan = ShardPlan(sum(lens), 1, doc_lens=lens)
-    return hf_inputs._positions(_Adapter(), model, ids, ids, None, ([], []), {}, plan, lens)
+    return hf_inputs._positions(_ADAPTER, model, ids, ids, None, ([], []), {}, plan, lens)
 
 
 def schedule_rows(lens, cp, repeats, reference: bool) -> list[dict]:

@@ -301,10 +301,12 @@ class StepMemory(TorchDispatchMode):
 
 def _label(model, tracker: StepMemory) -> None:
     """Name forward allocations after the module that makes them ("glue" between modules)."""
-    inner = model.model
-    modules = {"vision": inner.visual, "embed": inner.language_model.embed_tokens}
-    modules.update({f"layer{i}": layer for i, layer in enumerate(inner.language_model.layers)})
-    modules.update({"norm": inner.language_model.norm, "lm_head": model.lm_head})
+    from cpvlm.hf import adapter_for
+
+    adapter = adapter_for(model)
+    modules = {"vision": adapter.vision_tower(model), "embed": adapter.embed_tokens(model)}
+    modules.update({f"layer{i}": layer for i, layer in enumerate(adapter.decoder_layers(model))})
+    modules.update({"norm": adapter.text_model(model).norm, "lm_head": adapter.lm_head(model)})
 
     def hooks(name):
         # After the final norm comes the head and the loss (the chunked loss calls no lm_head).

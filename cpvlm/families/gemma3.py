@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from transformers import Gemma3Config
 
-from cpvlm.hf.adapter import VLMAdapter
+from cpvlm.hf.adapter import ModulePaths, VLMAdapter
 from cpvlm.hf.chat_media import ChatMedia
 from cpvlm.hf.kit import FamilyKit, TinyProcessor
 from cpvlm.hf.registration import register
@@ -142,8 +142,36 @@ def _image_processor(config):
     return Gemma3ImageProcessorPil(size={"height": side, "width": side})
 
 
+def gemma3_27b_config() -> Gemma3Config:
+    """gemma3-27b: the published checkpoint's config.json dimensions (``cpvlm plan --model gemma3-27b``)."""
+    return Gemma3Config(
+        text_config={
+            "vocab_size": 262208,
+            "hidden_size": 5376,
+            "intermediate_size": 21504,
+            "num_hidden_layers": 62,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 16,
+            "head_dim": 128,
+            "query_pre_attn_scalar": 168,
+            "sliding_window": 1024,
+            "max_position_embeddings": 131072,
+        },
+        vision_config={
+            "hidden_size": 1152,
+            "intermediate_size": 4304,
+            "num_hidden_layers": 27,
+            "num_attention_heads": 16,
+            "image_size": 896,
+            "patch_size": 14,
+        },
+        mm_tokens_per_image=256,
+    )
+
+
 class Gemma3Kit(FamilyKit):
     tiny_configs = {"gemma3-tiny": tiny_gemma3_config}
+    published_configs = {"gemma3-27b": gemma3_27b_config}
     traits = frozenset({"image_spans"})
     zero_gradients = (r"model\.vision_tower\..*\.self_attn\.k_proj\.bias$",)
     tiny_processor = TinyProcessor(
@@ -233,6 +261,7 @@ class FixedImageLayout(VLMAdapter):
     """Towers that encode fixed-size ``[N, 3, H, W]`` images (Gemma 3's SigLIP): each image a
     ``(1, p, p)`` grid of pixel rows, merge size k (the projector's pooling)."""
 
+    modules = ModulePaths(vision_tower="model.vision_tower")
     split_frames = False
     takes_videos = False
     chat_media = FixedImageMedia
@@ -305,11 +334,6 @@ class FixedImageLayout(VLMAdapter):
     def _images(self, rows: torch.Tensor) -> torch.Tensor:
         vc = self.config.vision_config
         return rows.reshape(-1, vc.num_channels, vc.image_size, vc.image_size)
-
-    # ---- modules -----------------------------------------------------------------------------
-
-    def vision_tower(self, model):
-        return model.model.vision_tower
 
     # ---- vision ------------------------------------------------------------------------------
 

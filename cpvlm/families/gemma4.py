@@ -47,7 +47,7 @@ from transformers.video_utils import VideoMetadata
 
 from cpvlm.data.errors import DataError
 from cpvlm.data.sample import VisionItem
-from cpvlm.hf.adapter import VLMAdapter
+from cpvlm.hf.adapter import ModulePaths, VLMAdapter
 from cpvlm.hf.chat_media import ChatMedia, frame_pixels, frames_of, video_option
 from cpvlm.hf.kit import FamilyKit, TinyProcessor
 from cpvlm.hf.registration import register
@@ -364,6 +364,7 @@ class Gemma4Adapter(VLMAdapter):
     family = "gemma4"
     model_classes = ("Gemma4ForConditionalGeneration",)
     model_types = ("gemma4",)
+    modules = ModulePaths(vision_tower="model.vision_tower")
     kit = Gemma4Kit
     chat_media = Gemma4Media  # the data path's processor hooks
     model_batch_keys = (
@@ -453,11 +454,6 @@ class Gemma4Adapter(VLMAdapter):
             positions[f, : h * w] = torch.stack([x, y], -1).reshape(-1, 2)
             start += h * w
         return pixels, positions
-
-    # ---- modules -----------------------------------------------------------------------------
-
-    def vision_tower(self, model):
-        return model.model.vision_tower
 
     # ---- vision ------------------------------------------------------------------------------
 

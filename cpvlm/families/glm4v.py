@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from transformers import Glm4vConfig, Glm4vMoeConfig, Glm46VConfig
 
-from cpvlm.hf.adapter import MoeRouter, VLMAdapter
+from cpvlm.hf.adapter import ModulePaths, MoeRouter, VLMAdapter
 from cpvlm.hf.kit import FamilyKit, MoeKit
 from cpvlm.hf.registration import register
 from cpvlm.hf.tiny import (
@@ -182,7 +182,7 @@ class MoeGlmKit(MoeKit, _GlmKit):
 
 
 class _GlmLayout(VLMAdapter):
-    projector = ("downsample", "merger")
+    modules = ModulePaths(projector=("downsample", "merger"))
 
     @property
     def special_token_ids(self):

@@ -51,7 +51,7 @@ from transformers import InternVLConfig
 
 from cpvlm.data.errors import DataError
 from cpvlm.data.sample import VisionItem
-from cpvlm.hf.adapter import VLMAdapter
+from cpvlm.hf.adapter import ModulePaths, VLMAdapter
 from cpvlm.hf.chat_media import (
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
@@ -320,6 +320,10 @@ class InternVLAdapter(VLMAdapter):
     family = "internvl"
     model_classes = ("InternVLForConditionalGeneration",)
     model_types = ("internvl",)
+    # the projector beside the tower is an FSDP unit of its own
+    modules = ModulePaths(
+        vision_tower="model.vision_tower", extra_units=("model.multi_modal_projector",)
+    )
     kit = InternVLKit
     chat_media = InternVLMedia  # the data path's processor hooks
 
@@ -422,15 +426,6 @@ class InternVLAdapter(VLMAdapter):
             tile = (self.tile_side, self.tile_side)
             out["pixel_values"] = self._tiles(batch["pixel_values"], tile)
         return out
-
-    # ---- modules --------------------------------------------------------------------------------
-
-    def vision_tower(self, model):
-        return model.model.vision_tower
-
-    def fsdp_units(self, model):
-        inner = model.model
-        return [*self.decoder_layers(model), inner.vision_tower, inner.multi_modal_projector]
 
     # ---- vision ---------------------------------------------------------------------------------
 

@@ -67,7 +67,7 @@ from transformers.image_processing_utils import select_best_resolution
 
 from cpvlm.data.errors import DataError
 from cpvlm.data.sample import VisionItem
-from cpvlm.hf.adapter import VLMAdapter
+from cpvlm.hf.adapter import ModulePaths, VLMAdapter
 from cpvlm.hf.chat_media import (
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
@@ -357,6 +357,16 @@ class LlavaOnevisionAdapter(VLMAdapter):
     family = "llava_onevision"
     model_classes = ("LlavaOnevisionForConditionalGeneration",)
     model_types = ("llava_onevision",)
+    # encode runs the tower, then the projector and pack_image_features of LlavaOnevisionModel
+    # (the projector and image_newline are beside the tower). FSDP units are the tower's layers,
+    # not the tower: encode reads the feature layer's output, not the tower's, and FSDP2
+    # re-gathers a unit's parameters for the backward from the gradient of the unit's outputs
+    # (the embeddings and post_layernorm stay with the root).
+    modules = ModulePaths(
+        vision_tower="model.vision_tower",
+        tower_units=("encoder.layers",),
+        extra_units=("model.multi_modal_projector",),
+    )
     kit = LlavaOnevisionKit
     chat_media = LlavaOnevisionMedia  # the data path's processor hooks
     split_frames = False
@@ -561,21 +571,6 @@ class LlavaOnevisionAdapter(VLMAdapter):
             "image_sizes": torch.tensor([[h, w] for _, h, w in grids], dtype=torch.long),
             "batch_num_images": torch.tensor(_samples_of(grids), dtype=torch.long),
         }
-
-    # ---- modules --------------------------------------------------------------------------------
-
-    def vision_tower(self, model):
-        # encode runs this tower, then the projector and pack_image_features of
-        # LlavaOnevisionModel (the projector and image_newline are beside the tower).
-        return model.model.vision_tower
-
-    def fsdp_units(self, model):
-        # The tower's layers, not the tower: encode reads the feature layer's output, not the
-        # tower's, and FSDP2 re-gathers a unit's parameters for the backward from the gradient
-        # of the unit's outputs (the embeddings and post_layernorm stay with the root).
-        inner = model.model
-        layers = list(inner.vision_tower.encoder.layers)
-        return [*self.decoder_layers(model), *layers, inner.multi_modal_projector]
 
     # ---- vision ---------------------------------------------------------------------------------
 

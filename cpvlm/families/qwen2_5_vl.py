@@ -88,8 +88,43 @@ def qwen2_5_vl_vision_cost(vc) -> VisionCost:
     )
 
 
+def qwen2_5_vl_72b_config() -> Qwen2_5_VLConfig:
+    """qwen2.5-vl-72b: the published checkpoint's config.json dimensions (``cpvlm plan --model qwen2.5-vl-72b``)."""
+    return Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": 152064,
+            "hidden_size": 8192,
+            "intermediate_size": 29568,
+            "num_hidden_layers": 80,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "max_position_embeddings": 128000,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1_000_000.0,
+                "mrope_section": [16, 24, 24],
+            },
+            "tie_word_embeddings": False,
+        },
+        vision_config={
+            "depth": 32,
+            "hidden_size": 1280,
+            "intermediate_size": 3456,
+            "num_heads": 16,
+            "patch_size": 14,
+            "temporal_patch_size": 2,
+            "spatial_merge_size": 2,
+            "window_size": 112,
+            "fullatt_block_indexes": [7, 15, 23, 31],
+            "out_hidden_size": 8192,
+        },
+        tie_word_embeddings=False,
+    )
+
+
 class Qwen2_5_VLKit(FamilyKit):
     tiny_configs = {"qwen2.5-vl-tiny": tiny_qwen2_5_vl_config}
+    published_configs = {"qwen2.5-vl-72b": qwen2_5_vl_72b_config}
     published_towers = {
         "Qwen2.5-VL-7B": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420,
          "num_heads": 16, "out_hidden_size": 3584, "patch_size": 14, "temporal_patch_size": 2,

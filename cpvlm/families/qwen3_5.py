@@ -176,11 +176,45 @@ def tiny_qwen3_5_moe_config(**overrides) -> Qwen3_5MoeConfig:
     )
 
 
+def qwen3_5_9b_config() -> Qwen3_5Config:
+    """Qwen3.5 dense, 3 Gated-DeltaNet layers to 1 attention layer (transformers' Qwen3_5Config
+    defaults, written out)."""
+    return Qwen3_5Config(
+        text_config={
+            "vocab_size": 248320,
+            "hidden_size": 4096,
+            "intermediate_size": 12288,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_conv_kernel_dim": 4,
+            "max_position_embeddings": 262144,
+        },
+        vision_config={
+            "depth": 27,
+            "hidden_size": 1152,
+            "intermediate_size": 4304,
+            "num_heads": 16,
+            "patch_size": 16,
+            "temporal_patch_size": 2,
+            "spatial_merge_size": 2,
+            "out_hidden_size": 4096,
+            "num_position_embeddings": 2304,
+        },
+    )
+
+
 # ---- the adapters --------------------------------------------------------------------------------
 
 
 class Qwen3_5Kit(Qwen3VLKit):
     tiny_configs = {"qwen3.5-tiny": tiny_qwen3_5_config}
+    published_configs = {"qwen3.5-9b": qwen3_5_9b_config}
     traits = frozenset({"linear_attention"})
     tiny_processor = None
 

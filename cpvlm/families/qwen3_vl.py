@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from transformers import Qwen3VLConfig
 
-from cpvlm.hf.adapter import VLMAdapter
+from cpvlm.hf.adapter import ModulePaths, VLMAdapter
 from cpvlm.hf.kit import FamilyKit
 from cpvlm.hf.registration import register
 from cpvlm.hf.tiny import TEXT, VISION, VISION_TOKEN_IDS, split_overrides, with_overrides
@@ -82,8 +82,45 @@ def has_deepstack(config) -> bool:
     return bool(getattr(config.vision_config, "deepstack_visual_indexes", None))
 
 
+def qwen3_vl_8b_config() -> Qwen3VLConfig:
+    """qwen3-vl-8b: the published checkpoint's config.json dimensions (``cpvlm plan --model qwen3-vl-8b``)."""
+    return Qwen3VLConfig(
+        text_config={
+            "vocab_size": 151936,
+            "hidden_size": 4096,
+            "intermediate_size": 12288,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "max_position_embeddings": 262144,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 5_000_000.0,
+                "mrope_section": [24, 20, 20],
+                "mrope_interleaved": True,
+            },
+            "tie_word_embeddings": False,
+        },
+        vision_config={
+            "depth": 27,
+            "hidden_size": 1152,
+            "intermediate_size": 4304,
+            "num_heads": 16,
+            "patch_size": 16,
+            "temporal_patch_size": 2,
+            "spatial_merge_size": 2,
+            "out_hidden_size": 4096,
+            "num_position_embeddings": 2304,
+            "deepstack_visual_indexes": [8, 16, 24],
+        },
+        tie_word_embeddings=False,
+    )
+
+
 class Qwen3VLKit(FamilyKit):
     tiny_configs = {"qwen3-vl-tiny": tiny_qwen3_vl_config}
+    published_configs = {"qwen3-vl-8b": qwen3_vl_8b_config}
     default_model = True
     published_towers = {
         "Qwen3-VL-8B": {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304,
@@ -118,7 +155,7 @@ class Qwen3VLAdapter(VLMAdapter):
     model_types = ("qwen3_vl",)
     kit = Qwen3VLKit
     chat_media = Qwen3VLMedia
-    projector = ("merger", "deepstack_merger_list")
+    modules = ModulePaths(projector=("merger", "deepstack_merger_list"))
 
     def vision_cost(self):
         return qwen3_vl_vision_cost(self.config.vision_config)

@@ -31,10 +31,9 @@ _EXPORTS = {
     "CP_ATTENTION": "cpvlm.hf.attention",
     "ContextParallelOutput": "cpvlm.hf.context_parallel",
     "ContextParallelVLM": "cpvlm.hf.context_parallel",
-    "ExtraLoss": "cpvlm.hf.adapter",
     "FamilyKit": "cpvlm.hf.kit",
     "IGNORE_INDEX": "cpvlm.loss",
-    "LossContext": "cpvlm.hf.adapter",
+    "ModulePaths": "cpvlm.hf.adapter",
     "PreparedBatch": "cpvlm.hf.inputs",
     "RouterLoss": "cpvlm.hf.adapter",
     "SampleSpec": "cpvlm.hf.data.synthetic",
@@ -58,10 +57,9 @@ __all__ = [
     "CP_ATTENTION",
     "ContextParallelOutput",
     "ContextParallelVLM",
-    "ExtraLoss",
     "FamilyKit",
     "IGNORE_INDEX",
-    "LossContext",
+    "ModulePaths",
     "PreparedBatch",
     "RouterLoss",
     "SampleSpec",
@@ -95,7 +93,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from cpvlm.hf.adapter import ExtraLoss, LossContext, RouterLoss, VLMAdapter
+    from cpvlm.hf.adapter import ModulePaths, RouterLoss, VLMAdapter
     from cpvlm.hf.attention import CP_ATTENTION, CPAttentionContext
     from cpvlm.hf.context_parallel import ContextParallelOutput, ContextParallelVLM
     from cpvlm.hf.data.row_cost import row_cost

@@ -15,16 +15,18 @@ hook declared on ``VLMAdapter`` below, with its contract; nothing else is read f
   core's pixel rows with grids);
 - the processor (data path): a ``chat_media`` class (``cpvlm.hf.chat_media``: grids, placeholder
   inputs, pixel rows);
-- modules: ``text_model``, ``decoder_layers``, ``embed_tokens``, ``lm_head``, ``vision_tower``
-  (the tower's own parameters), ``projector``, ``fsdp_units``, ``freeze_vision_encoder``,
-  ``install_context_parallel`` (sequence mixers other than attention);
+- modules: ``modules``, a ``ModulePaths`` (where the text model, its layers, the embedding, the
+  head, the tower, the projector prefixes and the FSDP units are: data, read by the accessors
+  ``text_model``, ``decoder_layers``, ``embed_tokens``, ``lm_head``, ``vision_tower``,
+  ``fsdp_units``, which no family overrides), ``install_context_parallel`` (sequence mixers other
+  than attention);
 - vision: ``encode`` (the model's vision side on pixel rows: rows, and deepstack levels),
   ``split_frames``, ``vision_cost``; ``vision="split"``: ``split_vision``, ``unit_order``,
   ``windowed_attention``, ``split_tower_kwargs``;
-- positions and masks: ``rope_index`` (M-RoPE from the model's own ``get_rope_index``; None for
-  1D RoPE, then per-document positions), ``span_token_types``, ``span_layers``;
+- positions and masks: ``span_token_types``, ``span_layers`` (M-RoPE positions come from the
+  model's own ``get_rope_index`` at ``modules.rope_index``, 1D RoPE where it has none);
 - decoder and losses: ``decoder_inputs`` (deepstack rows, per-layer embeddings, router logits),
-  ``router_loss``, ``extra_losses``, ``logit_softcap``.
+  ``router_loss`` (the core adds its share, ``cpvlm.router_loss``), ``logit_softcap``.
 
 What only tests, ``cpvlm verify`` and synthetic data need (tiny configs, float64 islands, module
 groups, zero-gradient parameters, synthetic items and tokens, a tiny processor) is the family's
@@ -33,8 +35,10 @@ kit (``cpvlm.hf.kit.FamilyKit``), in the same family file, linked as ``kit``.
 The defaults are the base layout: one ``<vision_start> pads <vision_end>`` group per item, a tower
 ``model.model.visual(pixel_rows, grid_thw)`` with the merger inside that returns
 ``pooler_output``, t*h*w pixel rows and t*h*w/m**2 tokens per item, M-RoPE from
-``model.model.get_rope_index`` when the model has one, no extra keywords or losses. A family
-overrides what differs; facts that a config or the model says are read from it, not declared.
+``model.model.get_rope_index`` when the model has one, no extra keywords or losses
+(``ModulePaths()``'s defaults say where those modules are). A family overrides what differs and
+declares its module paths as data; facts that a config or the model says are read from it, not
+declared.
 
 Adding a family is one file, one import line and one line in the tests:
 
@@ -49,6 +53,7 @@ Adding a family is one file, one import line and one line in the tests:
            model_classes = ("<Name>ForConditionalGeneration",)
            model_types = ("<model_type>",)
            kit = MyKit
+           modules = ModulePaths(vision_tower="model.vision_tower")  # the paths that differ
            ...  # the hooks whose default does not hold, and vision_cost
 
 2. ``cpvlm/families/__init__.py``: import the module (that registers it).
@@ -66,26 +71,16 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from cpvlm.hf.chat_media import ChatMedia
 from cpvlm.hf.kit import FamilyKit
-from cpvlm.router_loss import load_balancing_loss_share
 from cpvlm.vision.cost import VisionCost
 from cpvlm.vision.split import Piece, UnitOrder, pixel_order
 
 VisionRows = torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]
 """What ``encode`` returns: ``[R, D]`` rows, or ``([R, D], [[R, D_l], ...])`` with deepstack
 levels."""
-
-
-@dataclass(frozen=True)
-class LossContext:
-    """What an extra loss needs besides the decoder's output."""
-
-    group: dist.ProcessGroup | None  # the CP group: the batch's tokens are spread over it
-    real_mask: torch.Tensor  # [B, L] bool: this rank's positions holding a real token (not padding)
 
 
 @dataclass(frozen=True)
@@ -108,11 +103,78 @@ class MoeRouter:
 
 
 @dataclass(frozen=True)
-class ExtraLoss:
-    """One extra loss term, ``weight * share``; the CP ranks' shares sum to the batch's loss."""
+class ModulePaths:
+    """Where a family's modules are in its ``*ForConditionalGeneration`` model: dotted attribute
+    paths from the model (``module_at``), unless said otherwise. The defaults are the base layout.
+    A family declares ``modules = ModulePaths(...)`` with the paths that differ."""
 
-    share: torch.Tensor
-    weight: float
+    text_model: str = "model.language_model"
+    """The decoder: ``forward(inputs_embeds=, position_ids=, ...)`` -> last_hidden_state; its
+    attention implementation becomes cpvlm's."""
+    decoder_layers: str = "layers"
+    """The decoder layers, in order, inside ``text_model`` (FSDP units)."""
+    embed_tokens: str | None = None
+    """The token embedding as the model applies it (any scaling inside the module); None: the
+    model's ``get_input_embeddings()``."""
+    lm_head: str = "lm_head"
+    """The output projection (``weight`` and ``bias``) the loss applies to hidden states."""
+    vision_tower: str = "model.visual"
+    """The vision encoder itself: frozen by ``freeze_vision_encoder`` (but ``projector``), an
+    FSDP unit, and the dtype the pixels take. A projector beside it is not part of it; the
+    adapter's ``encode`` finds both."""
+    projector: tuple[str, ...] = ("merger",)
+    """Name prefixes, inside ``vision_tower``, of the parameters that stay trainable when the
+    vision encoder is frozen (a merger inside the tower); a projector beside the tower stays
+    trainable anyway."""
+    tower_units: tuple[str, ...] = ("",)
+    """FSDP units of the vision side, as paths inside ``vision_tower`` (``""``: the tower itself,
+    which ContextParallelVLM calls exactly once per forward on every rank, so its parameter
+    all-gathers match; a module list: each of its modules)."""
+    extra_units: tuple[str, ...] = ()
+    """Further FSDP units beside the decoder layers and the tower (a projector beside it)."""
+    rope_index: str = "model.get_rope_index"
+    """The model's own M-RoPE position function (``get_rope_index``); a model without it has 1D
+    RoPE (the core then uses per-document positions)."""
+
+
+_MISSING = object()
+
+
+def module_at(root: Any, path: str, default: Any = _MISSING) -> Any:
+    """The attribute at the dotted ``path`` of ``root`` (``""``: ``root`` itself; a module list's
+    items by index, ``"layers.0"``); ``default`` if given and a name on the way is missing."""
+    obj = root
+    for name in path.split(".") if path else ():
+        nxt = getattr(obj, name, _MISSING)
+        if nxt is _MISSING:
+            if default is not _MISSING:
+                return default
+            raise AttributeError(
+                f"{type(root).__name__} has no {path!r} ({type(obj).__name__} has no {name!r}); "
+                "the family's adapter declares where its modules are: modules = ModulePaths(...)"
+            )
+        obj = nxt
+    return obj
+
+
+_NOT_HOOKS = (
+    "text_model",
+    "decoder_layers",
+    "embed_tokens",
+    "lm_head",
+    "vision_tower",
+    "fsdp_units",
+    "projector",
+    "freeze_vision_encoder",
+    "rope_index",
+    "extra_losses",
+    "image_token_id",
+    "processor_image_grid",
+    "processor_image_inputs",
+    "video_processing",
+)
+"""Names an adapter does not define: the module accessors read ``modules``, and the rest are
+hooks that were removed (see docs/changelog.md)."""
 
 
 class VLMAdapter:
@@ -130,6 +192,17 @@ class VLMAdapter:
     kit: ClassVar[type[FamilyKit]] = FamilyKit
     """The family's test- and verify-side knowledge (``cpvlm.hf.kit``); the CP step
     never reads it."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        defined = [n for n in _NOT_HOOKS if n in vars(cls)]
+        if defined:
+            raise TypeError(
+                f"{cls.__name__} defines {', '.join(defined)}: module locations are data "
+                "(modules = ModulePaths(...)); the processor is the chat_media class; "
+                "image_token_id, rope_index, extra_losses and freeze_vision_encoder are no hooks "
+                "(docs/changelog.md)"
+            )
 
     def __init__(self, config):
         self.config = config
@@ -149,7 +222,8 @@ class VLMAdapter:
 
     @property
     def image_token_id(self) -> int:
-        """The placeholder id of an image's rows (``mm_token_type_ids`` 1)."""
+        """The placeholder id of an image's rows (``mm_token_type_ids`` 1): the config's, never
+        overridden (the data path reads it here)."""
         return self.config.image_token_id
 
     @property
@@ -211,44 +285,40 @@ class VLMAdapter:
 
     # ---- modules (ContextParallelVLM, parallelize, the trainer) ---------------------------------
 
-    projector: ClassVar[tuple[str, ...]] = ("merger",)
-    """Name prefixes, inside ``vision_tower``, of the parameters that stay trainable when the
-    vision encoder is frozen (a merger inside the tower); a projector beside the tower stays
-    trainable anyway (no override needed)."""
+    modules: ClassVar[ModulePaths] = ModulePaths()
+    """Where the model's modules are: data, read by the accessors below (which no family
+    overrides)."""
 
     def text_model(self, model: nn.Module) -> nn.Module:
-        """The decoder: ``forward(inputs_embeds=, position_ids=, ...)`` -> last_hidden_state;
-        its attention implementation becomes cpvlm's."""
-        return model.model.language_model
+        """The decoder (``modules.text_model``)."""
+        return module_at(model, self.modules.text_model)
 
     def decoder_layers(self, model: nn.Module) -> list[nn.Module]:
-        """The decoder layers, in order (FSDP units)."""
-        return list(self.text_model(model).layers)
+        """The decoder layers, in order (``modules.decoder_layers`` inside the text model)."""
+        return list(module_at(self.text_model(model), self.modules.decoder_layers))
 
     def embed_tokens(self, model: nn.Module) -> nn.Module:
-        """The token embedding, as the model applies it (any scaling inside the module)."""
-        return model.get_input_embeddings()
+        """The token embedding (``modules.embed_tokens``, or the model's input embeddings)."""
+        if self.modules.embed_tokens is None:
+            return model.get_input_embeddings()
+        return module_at(model, self.modules.embed_tokens)
 
     def lm_head(self, model: nn.Module) -> nn.Module:
-        """The output projection (``weight`` and ``bias``) the loss applies to hidden states."""
-        return model.lm_head
+        """The output projection (``modules.lm_head``)."""
+        return module_at(model, self.modules.lm_head)
 
     def vision_tower(self, model: nn.Module) -> nn.Module:
-        """The vision encoder itself: the module whose parameters are frozen by
-        ``freeze_vision_encoder`` (but ``projector``), sharded as an FSDP unit, and whose dtype
-        the pixels take. A projector beside it is not part of it; ``encode`` finds both."""
-        return model.model.visual
+        """The vision encoder itself (``modules.vision_tower``)."""
+        return module_at(model, self.modules.vision_tower)
 
     def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
-        """FSDP2 units: each decoder layer and the vision tower (ContextParallelVLM calls the
-        tower exactly once per forward on every rank, so its parameter all-gathers match)."""
-        return [*self.decoder_layers(model), self.vision_tower(model)]
-
-    def freeze_vision_encoder(self, model: nn.Module) -> None:
-        """Freeze the tower except its ``projector`` prefixes."""
-        for name, p in self.vision_tower(model).named_parameters():
-            if not name.startswith(self.projector):
-                p.requires_grad_(False)
+        """FSDP2 units: each decoder layer, the tower's ``modules.tower_units`` and the
+        ``modules.extra_units`` (a module list gives each of its modules)."""
+        tower = self.vision_tower(model)
+        units = [module_at(tower, p) for p in self.modules.tower_units]
+        units += [module_at(model, p) for p in self.modules.extra_units]
+        flat = [u for unit in units for u in (unit if isinstance(unit, nn.ModuleList) else [unit])]
+        return [*self.decoder_layers(model), *flat]
 
     def install_context_parallel(self, model: nn.Module) -> None:
         """Make the text model's sequence-mixing layers other than attention (which goes through
@@ -311,35 +381,6 @@ class VLMAdapter:
 
     # ---- positions and masks (prepare_batch, the attention) -------------------------------------
 
-    def rope_index(
-        self,
-        model: nn.Module,
-        input_ids: torch.Tensor,
-        mm_token_type_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        image_grid_thw: torch.Tensor | None,
-        video_grid_thw: torch.Tensor | None,
-        video_extras: dict[str, torch.Tensor],
-    ) -> torch.Tensor | None:
-        """``[3, B, S]`` M-RoPE positions of one document, from the model's own
-        ``get_rope_index`` (a document without vision items: ``arange`` in every row); None for a
-        model without one (1D RoPE: the core then uses per-document positions ``[B, S]``)."""
-        get_rope_index = getattr(model.model, "get_rope_index", None)
-        if get_rope_index is None:
-            return None
-        if image_grid_thw is None and video_grid_thw is None:
-            arange = torch.arange(input_ids.shape[1], device=input_ids.device)
-            return arange.expand(3, input_ids.shape[0], -1).clone()
-        position_ids, _ = get_rope_index(
-            input_ids,
-            mm_token_type_ids=mm_token_type_ids,
-            image_grid_thw=image_grid_thw,
-            video_grid_thw=video_grid_thw,
-            attention_mask=attention_mask,
-            **video_extras,
-        )
-        return position_ids
-
     span_token_types: ClassVar[tuple[int, ...]] = ()
     """Token types (``mm_token_type_ids``) whose runs attend to each other bidirectionally (one
     mask span per run and document); () for causal-only models."""
@@ -364,17 +405,6 @@ class VLMAdapter:
     def router_loss(self) -> RouterLoss | None:
         """The MoE load-balancing loss the model adds (None: no router loss, or not enabled)."""
         return None
-
-    def extra_losses(self, decoder_out, ctx: LossContext) -> dict[str, ExtraLoss]:
-        """Losses the model adds to the cross-entropy, as this rank's shares: the router's
-        load-balancing loss from statistics summed over the CP group (``cpvlm.router_loss``)."""
-        spec = self.router_loss()
-        if spec is None:
-            return {}
-        share = load_balancing_loss_share(
-            decoder_out.router_logits, ctx.real_mask, top_k=spec.top_k, group=ctx.group
-        )
-        return {"router_aux": ExtraLoss(share, spec.weight)}
 
     @property
     def logit_softcap(self) -> float | None:

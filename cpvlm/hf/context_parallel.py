@@ -43,13 +43,14 @@ from cpvlm.attention import hybrid_groups
 from cpvlm.constants import IGNORE_INDEX, VISION_MODES
 from cpvlm.distributed.collectives import StepAgreement, agree, fingerprint
 from cpvlm.distributed.shard_plan import pad_and_shard
-from cpvlm.hf.adapter import LossContext, VLMAdapter
+from cpvlm.hf.adapter import VLMAdapter
 from cpvlm.hf.attention import CP_ATTENTION, CPAttentionContext, cp_forward
 from cpvlm.hf.inputs import PreparedBatch, batch_keys, prepare_batch
 from cpvlm.hf.registry import adapter_for
 from cpvlm.hf.vision_attention import SplitTower
 from cpvlm.loss import chunked_token_mean_loss, token_mean_loss
 from cpvlm.options import CPOptions
+from cpvlm.router_loss import load_balancing_loss_share
 from cpvlm.vision import VisionDataParallel, VisionUnits
 
 
@@ -318,11 +319,16 @@ class ContextParallelVLM(nn.Module):
             )
         with record_function("cpvlm.loss"):
             loss = self._loss(decoder_out.last_hidden_state, local["labels"], prep.num_valid)
-            extras = self.adapter.extra_losses(
-                decoder_out, LossContext(group=self.cp_group, real_mask=local["real_mask"])
-            )
-            for term in extras.values():
-                loss = loss + term.share * (term.weight / num_batches)
+            extras = {}
+            router = self.adapter.router_loss()
+            if router is not None:  # this rank's share, from statistics summed over the CP group
+                extras["router_aux"] = load_balancing_loss_share(
+                    decoder_out.router_logits,
+                    local["real_mask"],
+                    top_k=router.top_k,
+                    group=self.cp_group,
+                )
+                loss = loss + extras["router_aux"] * (router.weight / num_batches)
         return ContextParallelOutput(
             loss=loss,
             num_valid=prep.num_valid,
@@ -330,7 +336,7 @@ class ContextParallelVLM(nn.Module):
             local_visual_tokens=int(visual_mask_loc.sum()),
             encoded_units=encoded,
             attn_impl=",".join(sorted(context.ran)),
-            extra_losses={name: term.share for name, term in extras.items()},
+            extra_losses=extras,
         )
 
     def _check_call(self, batch, num_batches, local_pixels) -> None:

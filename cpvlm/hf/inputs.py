@@ -16,9 +16,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from cpvlm.distributed.shard_plan import ShardPlan
-from cpvlm.hf.adapter import VLMAdapter
+from cpvlm.hf.adapter import VLMAdapter, module_at
 from cpvlm.hf.registry import adapter_for
 from cpvlm.loss import count_valid_labels, shift_labels
 from cpvlm.vision.units import grid_list
@@ -149,7 +150,7 @@ def _check_token_types(adapter: VLMAdapter, ids, attention_mask, given) -> torch
     ):
         raise ValueError(
             "mm_token_type_ids does not match input_ids: it must be 1 at the image tokens "
-            f"(id {adapter.image_token_id}), 2 at the video tokens, 0 elsewhere (the "
+            f"(id {adapter.config.image_token_id}), 2 at the video tokens, 0 elsewhere (the "
             f"{adapter.family} processor's rule)"
         )
     return types
@@ -170,13 +171,51 @@ def _split_by_document(grids, tokens_in_doc, adapter, kind) -> list[list[tuple[i
     return per_doc
 
 
+def rope_index(
+    adapter: VLMAdapter,
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    mm_token_type_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    image_grid_thw: torch.Tensor | None,
+    video_grid_thw: torch.Tensor | None,
+    video_extras: dict[str, torch.Tensor],
+) -> torch.Tensor | None:
+    """``[3, B, S]`` M-RoPE positions of one document, from the model's own ``get_rope_index``
+    (the adapter's ``modules.rope_index``; a document without vision items: ``arange`` in every
+    row); None for a model without one (1D RoPE: the core then uses per-document positions
+    ``[B, S]``). ``video_extras``: the adapter's ``video_keys``."""
+    get_rope_index = module_at(model, adapter.modules.rope_index, default=None)
+    if get_rope_index is None:
+        return None
+    if image_grid_thw is None and video_grid_thw is None:
+        arange = torch.arange(input_ids.shape[1], device=input_ids.device)
+        return arange.expand(3, input_ids.shape[0], -1).clone()
+    position_ids, _ = get_rope_index(
+        input_ids,
+        mm_token_type_ids=mm_token_type_ids,
+        image_grid_thw=image_grid_thw,
+        video_grid_thw=video_grid_thw,
+        attention_mask=attention_mask,
+        **video_extras,
+    )
+    return position_ids
+
+
 def _document_positions(adapter, model, ids, types, attention_mask, grids, extras) -> torch.Tensor:
-    """Positions of one document (or of a padded batch): ``[3, B, S]`` for M-RoPE families (the
-    adapter's ``rope_index``), ``[B, S]`` arange for 1D families (``rope_index`` None)."""
+    """Positions of one document (or of a padded batch): ``[3, B, S]`` for M-RoPE families
+    (``rope_index``), ``[B, S]`` arange for 1D families (``rope_index`` None)."""
     image_grids, video_grids = grids
     as_tensor = lambda g: torch.tensor(g, dtype=torch.long) if g else None  # noqa: E731
-    pos = adapter.rope_index(
-        model, ids, types, attention_mask, as_tensor(image_grids), as_tensor(video_grids), extras
+    pos = rope_index(
+        adapter,
+        model,
+        ids,
+        types,
+        attention_mask,
+        as_tensor(image_grids),
+        as_tensor(video_grids),
+        extras,
     )
     if pos is None:
         return torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1).clone()
@@ -203,7 +242,7 @@ def _positions(adapter, model, ids, types, attention_mask, grids, extras, plan, 
     text = _text_positions(adapter, model, ids, plan)
     parts, v0, done = [], 0, 0
     for (a, b), img_d, vid_d in zip(spans, *per_kind, strict=True):
-        if text is not None and not img_d and not vid_d:
+        if not img_d and not vid_d:
             continue  # a text document: its slice of ``text``, joined with its neighbours
         if done < a:
             parts.append(text[..., done:a])
@@ -216,23 +255,21 @@ def _positions(adapter, model, ids, types, attention_mask, grids, extras, plan, 
             )
         )
         done = b
-    if text is not None and done == 0:
+    if done == 0:
         return text
-    if text is not None and done < ids.shape[1]:
+    if done < ids.shape[1]:
         parts.append(text[..., done:])
     return torch.cat(parts, dim=-1)
 
 
-def _text_positions(adapter, model, ids, plan: ShardPlan) -> torch.Tensor | None:
+def _text_positions(adapter, model, ids, plan: ShardPlan) -> torch.Tensor:
     """Every document's positions as if it held no vision item (``arange`` from each document's
-    start: ``[B, S]``, or ``[3, B, S]`` under M-RoPE), in one array operation; None where the
-    adapter overrides ``rope_index`` (its text documents then go through it one by one)."""
-    if getattr(type(adapter), "rope_index", None) is not VLMAdapter.rope_index:
-        return None
+    start: ``[B, S]``, or ``[3, B, S]`` under M-RoPE, as ``rope_index`` gives a text document),
+    in one array operation."""
     n = torch.tensor(plan.doc_lens)
     pos = torch.arange(ids.shape[1]) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
     pos = pos.to(ids.device).expand(ids.shape[0], -1)
-    if getattr(model.model, "get_rope_index", None) is not None:
+    if module_at(model, adapter.modules.rope_index, default=None) is not None:
         pos = pos.expand(3, *pos.shape)
     return pos.clone()
 
@@ -306,7 +343,7 @@ def prepare_batch(
     has_vision = any(batch.get(k) is not None for *_, pix, grid in _KINDS for k in (pix, grid))
     given_types = batch.get("mm_token_type_ids")
     types = _check_token_types(adapter, ids, attention_mask, given_types)
-    token_ids = (adapter.image_token_id, adapter.video_token_id)
+    token_ids = (adapter.config.image_token_id, adapter.video_token_id)
     grids = tuple(
         _check_vision(
             kind,

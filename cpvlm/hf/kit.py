@@ -81,6 +81,11 @@ class FamilyKit:
     """A regex of the parameters the forward never uses (zero gradient in every run)."""
     mixes_images_and_videos: ClassVar[bool] = True
     """The model's own forward takes images and videos in one call (a reference can use it)."""
+    published_configs: ClassVar[dict[str, Callable[[], Any]]] = {}
+    """``{name: config builder}`` of published checkpoints: the model's config class with the
+    dimensions of the checkpoint's config.json (written out, nothing is fetched), for ``cpvlm
+    plan --model <name>`` and the scale benchmark. Declared on the kit class itself (not
+    inherited by a kit that subclasses it)."""
     published_towers: ClassVar[dict[str, dict]] = {}
     """``{checkpoint: vision_config fields the cost model reads}`` of published checkpoints (their
     config.json), for cost-model tests and benchmarks: ``AutoConfig.for_model(model_types[0],

@@ -63,6 +63,13 @@ def published_towers() -> dict[str, tuple[str, dict]]:
     }
 
 
+def published_configs() -> dict[str, Callable]:
+    """``{name: config builder}`` of the kits' published checkpoint configs (``cpvlm plan``)."""
+    return {
+        name: fn for a in ADAPTERS for name, fn in vars(a.kit).get("published_configs", {}).items()
+    }
+
+
 def adapter_of_family(family: str) -> type[VLMAdapter]:
     """The adapter class of a family name."""
     for a in ADAPTERS:

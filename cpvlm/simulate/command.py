@@ -27,13 +27,16 @@ def _size(text: str, n: int) -> tuple[int, ...]:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from cpvlm.hf.registry import published_configs
+
     p = argparse.ArgumentParser(
         prog="cpvlm plan", description=__doc__, formatter_class=HelpFormatter
     )
     p.add_argument(
         "--model",
         required=True,
-        help="a published config name (qwen3-vl-8b, qwen2.5-vl-72b, qwen3.5-9b, gemma3-27b), a tiny model, or a directory with a config.json",
+        help=f"a published config name ({', '.join(published_configs())}), a tiny model, or a "
+        "directory with a config.json",
     )
     p.add_argument("--seq-len", type=int, required=True, help="tokens of one training row")
     p.add_argument(

@@ -134,9 +134,12 @@ class _Phases:
 
 
 def freeze_vision_encoder(model: nn.Module) -> None:
-    """``--freeze-vision``: the tower is frozen except its projector (the family's adapter says
-    which modules those are: a merger inside the tower)."""
-    adapter_for(model).freeze_vision_encoder(model)
+    """``--freeze-vision``: the tower is frozen except its projector (the family's
+    ``modules.projector`` prefixes: a merger inside the tower; one beside it stays trainable)."""
+    adapter = adapter_for(model)
+    for name, p in adapter.vision_tower(model).named_parameters():
+        if not name.startswith(adapter.modules.projector):
+            p.requires_grad_(False)
 
 
 def global_grad_norm(params: list[nn.Parameter]) -> torch.Tensor:

@@ -125,10 +125,12 @@ def mrope_position_ids(model, batch: Mapping[str, torch.Tensor]) -> torch.Tensor
     """The ``[3, B, S]`` M-RoPE position ids the model's own forward computes for ``batch``
     (``get_rope_index`` leaves padding positions at 0)."""
     from cpvlm.hf import adapter_for
+    from cpvlm.hf.inputs import rope_index
 
     adapter = adapter_for(model)
     extras = {k: batch[k] for k in adapter.video_keys if batch.get(k) is not None}
-    return adapter.rope_index(
+    return rope_index(
+        adapter,
         model,
         batch["input_ids"],
         batch["mm_token_type_ids"],

@@ -15,6 +15,7 @@ every test checks that no top-k choice is within 1e-6 of a tie.
 """
 
 import copy
+from unittest import mock
 
 import pytest
 import torch
@@ -25,14 +26,11 @@ pytest.importorskip("transformers")
 import transformers  # noqa: E402
 from transformers import AutoModelForImageTextToText  # noqa: E402
 
-from cpvlm.families.qwen3_vl_moe import (  # noqa: E402
-    Qwen3VLMoeAdapter,
-    tiny_qwen3_vl_moe_config,
-)
+import cpvlm.hf.context_parallel as context_parallel  # noqa: E402
+from cpvlm.families.qwen3_vl_moe import tiny_qwen3_vl_moe_config  # noqa: E402
 from cpvlm.hf import ContextParallelVLM, SampleSpec, synthetic_batch  # noqa: E402
-from cpvlm.hf.adapter import ExtraLoss  # noqa: E402
 from cpvlm.loss import count_valid_labels, shift_labels  # noqa: E402
-from cpvlm.router_loss import load_balancing_loss  # noqa: E402
+from cpvlm.router_loss import load_balancing_loss, load_balancing_loss_share  # noqa: E402
 from cpvlm.verify import (  # noqa: E402
     causal_lm_loss_sum,
     cp_loss_and_grads,
@@ -71,13 +69,11 @@ def _batches(model, kind):
     return mixed_batch(model, torch.float64), None, None
 
 
-class PerShardRouterLoss(Qwen3VLMoeAdapter):
+def per_shard_share(router_logits, real_mask, *, top_k, group):
     """The bug this file rules out: each rank's aux loss from its own shard's statistics, averaged
     over the CP ranks (what calling the model's loss function on a shard gives)."""
-
-    def extra_losses(self, decoder_out, ctx):
-        local = load_balancing_loss(decoder_out.router_logits, ctx.real_mask, top_k=2)
-        return {"router_aux": ExtraLoss(local / dist.get_world_size(ctx.group), COEF)}
+    assert top_k == 2
+    return load_balancing_loss(router_logits, real_mask, top_k=2) / dist.get_world_size(group)
 
 
 def _cp(rank, world_size, kind, configs, per_shard=False):
@@ -87,9 +83,9 @@ def _cp(rank, world_size, kind, configs, per_shard=False):
     for attn, vision, flow in configs:
         model = copy.deepcopy(base)
         cp_model = ContextParallelVLM(model, dist.group.WORLD, attn=attn, vision=vision, flow=flow)
-        if per_shard:
-            cp_model.adapter = PerShardRouterLoss(model.config)
-        out, loss, grads = cp_loss_and_grads(cp_model, batch, doc_lens)
+        share = per_shard_share if per_shard else load_balancing_loss_share
+        with mock.patch.object(context_parallel, "load_balancing_loss_share", share):
+            out, loss, grads = cp_loss_and_grads(cp_model, batch, doc_lens)
         aux = out.extra_losses["router_aux"].detach().clone()
         dist.all_reduce(aux)
         results.append({"loss": loss, "aux": aux, "grads": grads} if rank == 0 else None)
