@@ -10,7 +10,8 @@ What the annotation gives (``typing.get_type_hints``; ``X | None`` is read as ``
 - ``Literal[...]``: ``choices``; ``int``, ``float``, ``str``, ``Path``: ``type``;
 - ``tuple[X, ...]``: ``nargs="*"`` of X (the values come back as a tuple); with ``sep=","`` in the
   metadata, one comma-separated word instead;
-- a dataclass: its fields, flattened (the field's metadata ``group`` titles an argument group);
+- a dataclass: its fields, flattened (the field's metadata ``group`` titles an argument group,
+  as it does for one flag);
 - ``Sub | None`` of a dataclass: its fields as ``--{prefix}-{field}`` flags, all unset by default
   (``prefix`` in the metadata, default the field name); unset all, the field is None, else
   ``Sub.from_flags(**values)`` (if Sub has it) or ``Sub(**the values set)``.
@@ -145,6 +146,14 @@ def flag_of(f: dataclasses.Field, prefix: str = "") -> str:
     return f.metadata.get("flag", "--" + (prefix + f.name).replace("_", "-"))
 
 
+def _group(parser, title: str):
+    """The argument group ``title`` of ``parser``, made once."""
+    for group in parser._action_groups:
+        if group.title == title:
+            return group
+    return parser.add_argument_group(title)
+
+
 def add_fields(parser, cls, *, prefix: str = "", unset: bool = False) -> None:
     """A flag for every field of ``cls`` (sub-configs flattened) on ``parser``."""
     if not prefix:
@@ -153,9 +162,7 @@ def add_fields(parser, cls, *, prefix: str = "", unset: bool = False) -> None:
     for f in dataclasses.fields(cls):
         hint, optional = _optional(hints[f.name])
         if _is_config(hint):
-            where = parser
-            if "group" in f.metadata:
-                where = parser.add_argument_group(f.metadata["group"])
+            where = _group(parser, f.metadata["group"]) if "group" in f.metadata else parser
             if optional:
                 sub_prefix = prefix + f.metadata.get("prefix", f.name) + "_"
                 add_fields(where, hint, prefix=sub_prefix, unset=True)
@@ -166,7 +173,8 @@ def add_fields(parser, cls, *, prefix: str = "", unset: bool = False) -> None:
         flag = flag_of(f, prefix)
         if "flag" in f.metadata and "choices" not in kw and kw.get("nargs") != 0:
             kw.setdefault("metavar", flag[2:].upper().replace("-", "_"))  # the flag's, not dest's
-        action = parser.add_argument(flag, dest=prefix + f.name, **kw)
+        where = _group(parser, f.metadata["group"]) if "group" in f.metadata else parser
+        action = where.add_argument(flag, dest=prefix + f.name, **kw)
         action.help = kw["help"]  # Python 3.10's BooleanOptionalAction appends its default
 
 
