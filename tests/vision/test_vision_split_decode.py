@@ -184,7 +184,7 @@ def test_split_step_from_pieces_rows_matches_the_one_process_model(world):
 def test_the_loader_decodes_only_the_pieces_rows(encoder, tmp_path):
     """A ``RankLoader`` given ``pieces``: each CP rank's pixel rows are exactly the rows it
     reads (``pixel_rows_read``) of the full decode, and some rank holds a piece."""
-    from cpvlm.data import RankLoader, RowStream, open_source
+    from cpvlm.data import LoaderConfig, RankLoader, RowStream, open_source
     from cpvlm.integrations.hf.tiny_checkpoint import example_records, write_jsonl
     from cpvlm.vision import split_assignment
     from cpvlm.vision.pieces import piece_groups
@@ -203,9 +203,10 @@ def test_the_loader_decodes_only_the_pieces_rows(encoder, tmp_path):
         orders = [pixel_order(n) for n in units.row_counts]
         return [piece_groups(orders, split(units), r) for r in range(cp)]
 
-    def loader(c, **kw):
+    def loader(c, decode_mode="local", **kw):
         stream = RowStream(source, encoder.plan, seq_len=192, window=8, seed=5)
-        return RankLoader(stream, encoder.decode, encoder.ids, cp_rank=c, cp_size=cp, **kw)
+        config = LoaderConfig(cp_rank=c, cp_size=cp, decode_mode=decode_mode)
+        return RankLoader(stream, encoder.decode, encoder.ids, config, **kw)
 
     ranks = [loader(c, assign=assign, pieces=pieces) for c in range(cp)]
     full, sharded = loader(0, decode_mode="all"), 0
