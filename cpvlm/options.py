@@ -173,6 +173,22 @@ class CPOptions:
         """A copy with ``changes``, validated again."""
         return dataclasses.replace(self, **changes)
 
+    @property
+    def attention(self) -> AttentionOptions:
+        """What ``cp_attention`` takes of these options (the text model's, and the split
+        tower's)."""
+        return AttentionOptions(self.attn, self.ulysses_size)
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """The options of ``cp_attention`` besides its inputs: ``impl`` (``CPOptions.attn``) and,
+    for "hybrid", ``ulysses_size``. Checked where they meet their group (``cp_attention``,
+    ``VisionDataParallel``), by the rules of ``CPOptions``."""
+
+    impl: str = "ring"
+    ulysses_size: int | None = None
+
 
 DEFAULTS = CPOptions()
 """Every option's one default (the library's, ``cpvlm train``'s and ``cpvlm verify``'s)."""

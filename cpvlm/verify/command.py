@@ -76,7 +76,8 @@ def hybrid_size(cp: int, ulysses_size: int | None) -> int:
 def default_cp_model(model, group, attn: str, vision: str, flow: str, **kwargs):
     from cpvlm.integrations.hf import ContextParallelVLM
 
-    return ContextParallelVLM(model, group, attn=attn, vision=vision, flow=flow, **kwargs)
+    options = CPOptions(attn=attn, vision=vision, flow=flow, **kwargs)
+    return ContextParallelVLM(model, group, options=options)
 
 
 def _cp_rank_main(rank, world_size, model_spec, dtype, cases, factory):

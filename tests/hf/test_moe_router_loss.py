@@ -32,6 +32,7 @@ from cpvlm.integrations.hf.families.qwen3_vl_moe import (  # noqa: E402
     tiny_qwen3_vl_moe_config,
 )
 from cpvlm.loss import count_valid_labels, shift_labels  # noqa: E402
+from cpvlm.options import CPOptions  # noqa: E402
 from cpvlm.router_loss import load_balancing_loss  # noqa: E402
 from cpvlm.verify import (  # noqa: E402
     causal_lm_loss_sum,
@@ -86,7 +87,9 @@ def _cp(rank, world_size, kind, configs, per_shard=False):
     results = []
     for attn, vision, flow in configs:
         model = copy.deepcopy(base)
-        cp_model = ContextParallelVLM(model, dist.group.WORLD, attn=attn, vision=vision, flow=flow)
+        cp_model = ContextParallelVLM(
+            model, dist.group.WORLD, options=CPOptions(attn=attn, vision=vision, flow=flow)
+        )
         if per_shard:
             cp_model.adapter = PerShardRouterLoss(model.config)
         out, loss, grads = cp_loss_and_grads(cp_model, batch, doc_lens)

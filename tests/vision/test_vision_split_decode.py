@@ -31,6 +31,7 @@ from cpvlm.integrations.hf import (  # noqa: E402
 from cpvlm.integrations.hf.piece_pixels import image_piece_rows  # noqa: E402
 from cpvlm.integrations.hf.processor import ChatEncoder  # noqa: E402
 from cpvlm.integrations.hf.tiny_checkpoint import make_tiny_checkpoint, write_frames  # noqa: E402
+from cpvlm.options import CPOptions  # noqa: E402
 from cpvlm.testing import rel_err, run_distributed  # noqa: E402
 from cpvlm.verify import reference_loss_and_grads  # noqa: E402
 from cpvlm.vision import vision_units  # noqa: E402
@@ -146,7 +147,9 @@ def _split_rank(rank, world):
     for name in FAMILIES:
         model = copy.deepcopy(_model(name))
         m = adapter_for(model).merge_size
-        cp_model = ContextParallelVLM(model, dist.group.WORLD, attn="ring", vision="split")
+        cp_model = ContextParallelVLM(
+            model, dist.group.WORLD, options=CPOptions(attn="ring", vision="split")
+        )
         local, read, whole = _pieces_only(cp_model, _batch(model), rank, m)
         out = cp_model(**local)
         out.loss.backward()
