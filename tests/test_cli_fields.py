@@ -113,3 +113,15 @@ def test_two_fields_of_one_flag_are_refused():
 
     with pytest.raises(ValueError, match="two fields make the flag dest 'seed'"):
         config_cli.add_fields(argparse.ArgumentParser(), B)
+
+
+def test_the_train_cp_options_are_cpoptions_fields():
+    """``ParallelConfig`` takes the CP options' declarations from ``CPOptions`` (``like``): the
+    same annotation, default and metadata (help, the parse that gives CPOptions' message)."""
+    from cpvlm.options import CPOptions
+    from cpvlm.train.config import ParallelConfig
+
+    mine, theirs = config_cli.dests(ParallelConfig), config_cli.dests(CPOptions)
+    for name in ("attn", "vision", "flow", "layout", "ulysses_size"):
+        (f, hint, _), (g, ghint, _) = mine[name], theirs[name]
+        assert hint == ghint and f.default == g.default and f.metadata == g.metadata, name
