@@ -89,7 +89,7 @@ def make_data(root: Path, samples: int) -> Path:
 
 def _time_rank(encoder, source, cp: int, rank: int, mode: str | None):
     """Seconds for one rank's STEPS steps, media it decoded, samples; mode None: planning only."""
-    from cpvlm.data import RankLoader, RowStream
+    from cpvlm.data import LoaderConfig, RankLoader, RowStream
 
     stream = RowStream(source, encoder.plan, seq_len=SEQ_LEN, window=64, seed=0)
     t0 = time.perf_counter()
@@ -97,9 +97,8 @@ def _time_rank(encoder, source, cp: int, rank: int, mode: str | None):
         rows = stream.rows()
         docs = sum(len(next(rows).row.docs) for _ in range(STEPS))
         return time.perf_counter() - t0, 0, docs
-    loader = RankLoader(
-        stream, encoder.decode, encoder.ids, cp_rank=rank, cp_size=cp, decode_mode=mode
-    )
+    config = LoaderConfig(cp_rank=rank, cp_size=cp, decode_mode=mode)
+    loader = RankLoader(stream, encoder.decode, encoder.ids, config)
     rows = [r for _ in range(STEPS) for r in loader.next_step()]
     seconds = time.perf_counter() - t0
     return seconds, sum(len(r.decoded) for r in rows), sum(len(r.doc_lens) for r in rows)

@@ -185,14 +185,12 @@ def _rank_work(encoder, source, dp, d, steps, exchange, out):
 
 
 def _rank_steps(encoder, source, dp, d, steps, exchange, out):
-    from cpvlm.data import RankLoader, RowStream
+    from cpvlm.data import LoaderConfig, RankLoader, RowStream
 
     plan = TimedPlan(encoder.plan)
     stream = RowStream(source, plan, seq_len=SEQ_LEN, window=WINDOW, seed=0)
-    loader = RankLoader(
-        stream, encoder.decode, encoder.ids, rows_per_step=ROWS_PER_STEP // dp,
-        dp_rank=d, dp_size=dp, exchange=exchange,
-    )  # fmt: skip
+    config = LoaderConfig(rows_per_step=ROWS_PER_STEP // dp, dp_rank=d, dp_size=dp)
+    loader = RankLoader(stream, encoder.decode, encoder.ids, config, exchange=exchange)
     jobs = loader._jobs()  # the sampler: planning, packing, the deal; no decoding
     t0 = time.thread_time()
     docs = sum(len(next(jobs).row.docs) for _ in range(steps * ROWS_PER_STEP // dp))

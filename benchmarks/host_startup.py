@@ -200,7 +200,7 @@ def main() -> None:
         args.samples = QUICK_SAMPLES if args.quick else SAMPLES
     if args.quick:
         args.repeats = 1
-    from cpvlm.train.prepare import prepare_dataset
+    from cpvlm.train.prepare import PrepareConfig, prepare_dataset
 
     rows, ratios, load_start = [], [], os.getloadavg()[0]
     imports = min((_imports() for _ in range(args.repeats)), default=None) if args.train else None
@@ -210,12 +210,15 @@ def main() -> None:
             ckpt, jsonl = _write_data(folder, n)
             cache = folder / f"prepared_{n}"
             prepared = args.prepare_max is None or n <= args.prepare_max
+            setup = PrepareConfig(
+                model=str(ckpt), data=str(jsonl), out=cache, workers=args.workers, progress=False
+            )
             if prepared:
                 clock, children = Clock(), _children_cpu()
-                prepare_dataset(str(ckpt), str(jsonl), cache, workers=args.workers, progress=False)
+                prepare_dataset(setup)
                 prepare_s, prepare_cpu_s = clock.wall(), clock.cpu() + _children_cpu() - children
                 clock = Clock()
-                prepare_dataset(str(ckpt), str(jsonl), cache, workers=args.workers, progress=False)
+                prepare_dataset(setup)
                 prepare_again_s = clock.wall()
             per = {}
             sources = (("jsonl", str(jsonl)), ("prepared", str(cache)))[: 1 + prepared]

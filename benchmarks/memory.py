@@ -66,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import parser, print_table, write_json  # noqa: E402
 
-from cpvlm import ShardPlan  # noqa: E402
+from cpvlm import CPOptions, ShardPlan  # noqa: E402
 from cpvlm.testing import DistributedTestError, run_distributed, shutdown_pools  # noqa: E402
 
 MiB = 2**20
@@ -344,9 +344,8 @@ def _worker(rank, world_size, flow, attn, docs, vocab=None, loss_chunk=None):
     model = AutoModelForImageTextToText.from_config(config).train()
     batch, doc_lens = packed_batch(config, docs)
     vision, flow_name = FLOWS[flow]
-    cp_model = ContextParallelVLM(
-        model, dist.group.WORLD, attn=attn, vision=vision, flow=flow_name, loss_chunk=loss_chunk
-    )
+    options = CPOptions(attn=attn, vision=vision, flow=flow_name)
+    cp_model = ContextParallelVLM(model, dist.group.WORLD, options=options, loss_chunk=loss_chunk)
     plan = ShardPlan(batch["input_ids"].shape[1], world_size, doc_lens=doc_lens)
     # At CP=1 the local length is the full length: nothing to flag.
     tracker = StepMemory(model, {plan.seq_len, plan.padded_len} if world_size > 1 else set())

@@ -37,10 +37,10 @@ SUBCOMMANDS = {
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """The subcommands' help: the description as written, and every flag's default (a flag
-    whose default is derived says so in its own help instead)."""
+    whose default is derived, or nothing, says so in its own help instead)."""
 
     def _get_help_string(self, action):
-        if action.default is None or action.default is False:
+        if action.default is None or action.default is False or action.default in ("", []):
             return action.help
         return super()._get_help_string(action)
 

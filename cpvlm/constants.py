@@ -16,7 +16,7 @@ LAYOUTS = ("head_tail", "balanced")
 head-tail chunks of every document, or long documents head-tail and short ones whole, balanced."""
 
 VISION_MODES = ("route", "allgather", "split", "replicate")
-"""How the CP ranks of a replica share the vision tower (``ContextParallelVLM(vision=...)``,
+"""How the CP ranks of a replica share the vision tower (``CPOptions(vision=...)``,
 ``--vision``); the first three are ``VisionDataParallel`` modes, "replicate" encodes everything on
 every rank (the baseline)."""
 
@@ -25,7 +25,7 @@ VISION_DP_MODES = ("route", "allgather", "split")
 or, "split", units too large for a rank's share sharded across ranks, rows routed."""
 
 FLOWS = ("scalable", "compat")
-"""``ContextParallelVLM(flow=...)``: no full-length tensor on any rank, or the full
+"""``CPOptions(flow=...)``: no full-length tensor on any rank, or the full
 ``inputs_embeds`` built and then sharded (the compatibility flow)."""
 
 DTYPES = ("float32", "float64", "bfloat16")

@@ -25,7 +25,10 @@ import argparse
 import shutil
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+
+from cpvlm.config_cli import add_fields, arg, from_args
 
 # Files of a model directory that save_pretrained writes itself (or that hold the old weights).
 _WRITTEN = ("config.json", "generation_config.json")
@@ -126,7 +129,21 @@ def export(
     return checkpoint, copied
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+@dataclass(frozen=True, kw_only=True)
+class ExportConfig:
+    """The flags of ``cpvlm export`` (``cpvlm.config_cli``)."""
+
+    run: str = arg(help="the run's directory (cpvlm train --out)")
+    step: int | None = arg(None, help="the checkpoint's step (default: newest intact)")
+    out: str = arg(help="the directory to write")
+    overwrite: bool = arg(False, help="write into a non-empty --out")
+    merge_lora: bool = arg(
+        False,
+        help="a LoRA run: write the model with the adapter merged in (default: the PEFT adapter)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
     from cpvlm.cli import HelpFormatter
 
     parser = argparse.ArgumentParser(
@@ -136,18 +153,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "directory), loadable with AutoModelForImageTextToText.from_pretrained.",
         formatter_class=HelpFormatter,
     )
-    parser.add_argument("--run", required=True, help="the run's directory (cpvlm train --out)")
-    parser.add_argument(
-        "--step", type=int, default=None, help="the checkpoint's step (default: newest intact)"
-    )
-    parser.add_argument("--out", required=True, help="the directory to write")
-    parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
-    parser.add_argument(
-        "--merge-lora",
-        action="store_true",
-        help="a LoRA run: write the model with the adapter merged in (default: the PEFT adapter)",
-    )
-    args = parser.parse_args(argv)
+    add_fields(parser, ExportConfig)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = from_args(ExportConfig, build_parser().parse_args(argv))
     try:
         checkpoint, copied = export(
             args.run,

@@ -2,8 +2,9 @@
 
 ``ContextParallelVLM`` (the library), ``cpvlm train`` (``ParallelConfig``) and ``cpvlm verify``
 build one ``CPOptions`` and let it reject what cannot run, so the same invalid combination gets
-the same message everywhere; ``add_arguments`` gives both commands their flags, with the choices
-and defaults taken from here. Plain values, no torch: flags are checked without loading it.
+the same message everywhere; its fields declare the options once, with their flags' help
+(``cpvlm.config_cli``: ``ParallelConfig`` takes them with ``like``). Plain values, no torch: flags
+are checked without loading it.
 
 A message names the keyword and its flag (``vision='route' (--vision): ...``) and the fix.
 """
@@ -13,7 +14,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
+from typing import Literal
 
+from cpvlm.config_cli import arg
 from cpvlm.constants import ATTN_IMPLS, FLOWS, LAYOUTS, VISION_MODES
 
 CHOICES = {"attn": ATTN_IMPLS, "vision": VISION_MODES, "flow": FLOWS, "layout": LAYOUTS}
@@ -33,10 +36,12 @@ def _fail(name: str, value: object, need: str, where: str = ""):
     raise ValueError(f"{where}{name}={value!r} ({_flag(name)}): {need}")
 
 
-def check_choice(name: str, value: object) -> None:
-    """``value`` is one of ``CHOICES[name]``."""
+def check_choice(name: str, value: object, allowed: tuple[str, ...] | None = None) -> None:
+    """``value`` is one of ``CHOICES[name]`` (and of ``allowed``, the names a command takes)."""
     if value not in CHOICES[name]:
         _fail(name, value, f"must be one of {', '.join(CHOICES[name])}")
+    if allowed is not None and value not in allowed:
+        _fail(name, value, f"not checked here; use {', '.join(allowed)}")
 
 
 def _is_int(value: object, low: int) -> bool:
@@ -80,6 +85,26 @@ def _divisors(n: int) -> list[int]:
     return [u for u in range(1, n + 1) if n % u == 0]
 
 
+def checked(name: str, allowed: tuple[str, ...] | None = None, lists: bool = False):
+    """An argparse ``type`` that gives a bad value the message ``CPOptions`` gives it (its
+    check, called as the flag is read); ``allowed``: the names a command takes (default: all);
+    ``lists``: a comma-separated list of them."""
+    allowed = CHOICES[name] if allowed is None else allowed
+
+    def parse(text: str):
+        values = [v for v in text.split(",") if v] if lists else [text]
+        if not values:
+            raise argparse.ArgumentTypeError("expected a comma-separated list")
+        for v in values:
+            try:
+                check_choice(name, v, allowed)
+            except ValueError as err:
+                raise argparse.ArgumentTypeError(str(err)) from None
+        return values if lists else values[0]
+
+    return parse
+
+
 @dataclass(frozen=True)
 class CPOptions:
     """How a VLM runs under context parallelism (the choices are in ``cpvlm.constants``).
@@ -99,12 +124,35 @@ class CPOptions:
         checked against ``ulysses_size``; None: not known yet.
     """
 
-    attn: str = "ring"
-    vision: str = "route"
-    flow: str = "scalable"
-    layout: str = "head_tail"
-    ulysses_size: int | None = None
-    cp_size: int | None = None
+    attn: Literal[ATTN_IMPLS] = arg(
+        "ring",
+        type=checked("attn"),
+        help="CP attention of the text model (auto: chosen per batch by a cost model; hybrid: "
+        "Ulysses groups of --ulysses-size ranks, a ring across them)",
+    )
+    vision: Literal[VISION_MODES] = arg(
+        "route",
+        type=checked("vision"),
+        help="how the CP ranks share the vision tower: route (each image/frame encoded once, "
+        "rows sent to their owners), allgather, split (large images sharded too), replicate",
+    )
+    flow: Literal[FLOWS] = arg(
+        "scalable",
+        type=checked("flow"),
+        help="scalable: no rank builds full-length embeddings; compat: the full input embeddings "
+        "built, then sharded (with --vision allgather or replicate)",
+    )
+    layout: Literal[LAYOUTS] = arg(
+        "head_tail",
+        type=checked("layout"),
+        help="head_tail: every document in 2 x cp chunks; balanced: short packed documents "
+        "whole on one rank, long ones head-tail (faster on packed short samples; not with "
+        "linear-attention models such as Qwen3.5)",
+    )
+    ulysses_size: int | None = arg(
+        None, help="--attn hybrid: ranks per Ulysses group, a divisor of --cp"
+    )
+    cp_size: int | None = arg(None, help="ranks of the CP group (--cp); None: not known yet")
 
     def __post_init__(self):
         if self.cp_size is not None and not _is_int(self.cp_size, 1):
@@ -125,6 +173,22 @@ class CPOptions:
         """A copy with ``changes``, validated again."""
         return dataclasses.replace(self, **changes)
 
+    @property
+    def attention(self) -> AttentionOptions:
+        """What ``cp_attention`` takes of these options (the text model's, and the split
+        tower's)."""
+        return AttentionOptions(self.attn, self.ulysses_size)
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """The options of ``cp_attention`` besides its inputs: ``impl`` (``CPOptions.attn``) and,
+    for "hybrid", ``ulysses_size``. Checked where they meet their group (``cp_attention``,
+    ``VisionDataParallel``), by the rules of ``CPOptions``."""
+
+    impl: str = "ring"
+    ulysses_size: int | None = None
+
 
 DEFAULTS = CPOptions()
 """Every option's one default (the library's, ``cpvlm train``'s and ``cpvlm verify``'s)."""
@@ -137,73 +201,3 @@ def problem(**fields) -> str | None:
     except ValueError as err:
         return str(err)
     return None
-
-
-HELP = {
-    "attn": "CP attention of the text model (auto: chosen per batch by a cost model; hybrid: "
-    "Ulysses groups of --ulysses-size ranks, a ring across them)",
-    "vision": "how the CP ranks share the vision tower: route (each image/frame encoded once, rows "
-    "sent to their owners), allgather, split (large images sharded too), replicate",
-    "flow": "scalable: no rank builds full-length embeddings; compat: the full input embeddings "
-    "built, then sharded (with --vision allgather or replicate)",
-    "layout": "head_tail: every document in 2 x cp chunks; balanced: short packed documents "
-    "whole on one rank, long ones head-tail (faster on packed short samples; not with "
-    "linear-attention models such as Qwen3.5)",
-}
-
-
-def _checked(name: str, allowed: tuple[str, ...], lists: bool):
-    """An argparse ``type`` that gives a bad value the message ``CPOptions`` gives it."""
-
-    def parse(text: str):
-        values = [v for v in text.split(",") if v] if lists else [text]
-        if not values:
-            raise argparse.ArgumentTypeError("expected a comma-separated list")
-        for v in values:
-            try:
-                check_choice(name, v)
-            except ValueError as err:
-                raise argparse.ArgumentTypeError(str(err)) from None
-            if v not in allowed:
-                raise argparse.ArgumentTypeError(
-                    f"{name}={v!r} ({_flag(name)}): not checked here; use {', '.join(allowed)}"
-                )
-        return values if lists else values[0]
-
-    return parse
-
-
-def add_arguments(
-    parser,
-    *,
-    lists: bool = False,
-    attn: tuple[str, ...] = ATTN_IMPLS,
-    defaults=None,
-    ulysses_help: str = "--attn hybrid: ranks per Ulysses group, a divisor of --cp",
-) -> None:
-    """``--attn``, ``--vision``, ``--flow``, ``--layout`` and ``--ulysses-size`` on ``parser`` (a
-    parser or an argument group), defaults from ``DEFAULTS``.
-
-    ``lists``: each flag takes a comma-separated list (``cpvlm verify`` checks every combination);
-    ``attn``: the attentions offered; ``defaults``: ``{name: value}`` where a command's default
-    differs (a list of several to check); ``ulysses_help``: the help of ``--ulysses-size``.
-    """
-    defaults = dict(defaults or {})
-    for name in CHOICES:
-        allowed = attn if name == "attn" else CHOICES[name]
-        default = defaults.get(name, getattr(DEFAULTS, name))
-        if lists and not isinstance(default, str):
-            default = ",".join(default)
-        parser.add_argument(
-            _flag(name),
-            default=default,
-            type=_checked(name, allowed, lists),
-            metavar="{" + ",".join(allowed) + "}" + ("[,...]" if lists else ""),
-            help=("comma-separated, each checked: " if lists else "") + HELP[name],
-        )
-    parser.add_argument(
-        "--ulysses-size",
-        type=int,
-        default=DEFAULTS.ulysses_size,
-        help=ulysses_help,
-    )

@@ -37,13 +37,14 @@ checkpoint, cp, dp_shard = args.model, args.cp, dist.get_world_size() // args.cp
 # ---- README: Using it ----
 # under torchrun, after dist.init_process_group(); checkpoint, cp and dp_shard = world / cp given
 # (examples/library_step.py runs this block as it is here)
-from cpvlm import build_mesh, count_valid_labels, mesh_groups, parallelize, shift_labels
+from cpvlm import CPOptions, build_mesh, count_valid_labels, mesh_groups, parallelize, shift_labels
 from cpvlm.hf import ContextParallelVLM, adapter_for, build_model
 
 mesh = build_mesh(dp_shard=dp_shard, cp=cp)  # dp_shard x cp ranks, cp innermost
 groups = mesh_groups(mesh)
 model = build_model(checkpoint)  # a checkpoint directory, or "qwen3-vl-tiny" (random weights)
-cp_model = ContextParallelVLM(model, groups.cp_group, attn="ring", vision="route")
+options = CPOptions(attn="ring", vision="route")  # cpvlm.options: every CP option, checked
+cp_model = ContextParallelVLM(model, groups.cp_group, options=options)
 units = adapter_for(model).fsdp_units(model)  # FSDP2 units: decoder layers + vision tower
 runner = parallelize(cp_model, mesh, data_parallel="fsdp", groups=groups, fsdp_units=units)
 optimizer = torch.optim.AdamW(runner.parameters(), lr=1e-4)

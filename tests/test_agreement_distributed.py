@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from cpvlm import ShardPlan, cp_attention, gather_vision_embeddings
 from cpvlm.distributed.collectives import StepAgreement, agree
+from cpvlm.options import CPOptions
 from cpvlm.testing import run_distributed
 from cpvlm.testing.toy_tower import ToyVisionTower
 from cpvlm.vision import VisionDataParallel
@@ -142,7 +143,9 @@ def _count_agreements(rank, world_size, attn, vision):
     from cpvlm.hf import ContextParallelVLM, SampleSpec, build_model, synthetic_batch
 
     model = build_model("qwen3-vl-tiny", dtype=torch.float64)
-    cp_model = ContextParallelVLM(model, dist.group.WORLD, attn=attn, vision=vision)
+    cp_model = ContextParallelVLM(
+        model, dist.group.WORLD, options=CPOptions(attn=attn, vision=vision)
+    )
     batch = synthetic_batch(
         model.config, [SampleSpec(images=((4, 4),), text_len=30)], dtype=torch.float64
     )
@@ -206,7 +209,7 @@ def _divergent_batches(rank, world_size):
     ):
         vision = case.split(":")[0]
         model = build_model("qwen3-vl-tiny", dtype=torch.float64)
-        cp_model = ContextParallelVLM(model, groups.cp_group, vision=vision)
+        cp_model = ContextParallelVLM(model, groups.cp_group, options=CPOptions(vision=vision))
         units = [*model.model.language_model.layers, model.model.visual]
         runner = parallelize(cp_model, mesh, groups=groups, fsdp_units=units)
         spec = SampleSpec(images=((4, 4), (2, 4)), text_len=30)

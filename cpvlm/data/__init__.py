@@ -11,7 +11,15 @@ rows, decoding in DataLoader workers), exchange.py (planning split over DP), err
 from cpvlm.data.balance import RowCost, deal_bound, dp_deal, plan_split
 from cpvlm.data.errors import ERRORS_FILE, REASONS, DataError, ErrorLog
 from cpvlm.data.exchange import DPExchange
-from cpvlm.data.loader import DECODE_MODES, LocalRow, RankLoader, RowJob, decode_row, patch_balanced
+from cpvlm.data.loader import (
+    DECODE_MODES,
+    LoaderConfig,
+    LocalRow,
+    RankLoader,
+    RowJob,
+    decode_row,
+    patch_balanced,
+)
 from cpvlm.data.order import SampleOrder
 from cpvlm.data.packing import dp_split, pack_window
 from cpvlm.data.record import Record
@@ -36,6 +44,7 @@ __all__ = [
     "LazyPixels",
     "LocalRow",
     "PackedPlan",
+    "LoaderConfig",
     "RankLoader",
     "Record",
     "RowCost",

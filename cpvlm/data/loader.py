@@ -311,39 +311,67 @@ def _worker_init(_: int) -> None:
     compat.die_with_parent()  # a killed rank's workers go too, without exit-time noise
 
 
+@dataclass(frozen=True)
+class LoaderConfig:
+    """What one ``RankLoader`` loads, and how (plain values, checked when built).
+
+    rows_per_step: rows per DP rank per step (batch size x grad accumulation).
+    dp_rank, dp_size, cp_rank, cp_size: this rank's place in the dp x cp mesh.
+    decode_mode: "local" (the units this CP rank encodes) or "all" (every unit).
+    num_workers, prefetch: DataLoader workers decoding media, and rows each prepares ahead.
+    temporal_patch: frames per video temporal patch (the names of the media decoded).
+    balance: a step's rows dealt to DP ranks by "tokens", or by modelled "cost" (``row_cost``).
+    """
+
+    rows_per_step: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    cp_rank: int = 0
+    cp_size: int = 1
+    decode_mode: str = "local"
+    num_workers: int = 0
+    prefetch: int = 2
+    temporal_patch: int = 2
+    balance: str = "tokens"
+
+    def __post_init__(self):
+        if self.decode_mode not in DECODE_MODES:
+            raise ValueError(f"decode_mode must be one of {DECODE_MODES}, got {self.decode_mode!r}")
+        if not (0 <= self.dp_rank < self.dp_size and 0 <= self.cp_rank < self.cp_size):
+            raise ValueError(
+                f"rank (dp {self.dp_rank}, cp {self.cp_rank}) outside dp {self.dp_size} x cp "
+                f"{self.cp_size}"
+            )
+        if self.balance not in DP_BALANCE:
+            raise ValueError(f"balance must be one of {DP_BALANCE}, got {self.balance!r}")
+
+
 class RankLoader:
-    """Rows for one (DP rank, CP rank), ``rows_per_step`` at a time (see the module docstring)."""
+    """Rows for one (DP rank, CP rank), ``config.rows_per_step`` at a time (see the module
+    docstring).
+
+    ``assign``: the units each CP rank encodes (default: ``patch_balanced``); ``pieces``: the
+    merge groups of the units it decodes in part (``vision="split"``); ``row_cost``: the cost
+    model of ``balance="cost"``; ``exchange``: the DP ranks' planning exchange; ``state``: the
+    stream position to start from (``state_dict()``).
+    """
 
     def __init__(
         self,
         stream: RowStream,
         decode: Decoder,
         ids: TokenIds,
+        config: LoaderConfig | None = None,
         *,
-        rows_per_step: int = 1,
-        dp_rank: int = 0,
-        dp_size: int = 1,
-        cp_rank: int = 0,
-        cp_size: int = 1,
         assign: Assign | None = None,
         pieces: Pieces | None = None,
-        decode_mode: str = "local",
-        num_workers: int = 0,
-        prefetch: int = 2,
-        temporal_patch: int = 2,
-        state: dict | None = None,
-        balance: str = "tokens",
         row_cost: RowCost | None = None,
         exchange=None,
+        state: dict | None = None,
     ):
-        if decode_mode not in DECODE_MODES:
-            raise ValueError(f"decode_mode must be one of {DECODE_MODES}, got {decode_mode!r}")
-        if not (0 <= dp_rank < dp_size and 0 <= cp_rank < cp_size):
-            raise ValueError(
-                f"rank (dp {dp_rank}, cp {cp_rank}) outside dp {dp_size} x cp {cp_size}"
-            )
-        if balance not in DP_BALANCE:
-            raise ValueError(f"balance must be one of {DP_BALANCE}, got {balance!r}")
+        config = LoaderConfig() if config is None else config
+        self.config = config
+        balance, dp_size = config.balance, config.dp_size
         if balance == "cost" and row_cost is None:
             raise ValueError("balance='cost' needs row_cost (cpvlm.hf.data.row_cost)")
         if exchange is not None and exchange.size != dp_size:
@@ -352,15 +380,16 @@ class RankLoader:
         self.split = exchange is not None and dp_size > 1 and not stream.has_meta
         self.exchange = exchange
         self.stream, self.ids = stream, ids
-        self.rows_per_step = rows_per_step
-        self.dp_rank, self.dp_size, self.cp_rank = dp_rank, dp_size, cp_rank
-        self.assign = assign or patch_balanced(cp_size)
+        self.rows_per_step = config.rows_per_step
+        self.dp_rank, self.dp_size, self.cp_rank = config.dp_rank, dp_size, config.cp_rank
+        self.assign = assign or patch_balanced(config.cp_size)
         self.pieces = pieces
-        self.decode_mode = decode_mode
+        self.decode_mode = config.decode_mode
+        num_workers, prefetch = config.num_workers, config.prefetch
         self._start = dict(state) if state else {"window": 0, "row": 0}
         self._state = dict(self._start)
         self._dataloader = torch.utils.data.DataLoader(
-            _DecodeRows(decode, temporal_patch),
+            _DecodeRows(decode, config.temporal_patch),
             batch_size=None,
             sampler=_Jobs(self),
             num_workers=num_workers,

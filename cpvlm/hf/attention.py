@@ -12,11 +12,9 @@ CP forward (``cp_forward``) it builds no mask.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +25,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from cpvlm.attention import MaskSpec, cp_attention, impl_label, resolve_impl
 from cpvlm.distributed.collectives import StepAgreement
 from cpvlm.distributed.shard_plan import ShardPlan
+from cpvlm.options import AttentionOptions
 
 CP_ATTENTION = "cpvlm_context_parallel"
 """The attention implementation name (no "flash" in it: transformers gives flash names special
@@ -36,13 +35,12 @@ treatment such as unpadding)."""
 @dataclass(frozen=True)
 class CPAttentionContext:
     """What the attention of one CP forward needs besides q, k, v: the plan, the CP group, and the
-    ``cp_attention`` implementation with its options, passed through as they are."""
+    ``cp_attention`` options (its implementation and Ulysses size)."""
 
     plan: ShardPlan
     group: dist.ProcessGroup | None
-    impl: str = "ring"
+    attention: AttentionOptions = AttentionOptions()
     step: StepAgreement | None = None  # the forward's agreement: layers after the first skip it
-    options: Mapping[str, Any] = field(default_factory=dict)
     ran: set[str] = field(default_factory=set, compare=False)
     """Filled by the attention calls: the implementations they ran (``impl="auto"``: its picks)."""
     cp_rank: int | None = None  # default: this process's rank in ``group`` (checked if given)
@@ -84,11 +82,9 @@ def context_parallel_attention(
     outs = []
     for rows, mask in _masks(module, kwargs.get("sliding_window"), cpvlm_cp, query.shape[0]):
         q, k, v = (t if rows is None else t[rows[0] : rows[1]] for t in (query, key, value))
-        options = dict(cpvlm_cp.options)
-        impl, options["ulysses_size"] = resolve_impl(
-            cpvlm_cp.impl, plan, mask, q, k, options.get("ulysses_size")
-        )
-        cpvlm_cp.ran.add(impl_label(impl, options["ulysses_size"], plan.cp_size))
+        chosen = cpvlm_cp.attention
+        impl, ulysses_size = resolve_impl(chosen.impl, plan, mask, q, k, chosen.ulysses_size)
+        cpvlm_cp.ran.add(impl_label(impl, ulysses_size, plan.cp_size))
         outs.append(
             cp_attention(
                 q,
@@ -101,7 +97,7 @@ def context_parallel_attention(
                 mask=mask,
                 scale=scaling,
                 step=cpvlm_cp.step,
-                **options,
+                ulysses_size=ulysses_size,
             )
         )
     out = outs[0] if len(outs) == 1 else torch.cat(outs)

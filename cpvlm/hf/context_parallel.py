@@ -108,9 +108,9 @@ def _softcapped_loss(head, hidden, labels_loc, num_valid: int, cap: float, chunk
     return torch.stack(parts).sum()
 
 
-def _options(options: CPOptions | None, cp_size: int, **given) -> CPOptions:
-    """``options`` (default ``CPOptions()``) with the keywords given (not None) and the group's
-    ``cp_size``, validated; a ValueError names the field and the fix."""
+def _options(options: CPOptions | None, cp_size: int) -> CPOptions:
+    """``options`` (default ``CPOptions()``) with the group's ``cp_size``, validated; a ValueError
+    names the field and the fix."""
     options = CPOptions() if options is None else options
     if not isinstance(options, CPOptions):
         raise ValueError(
@@ -123,7 +123,7 @@ def _options(options: CPOptions | None, cp_size: int, **given) -> CPOptions:
             f"{cp_size} ranks; build the options with cp_size={cp_size} (or None)"
         )
     try:
-        return options.replace(cp_size=cp_size, **{k: v for k, v in given.items() if v is not None})
+        return options.replace(cp_size=cp_size)
     except ValueError as err:
         raise ValueError(f"ContextParallelVLM: {err}") from None
 
@@ -135,23 +135,20 @@ class ContextParallelVLM(nn.Module):
     Args:
         model: the model; ``cpvlm.hf.supported()`` lists the classes.
         cp_group: the CP process group (``None``: the default group).
-        options: the CP options (``cpvlm.options.CPOptions``; default ``CPOptions()``). Its
-            ``cp_size``, if set, must be the group's size.
-        attn, vision, flow, ulysses_size, layout: set these options (over ``options``; None:
-            keep its value), checked by ``CPOptions`` as everywhere else.
-        attn: CP attention: ``"ring"``, ``"allgather"``, ``"ulysses"``, ``"hybrid"`` (with
-            ``ulysses_size``) or ``"auto"`` (see ``cpvlm.cp_attention``); every family.
-        vision: ``"route"`` (each unit encoded once, rows sent to their owners), ``"allgather"``
-            (each unit encoded once, every rank gets every row), ``"split"`` (as route, units
-            larger than a rank's share sharded across ranks, the tower sequence-parallel on them,
-            its attention through ``attn``; families with ``adapter.split_vision``) or
-            ``"replicate"`` (every rank encodes every unit: the simple baseline).
-        flow: ``"scalable"`` or ``"compat"`` (full ``inputs_embeds`` built, then sharded).
-        ulysses_size: ``attn="hybrid"`` only: ranks per Ulysses group (a divisor of the CP size).
-        layout: ``ShardPlan`` layout, ``"head_tail"`` (the default) or ``"balanced"`` (short
-            packed documents whole on one rank; not for linear-attention families).
-        attn_options: extra keywords for ``cp_attention``, passed through unchanged (not
-            ``ulysses_size``, which is an option).
+        options: the CP options (``cpvlm.options.CPOptions``; default ``CPOptions()``), checked
+            by ``CPOptions`` as everywhere else; its ``cp_size``, if set, must be the group's
+            size. ``options.attn``: CP attention: ``"ring"``, ``"allgather"``, ``"ulysses"``,
+            ``"hybrid"`` (with ``ulysses_size``, ranks per Ulysses group, a divisor of the CP
+            size) or ``"auto"`` (see ``cpvlm.cp_attention``); every family.
+            ``options.vision``: ``"route"`` (each unit encoded once, rows sent to their owners),
+            ``"allgather"`` (each unit encoded once, every rank gets every row), ``"split"`` (as
+            route, units larger than a rank's share sharded across ranks, the tower
+            sequence-parallel on them, its attention through ``attn``; families with
+            ``adapter.split_vision``) or ``"replicate"`` (every rank encodes every unit: the
+            simple baseline). ``options.flow``: ``"scalable"`` or ``"compat"`` (full
+            ``inputs_embeds`` built, then sharded). ``options.layout``: ``ShardPlan`` layout,
+            ``"head_tail"`` (the default) or ``"balanced"`` (short packed documents whole on one
+            rank; not for linear-attention families).
         loss_chunk: compute the loss ``loss_chunk`` rows at a time from the final hidden states
             (``cpvlm.loss.chunked_token_mean_loss``: the same loss and gradients, no
             ``[S_loc, V]`` logits); ``None``: the whole local logits at once.
@@ -170,32 +167,13 @@ class ContextParallelVLM(nn.Module):
         cp_group: dist.ProcessGroup | None = None,
         *,
         options: CPOptions | None = None,
-        attn: str | None = None,
-        vision: str | None = None,
-        flow: str | None = None,
-        ulysses_size: int | None = None,
-        layout: str | None = None,
-        attn_options: dict | None = None,
         loss_chunk: int | None = None,
     ):
         super().__init__()
         self.adapter = adapter_for(model)
         self.family = self.adapter.family
-        self.options = options = _options(
-            options,
-            dist.get_world_size(cp_group),
-            attn=attn,
-            vision=vision,
-            flow=flow,
-            ulysses_size=ulysses_size,
-            layout=layout,
-        )
+        self.options = options = _options(options, dist.get_world_size(cp_group))
         attn, vision, flow = options.attn, options.vision, options.flow
-        if attn_options and "ulysses_size" in attn_options:
-            raise ValueError(
-                "ContextParallelVLM: ulysses_size is an option; pass ulysses_size= (or options=), "
-                "not attn_options={'ulysses_size': ...}"
-            )
         if vision == "split" and not self.adapter.split_vision:
             modes = [m for m in VISION_MODES if m != "split"]
             raise ValueError(
@@ -213,9 +191,6 @@ class ContextParallelVLM(nn.Module):
         self.cp_group = cp_group
         self.attn, self.vision, self.flow = attn, vision, flow
         self.ulysses_size, self.layout = options.ulysses_size, options.layout
-        self.attn_options = dict(attn_options or {})
-        if options.ulysses_size is not None:
-            self.attn_options["ulysses_size"] = options.ulysses_size
         self.cp_size = options.cp_size
         self.cp_rank = dist.get_rank(cp_group)
         if attn == "hybrid":  # created now, on every rank, not mid-forward
@@ -227,7 +202,7 @@ class ContextParallelVLM(nn.Module):
         # "replicate" with no units at all runs the same dummy frame as the other modes.
         split = {}
         if vision == "split":  # the tower's attention: SDPA per unit, cp_attention when sharded
-            split = {"attn": attn, "attn_options": self.attn_options}
+            split = {"attention": options.attention}
         self.vision_dp = VisionDataParallel(
             SplitTower(self.adapter, model) if vision == "split" else self.encode,
             cp_group,
@@ -300,9 +275,8 @@ class ContextParallelVLM(nn.Module):
         context = CPAttentionContext(
             prep.plan,
             self.cp_group,
-            self.attn,
+            self.options.attention,
             step=step,
-            options=self.attn_options,
             spans=prep.spans,
             span_layers=self.adapter.span_layers,
         )

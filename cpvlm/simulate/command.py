@@ -14,8 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
+from typing import Literal
 
 from cpvlm.cli import HelpFormatter
+from cpvlm.config_cli import add_fields, arg, from_args
 
 
 def _size(text: str, n: int) -> tuple[int, ...]:
@@ -26,59 +29,73 @@ def _size(text: str, n: int) -> tuple[int, ...]:
     return parts
 
 
-def _parser() -> argparse.ArgumentParser:
+def _image(text: str) -> tuple[int, ...]:
+    return _size(text, 2)
+
+
+def _video(text: str) -> tuple[int, ...]:
+    return _size(text, 3)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanConfig:
+    """The flags of ``cpvlm plan`` (``cpvlm.config_cli``): the row, the GPUs, and what to try."""
+
+    model: str = arg(help=lambda: _model_help())
+    seq_len: int = arg(help="tokens of one training row")
+    images: tuple[tuple[int, int], ...] = arg(
+        (), type=_image, help="images in the row, HxW pixels each"
+    )
+    videos: tuple[tuple[int, int, int], ...] = arg(
+        (), type=_video, help="videos in the row, FRAMESxHxW each"
+    )
+    docs: int = arg(1, help="packed documents in the row")
+    gpus: int = arg(help="GPUs (dp x cp ranks)")
+    gpu_mem: float = arg(help="memory per GPU, GiB")
+    cp: tuple[int, ...] | None = arg(
+        None, help="CP sizes to try (default: every divisor of --gpus)"
+    )
+    attn: tuple[str, ...] = arg(("ring",), help="CP attentions to try")
+    checkpointing: Literal["both", "on", "off"] = arg("both", help="activation checkpointing")
+    loss_chunk: tuple[int, ...] = arg(
+        (1024,), help="loss chunks to try (0: whole logits, never less memory than a chunk)"
+    )
+    json: bool = arg(False, help="print JSON instead of a table")
+
+    def __post_init__(self):
+        if self.gpus < 1 or self.gpu_mem <= 0:
+            raise ValueError("--gpus must be >= 1 and --gpu-mem > 0")
+        bad = [c for c in self.cp or () if c < 1 or self.gpus % c]
+        if bad:
+            raise ValueError(f"--cp {bad} must divide --gpus {self.gpus}")
+
+    @property
+    def cps(self) -> list[int]:
+        """The CP sizes to try: ``cp``, or every divisor of ``gpus``."""
+        return (
+            list(self.cp) if self.cp else [c for c in range(1, self.gpus + 1) if self.gpus % c == 0]
+        )
+
+
+def _model_help() -> str:
     from cpvlm.hf.registry import published_configs
 
+    return (
+        f"a published config name ({', '.join(published_configs())}), a tiny model, or a "
+        "directory with a config.json"
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="cpvlm plan", description=__doc__, formatter_class=HelpFormatter
     )
-    p.add_argument(
-        "--model",
-        required=True,
-        help=f"a published config name ({', '.join(published_configs())}), a tiny model, or a "
-        "directory with a config.json",
-    )
-    p.add_argument("--seq-len", type=int, required=True, help="tokens of one training row")
-    p.add_argument(
-        "--images",
-        nargs="*",
-        default=[],
-        type=lambda t: _size(t, 2),
-        help="images in the row, HxW pixels each",
-    )
-    p.add_argument(
-        "--videos",
-        nargs="*",
-        default=[],
-        type=lambda t: _size(t, 3),
-        help="videos in the row, FRAMESxHxW each",
-    )
-    p.add_argument("--docs", type=int, default=1, help="packed documents in the row")
-    p.add_argument("--gpus", type=int, required=True, help="GPUs (dp x cp ranks)")
-    p.add_argument("--gpu-mem", type=float, required=True, help="memory per GPU, GiB")
-    p.add_argument(
-        "--cp", type=int, nargs="*", help="CP sizes to try (default: every divisor of --gpus)"
-    )
-    p.add_argument("--attn", nargs="*", default=["ring"], help="CP attentions to try")
-    p.add_argument(
-        "--checkpointing",
-        choices=["both", "on", "off"],
-        default="both",
-        help="activation checkpointing",
-    )
-    p.add_argument(
-        "--loss-chunk",
-        type=int,
-        nargs="*",
-        default=[1024],
-        help="loss chunks to try (0: whole logits, never less memory than a chunk)",
-    )
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_fields(p, PlanConfig)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parsed = _parser().parse_args(argv)
     from tqdm import tqdm
 
     from cpvlm.simulate.batch import SequenceSpec
@@ -86,24 +103,18 @@ def main(argv: list[str] | None = None) -> int:
     from cpvlm.simulate.plan import candidates, evaluate
 
     try:
-        if args.gpus < 1 or args.gpu_mem <= 0:
-            raise ValueError("--gpus must be >= 1 and --gpu-mem > 0")
+        args = from_args(PlanConfig, parsed)
         config = load_config(args.model)
-        spec = SequenceSpec(args.seq_len, tuple(args.images), tuple(args.videos), args.docs)
+        spec = SequenceSpec(args.seq_len, args.images, args.videos, args.docs)
         from cpvlm.hf import adapter_for
 
         adapter_for(config)  # an unsupported family fails here, with the supported list
     except (ValueError, OSError) as err:
         print(f"cpvlm plan: {err}", file=sys.stderr)
         return 2
-    cps = args.cp or [c for c in range(1, args.gpus + 1) if args.gpus % c == 0]
-    bad = [c for c in cps if c < 1 or args.gpus % c]
-    if bad:
-        print(f"cpvlm plan: --cp {bad} must divide --gpus {args.gpus}", file=sys.stderr)
-        return 2
     ac = {"both": [False, True], "on": [True], "off": [False]}[args.checkpointing]
     chunks = [c or None for c in args.loss_chunk]
-    setups = candidates(args.gpus, cps, args.attn, ac, chunks)
+    setups = candidates(args.gpus, args.cps, list(args.attn), ac, chunks)
     with tqdm(total=len(setups), desc="simulating", file=sys.stderr, dynamic_ncols=True) as bar:
         results = evaluate(config, spec, setups, args.gpu_mem, progress=bar)
     budget = args.gpu_mem * 2**30

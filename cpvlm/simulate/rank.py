@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from cpvlm.distributed import compat
+from cpvlm.options import CPOptions
 from cpvlm.simulate.batch import SequenceSpec, build_batch
 from cpvlm.simulate.depth import meta_model, reduce_depth, shard_bytes, vision_blocks
 
@@ -247,8 +248,7 @@ def _simulate(config, run_config, depth, spec: SequenceSpec, setup: Setup, cache
         cp_model = ContextParallelVLM(
             model,
             groups.cp_group,
-            attn=setup.attn,
-            vision=setup.vision,
+            options=CPOptions(attn=setup.attn, vision=setup.vision),
             loss_chunk=setup.loss_chunk,
         )
         if setup.data_parallel == "fsdp":

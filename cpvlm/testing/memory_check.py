@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from cpvlm.options import CPOptions
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
@@ -37,7 +39,9 @@ def real_step(rank: int, world_size: int, config, spec, attn: str, loss_chunk) -
     model = AutoModelForImageTextToText.from_config(config).train()
     batch, doc_lens = build_batch(config, spec)
     batch = {k: v.float() if v.is_floating_point() else v for k, v in batch.items()}
-    cp_model = ContextParallelVLM(model, dist.group.WORLD, attn=attn, loss_chunk=loss_chunk)
+    cp_model = ContextParallelVLM(
+        model, dist.group.WORLD, options=CPOptions(attn=attn), loss_chunk=loss_chunk
+    )
     tracker = StepMemory(model, set())
     with tracker, torch.autograd.graph.saved_tensors_hooks(tracker.pack, lambda t: t):
         out = cp_model(**batch, doc_lens=doc_lens)

@@ -1,6 +1,8 @@
 """Configuration of ``cpvlm train``: small frozen dataclasses, validated when built.
 
-Every error names the config field, the command-line flag that sets it, and the fix; the CP
+Every field declares its ``cpvlm train`` flag too (``cpvlm.config_cli``: the flag, its default,
+choices and help). Every error names the config field, the command-line flag that sets it, and the
+fix; the CP
 options (``--cp``, ``--attn``, ``--vision``, ``--flow``, ``--layout``, ``--ulysses-size``) are
 checked by ``cpvlm.options.CPOptions``, with the messages the library and ``cpvlm verify``
 give. Checks that need the launch environment (the world size under torchrun) or the model (token
@@ -13,11 +15,23 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-from cpvlm.constants import DATA_PARALLEL, DECODE_MODES, DP_BALANCE, DTYPES, TRAIN_ON
-from cpvlm.options import DEFAULTS, CPOptions
+from cpvlm.config_cli import arg, like
+from cpvlm.constants import (
+    ATTN_IMPLS,
+    DATA_PARALLEL,
+    DECODE_MODES,
+    DP_BALANCE,
+    DTYPES,
+    FLOWS,
+    LAYOUTS,
+    TRAIN_ON,
+    VISION_MODES,
+)
+from cpvlm.options import CPOptions
 
 TRAIN_DATA_PARALLEL = tuple(m for m in DATA_PARALLEL if m != "hsdp")  # a mesh without replicas
 DEVICES = ("auto", "cpu", "cuda")
@@ -58,15 +72,34 @@ def _registry_default_model() -> str:
     return default_model()
 
 
+def _model_help() -> str:
+    from cpvlm.hf.registry import model_help
+
+    return model_help()
+
+
 @dataclass(frozen=True)
 class LoRAConfig:
     """PEFT LoRA (``--lora-r``): the base model frozen, LoRA layers of rank ``r`` trained (see
     ``cpvlm.train.lora``)."""
 
-    r: int = 8
-    alpha: float | None = None  # the LoRA scale is alpha / r; None: 2 * r
-    targets: tuple[str, ...] = ()  # linear layers of the decoder layers; (): lora.DEFAULT_TARGETS
-    vision: bool = False  # also adapt every linear layer of the vision tower
+    r: int = arg(
+        8,
+        help="train a PEFT LoRA adapter of rank R on the frozen model (only its matrices train; "
+        "cpvlm export writes the adapter, or with --merge-lora the merged model)",
+    )
+    alpha: float | None = arg(None, help="LoRA alpha; the scale is alpha / R (default: 2 * R)")
+    targets: tuple[str, ...] = arg(
+        (),
+        nargs="+",
+        metavar="PATTERN",
+        help="linear layers of the decoder layers to adapt: names, dotted suffixes or globs "
+        "(default: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj)",
+    )  # (): lora.DEFAULT_TARGETS
+    vision: bool = arg(
+        False,
+        help="also adapt every linear layer of the vision tower (default: the tower stays frozen)",
+    )
 
     def __post_init__(self):
         object.__setattr__(self, "targets", tuple(self.targets))  # a list, read from meta.json
@@ -104,13 +137,29 @@ class ModelConfig:
     """Which model, in which dtypes, what is trained, and how memory is traded for compute."""
 
     # a tiny model (TINY_MODELS) or a local checkpoint dir; default: the registry's default model
-    name: str = field(default_factory=_registry_default_model)
-    dtype: str = "float32"  # compute dtype
-    param_dtype: str | None = None  # parameters and AdamW state; None: float32 for bfloat16
-    freeze_vision: bool = False  # freeze the vision encoder; its mergers (projector) still train
-    activation_checkpointing: bool = False  # recompute decoder layers and vision blocks
-    loss_chunk: int = 1024  # loss rows per chunk (no [S_loc, V] logits); 0: whole logits
-    lora: LoRAConfig | None = None  # train a LoRA adapter on the frozen model
+    name: str = arg(default_factory=_registry_default_model, flag="--model", help=_model_help)
+    dtype: Literal[DTYPES] = arg(
+        "float32",
+        help="compute dtype; bfloat16 computes on float32 parameters and optimizer state",
+    )
+    param_dtype: Literal[DTYPES] | None = arg(
+        None,
+        help="parameter and optimizer-state dtype (default: float32 for --dtype bfloat16, else "
+        "--dtype); --param-dtype bfloat16 with --dtype bfloat16 is pure bf16",
+    )
+    freeze_vision: bool = arg(
+        False, help="freeze the vision encoder (its projector, e.g. the mergers, still trains)"
+    )
+    activation_checkpointing: bool = arg(
+        False,
+        help="recompute the decoder layers and vision blocks in the backward (less memory)",
+    )
+    loss_chunk: int = arg(
+        1024,
+        help="rows of logits at a time in the loss (recomputed in the backward); 0: all at once",
+    )
+    # train a LoRA adapter on the frozen model: the --lora-* flags (LoRAConfig.from_flags)
+    lora: LoRAConfig | None = arg(None, prefix="lora")
 
     def __post_init__(self):
         if isinstance(self.lora, dict):  # read from meta.json
@@ -175,14 +224,18 @@ class ParallelConfig:
     """How the ranks split the work: cp ranks per sequence, dp replicas of the batch, and the CP
     options (``cpvlm.options.CPOptions``: its defaults and its checks, as in the library)."""
 
-    cp: int = 4
-    dp: int | None = None  # None: 1 when cpvlm launches the ranks, world // cp under torchrun
-    attn: str = DEFAULTS.attn
-    ulysses_size: int | None = DEFAULTS.ulysses_size
-    layout: str = DEFAULTS.layout
-    vision: str = DEFAULTS.vision
-    flow: str = DEFAULTS.flow
-    data_parallel: str = "fsdp"
+    cp: int = arg(4, help="context-parallel ranks per sequence")
+    dp: int | None = arg(
+        None, help="data-parallel replicas (default: 1, or world / cp under torchrun)"
+    )  # None: 1 when cpvlm launches the ranks, world // cp under torchrun
+    attn: Literal[ATTN_IMPLS] = like(CPOptions, "attn")
+    ulysses_size: int | None = like(CPOptions, "ulysses_size")
+    layout: Literal[LAYOUTS] = like(CPOptions, "layout")
+    vision: Literal[VISION_MODES] = like(CPOptions, "vision")
+    flow: Literal[FLOWS] = like(CPOptions, "flow")
+    data_parallel: Literal[TRAIN_DATA_PARALLEL] = arg(
+        "fsdp", help="gradient sync over dp x cp (all sum)"
+    )
 
     def __post_init__(self):
         _ = self.options  # CPOptions checks the CP options (the same rules as the library)
@@ -226,23 +279,62 @@ class DataConfig:
 
     # "synthetic"; a .jsonl file, a datasets save_to_disk folder, .parquet files; or
     # "package.module:function" (see cpvlm.data.sources)
-    source: str = "synthetic"
-    data_args: tuple[str, ...] = ()  # key=value keyword arguments of a pkg.module:function
-    seq_len: int = 512  # tokens per packed row (one row per CP forward)
-    batch_size: int = 1  # packed rows per DP rank per microbatch
-    grad_accum: int | None = None  # microbatches per step; None: 1, or what keeps a resumed run's
-    train_on: str = "assistant"  # conversations: labels on the assistant turns, or on all text
-    min_pixels: int | None = None  # images: the processor's min/max pixels unless given
-    max_pixels: int | None = None
-    video_min_pixels: int | None = None  # videos: the video processor's unless given
-    video_max_pixels: int | None = None
-    shuffle: bool = True  # seeded by --seed, a new permutation every epoch
-    pack_window: int = 64  # samples packed together (length-aware, first-fit decreasing)
-    num_workers: int = 2  # DataLoader workers per rank that decode images and frames
-    prefetch: int = 2  # rows each worker prepares ahead
-    decode: str = "local"  # local: a rank decodes only the units it encodes; all: every unit
-    dp_balance: str = "cost"  # a step's rows dealt to DP ranks by modelled cost, or by tokens
-    strict: bool = False  # stop at the first bad sample instead of skipping it
+    source: str = arg(
+        "synthetic",
+        flag="--data",
+        help="'synthetic', a .jsonl file of conversations, a datasets save_to_disk folder, "
+        ".parquet files, a cpvlm prepare folder, or pkg.module:function (see "
+        "cpvlm/data/sources.py)",
+    )
+    data_args: tuple[str, ...] = arg(
+        (),
+        flag="--data-arg",
+        action="append",
+        metavar="KEY=VALUE",
+        help="keyword argument of a pkg.module:function data source (repeatable)",
+    )
+    seq_len: int = arg(512, help="tokens per packed row")  # one row per CP forward
+    batch_size: int = arg(1, help="packed rows per DP rank per microbatch")
+    grad_accum: int | None = arg(
+        None,
+        help="microbatches per step (default: 1; on --resume with another dp: what keeps the "
+        "run's rows per step)",
+    )
+    train_on: Literal[TRAIN_ON] = arg(
+        "assistant", help="conversations: labels on the assistant turns only, or on all text"
+    )
+    min_pixels: int | None = arg(
+        None, help="images: fewest pixels after resizing (default: the processor's)"
+    )
+    max_pixels: int | None = arg(
+        None, help="images: most pixels after resizing (default: the processor's)"
+    )
+    video_min_pixels: int | None = arg(
+        None, help="videos: fewest pixels (default: the processor's)"
+    )
+    video_max_pixels: int | None = arg(None, help="videos: most pixels (default: the processor's)")
+    shuffle: bool = arg(
+        True,
+        help="read the samples in a seeded permutation (--seed), a new one every epoch; "
+        "--no-shuffle: in order",
+    )
+    pack_window: int = arg(64, help="samples packed together, longest first")  # first-fit decr.
+    num_workers: int = arg(
+        2, help="DataLoader workers per rank decoding images and frames (0: in the rank)"
+    )
+    prefetch: int = arg(2, help="rows each worker prepares ahead")
+    decode: Literal[DECODE_MODES] = arg(
+        "local",
+        help="local: each rank decodes only the images/frames it encodes; all: every rank all",
+    )
+    dp_balance: Literal[DP_BALANCE] = arg(
+        "cost",
+        help="deal a step's rows to DP ranks by modelled cost (decoder, attention, vision) or "
+        "by tokens",
+    )
+    strict: bool = arg(
+        False, help="stop at the first bad sample (default: skip it, logged in data_errors.jsonl)"
+    )
 
     def __post_init__(self):
         from pathlib import Path as _Path
@@ -289,10 +381,11 @@ class OptimConfig:
     to step N follows the same learning rates as a run of N steps.
     """
 
-    lr: float = 1e-2
-    weight_decay: float = 0.0
-    warmup_steps: int = 3
-    max_grad_norm: float = 1.0  # 0 disables clipping (the norm is still logged)
+    lr: float = arg(1e-2, help="peak learning rate")
+    weight_decay: float = arg(0.0, help="AdamW weight decay")
+    warmup_steps: int = arg(3, help="linear warmup to --lr")
+    # 0 disables clipping (the norm is still logged)
+    max_grad_norm: float = arg(1.0, help="clip the global gradient norm (0: off)")
 
     def __post_init__(self):
         _finite("optim.lr", "--lr", self.lr, positive=True, example="3e-3")
@@ -322,17 +415,44 @@ ON_SAVE_ERROR = ("continue", "stop")
 class RunConfig:
     """How long, where the outputs go, checkpoints, guards, and the device."""
 
-    steps: int = 30
-    seed: int = 0
-    out: str = ""  # "" -> runs/train-<date>-<time> (see TrainConfig.with_default_out)
-    ckpt_every: int = 50  # save every N steps (0: only at the end); the last step always saves
-    resume: bool | str = False  # True: the newest intact checkpoint; "auto": that, or start anew
-    overwrite: bool = False  # replace the run in --out instead of refusing to
-    skip_nonfinite: int = 0  # steps with a non-finite loss or gradient norm skipped, at most
-    device: str = "auto"  # auto: cuda under torchrun when available, else cpu
-    dist_timeout: int = 600  # seconds a collective waits for a rank before naming it stalled
-    async_save: bool = False  # stage checkpoints to host memory, write them in the background
-    on_save_error: str = "continue"  # a checkpoint that cannot be written: warn, or stop
+    steps: int = arg(30, help="optimizer steps (in total, when resuming)")
+    seed: int = arg(0, help="model init and data")
+    # "" -> runs/train-<date>-<time> (see TrainConfig.with_default_out)
+    out: str = arg("", help="output directory (default: runs/train-<date>-<time>)")
+    ckpt_every: int = arg(
+        50,
+        help="checkpoint every N steps (0: only at the end, on SIGTERM/SIGINT and the last step)",
+    )
+    # True: the newest intact checkpoint; "auto": that, or start anew
+    resume: bool | str = arg(
+        False,
+        nargs="?",
+        const=True,
+        choices=(True, "auto"),
+        metavar="auto",
+        help="continue the run in --out from its newest intact checkpoint (dp and cp may "
+        "change); --resume auto: that, or start anew when there is none (requeued jobs)",
+    )
+    overwrite: bool = arg(False, help="replace the run already in --out, if any")
+    skip_nonfinite: int = arg(
+        0, help="skip up to N steps whose loss or gradient norm is not finite (else stop there)"
+    )
+    device: Literal[DEVICES] = arg("auto", help="auto: cuda under torchrun if available, else cpu")
+    dist_timeout: int = arg(
+        600,
+        metavar="SECONDS",
+        help="how long a collective waits for a rank; a rank that makes no progress for that "
+        "long is named (its step and phase) and the run stops",
+    )
+    async_save: bool = arg(
+        False,
+        help="stage checkpoints to host memory and write them in the background (one at a time)",
+    )
+    on_save_error: Literal[ON_SAVE_ERROR] = arg(
+        "continue",
+        help="a checkpoint that cannot be written (full disk): warn and retry at the next "
+        "interval, or stop; the previous checkpoint is kept either way",
+    )
 
     def __post_init__(self):
         _positive_int("run.steps", "--steps", self.steps)
@@ -391,11 +511,14 @@ RESUMABLE_CHANGES = (
 
 @dataclass(frozen=True)
 class TrainConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    run: RunConfig = field(default_factory=RunConfig)
+    # each section's flags in an argument group of ``cpvlm train --help``
+    model: ModelConfig = arg(default_factory=ModelConfig, group="model")
+    parallel: ParallelConfig = arg(default_factory=ParallelConfig, group="parallelism")
+    data: DataConfig = arg(default_factory=DataConfig, group="data")
+    optim: OptimConfig = arg(
+        default_factory=OptimConfig, group="optimizer (AdamW, linear warmup then constant)"
+    )
+    run: RunConfig = arg(default_factory=RunConfig, group="run")
 
     def __post_init__(self):
         for name, kind in (

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from cpvlm.data import (
     DataError,
     ErrorLog,
+    LoaderConfig,
     LocalRow,
     RankLoader,
     RowStream,
@@ -135,23 +136,26 @@ def build_loader(
         seed=config.run.seed,
         shuffle=d.shuffle,
     )
-    return RankLoader(
-        stream,
-        decode,
-        token_ids(model_config),
+    loader = LoaderConfig(
         rows_per_step=d.batch_size * d.grad_accum,
         dp_rank=groups.dp_rank,
         dp_size=config.parallel.dp,
         cp_rank=groups.cp_rank,
         cp_size=config.parallel.cp,
-        assign=assign,
-        pieces=pieces,
         decode_mode=d.decode,
         num_workers=d.num_workers,
         prefetch=d.prefetch,
         temporal_patch=temporal_patch,
-        state=state,
         balance=d.dp_balance,
+    )
+    return RankLoader(
+        stream,
+        decode,
+        token_ids(model_config),
+        loader,
+        assign=assign,
+        pieces=pieces,
+        state=state,
         row_cost=row_cost(model_config) if d.dp_balance == "cost" else None,
         exchange=None
         if stream.has_meta

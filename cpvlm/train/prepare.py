@@ -26,8 +26,12 @@ import os
 import shutil
 import sys
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
+from cpvlm.config_cli import add_fields, arg, from_args, like
+from cpvlm.constants import TRAIN_ON
 from cpvlm.data.errors import DataError
 from cpvlm.data.prepared import (
     FORMAT_VERSION,
@@ -42,14 +46,78 @@ from cpvlm.data.prepared import (
     write_shard,
 )
 from cpvlm.hf.data.prepared_key import FLAGS, PIXEL_FLAGS, prepared_key
+from cpvlm.train.config import DataConfig
 
 DEFAULT_SHARD_SIZE = 1024
-PIXEL_HELP = {
-    "min_pixels": "images: fewest pixels after resizing",
-    "max_pixels": "images: most pixels after resizing",
-    "video_min_pixels": "videos: fewest pixels",
-    "video_max_pixels": "videos: most pixels",
-}
+PLANNING = "planning flags (part of the key: cpvlm train must pass the same)"
+
+
+def _planning(name: str):
+    """The ``DataConfig`` field ``name`` (its flag, default and help), in the planning group."""
+    return like(
+        DataConfig, name, group=PLANNING, **({} if name == "train_on" else {"metavar": "N"})
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrepareConfig:
+    """What ``cpvlm prepare`` plans and how (its flags: ``cpvlm.config_cli``); the planning
+    fields are ``DataConfig``'s, validated as ``cpvlm train`` validates them."""
+
+    model: str = arg(
+        metavar="DIR",
+        help="checkpoint directory whose processor (tokenizer, chat template, image "
+        "processor) plans the samples; cpvlm train --data OUT needs the same one",
+    )
+    data: str = arg(
+        help="a .jsonl file of conversations, a datasets save_to_disk folder, .parquet "
+        "files, or pkg.module:function (as cpvlm train --data)",
+    )
+    out: str | Path = arg(metavar="DIR", type=str, help="folder to write (or to finish)")
+    data_args: tuple[str, ...] = like(DataConfig, "data_args")
+    train_on: Literal[TRAIN_ON] = _planning("train_on")
+    min_pixels: int | None = _planning("min_pixels")
+    max_pixels: int | None = _planning("max_pixels")
+    video_min_pixels: int | None = _planning("video_min_pixels")
+    video_max_pixels: int | None = _planning("video_max_pixels")
+    workers: int | None = arg(
+        None, metavar="N", group="work", help="processes that plan shards (default: all cores)"
+    )
+    shard_size: int | None = arg(
+        None,
+        metavar="N",
+        group="work",
+        help=f"samples per shard file, the unit of resuming (default: {DEFAULT_SHARD_SIZE}, or "
+        "fewer so that each worker gets 4 shards; on resume: the folder's)",
+    )
+    overwrite: bool = arg(False, group="work", help="replace an --out folder prepared otherwise")
+    progress: bool | None = arg(
+        None,
+        group="work",
+        help="a progress bar (default: one on a terminal); --no-progress: none",
+    )
+
+    def __post_init__(self):
+        object.__setattr__(self, "data_args", tuple(self.data_args))
+        _ = self.planning  # the train flags' validation
+        if self.workers is not None and (
+            isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1
+        ):
+            raise ValueError(f"--workers {self.workers}: must be 1 or more")
+        if self.shard_size is not None and (
+            not isinstance(self.shard_size, int) or self.shard_size < 1
+        ):
+            raise ValueError(f"--shard-size {self.shard_size}: must be a positive integer")
+
+    @property
+    def planning(self) -> DataConfig:
+        """The ``cpvlm train`` data flags that plan a sample (part of the folder's key)."""
+        return DataConfig(
+            source=self.data,
+            data_args=self.data_args,
+            train_on=self.train_on,
+            **{name: getattr(self, name) for name in PIXEL_FLAGS},
+        )
 
 
 def _source_fingerprint(spec: str, data_args) -> dict:
@@ -145,40 +213,16 @@ def _context():
 # ---- the command -------------------------------------------------------------------------------
 
 
-def prepare_dataset(
-    model: str,
-    data: str,
-    out: str | Path,
-    *,
-    data_args=(),
-    train_on: str = "assistant",
-    min_pixels: int | None = None,
-    max_pixels: int | None = None,
-    video_min_pixels: int | None = None,
-    video_max_pixels: int | None = None,
-    workers: int | None = None,
-    shard_size: int | None = None,
-    overwrite: bool = False,
-    progress: bool | None = None,
-) -> dict:
-    """Write (or finish) the prepared folder ``out``; returns its manifest."""
+def prepare_dataset(config: PrepareConfig) -> dict:
+    """Write (or finish) the prepared folder ``config.out``; returns its manifest."""
     from tqdm import tqdm
 
     from cpvlm.data import open_source, parse_data_args
-    from cpvlm.train.config import DataConfig
 
-    flags = DataConfig(
-        source=data,
-        data_args=tuple(data_args),
-        train_on=train_on,
-        min_pixels=min_pixels,
-        max_pixels=max_pixels,
-        video_min_pixels=video_min_pixels,
-        video_max_pixels=video_max_pixels,
-    )  # the train flags' validation
-    if shard_size is not None and (not isinstance(shard_size, int) or shard_size < 1):
-        raise ValueError(f"--shard-size {shard_size}: must be a positive integer")
-    workers = workers or _cores()
+    model, data, data_args = config.model, config.data, config.data_args
+    shard_size, overwrite = config.shard_size, config.overwrite
+    flags = config.planning
+    workers = config.workers or _cores()
     model_config, encoder = _encoder(model, flags)
     source = open_source(data, data_args=parse_data_args(data_args), model_config=model_config)
     if isinstance(source, PreparedSource):
@@ -187,7 +231,7 @@ def prepare_dataset(
         raise ValueError(f"--data {data}: an endless source cannot be prepared")
     key = prepared_key(encoder, model_config, flags)
     origin = _source_fingerprint(data, data_args)
-    out = Path(out)
+    out = Path(config.out)
     n = len(source)
     old = _existing(out, key, origin, n, shard_size, overwrite)
     if old is not None and old.get("complete"):
@@ -216,7 +260,7 @@ def prepare_dataset(
         initial=done,
         unit="sample",
         desc="cpvlm prepare",
-        disable=None if progress is None else not progress,
+        disable=None if config.progress is None else not config.progress,
     )
     with bar:
         if workers == 1 or len(todo) <= 1:
@@ -297,97 +341,18 @@ pixel flag, naming what differs. Interrupted? Run the same command again: it res
 
 def build_parser() -> argparse.ArgumentParser:
     from cpvlm.cli import HelpFormatter
-    from cpvlm.constants import TRAIN_ON
 
     p = argparse.ArgumentParser(
         prog="cpvlm prepare", description=DESCRIPTION, formatter_class=HelpFormatter
     )
-    p.add_argument(
-        "--model",
-        required=True,
-        metavar="DIR",
-        help="checkpoint directory whose processor (tokenizer, chat template, image "
-        "processor) plans the samples; cpvlm train --data OUT needs the same one",
-    )
-    p.add_argument(
-        "--data",
-        required=True,
-        help="a .jsonl file of conversations, a datasets save_to_disk folder, .parquet "
-        "files, or pkg.module:function (as cpvlm train --data)",
-    )
-    p.add_argument("--out", required=True, metavar="DIR", help="folder to write (or to finish)")
-    p.add_argument(
-        "--data-arg",
-        action="append",
-        default=None,
-        metavar="KEY=VALUE",
-        help="keyword argument of a pkg.module:function source (repeatable)",
-    )
-    g = p.add_argument_group("planning flags (part of the key: cpvlm train must pass the same)")
-    g.add_argument(
-        "--train-on",
-        default="assistant",
-        choices=TRAIN_ON,
-        help="conversations: labels on the assistant turns only, or on all text",
-    )
-    for name in PIXEL_FLAGS:
-        g.add_argument(
-            FLAGS[name],
-            type=int,
-            default=None,
-            metavar="N",
-            help=f"{PIXEL_HELP[name]} (default: the processor's)",
-        )
-    g = p.add_argument_group("work")
-    g.add_argument(
-        "--workers",
-        type=int,
-        default=None,
-        metavar="N",
-        help="processes that plan shards (default: all cores)",
-    )
-    g.add_argument(
-        "--shard-size",
-        type=int,
-        metavar="N",
-        default=None,
-        help=f"samples per shard file, the unit of resuming (default: {DEFAULT_SHARD_SIZE}, or "
-        "fewer so that each worker gets 4 shards; on resume: the folder's)",
-    )
-    g.add_argument(
-        "--overwrite", action="store_true", help="replace an --out folder prepared otherwise"
-    )
-    g.add_argument(
-        "--no-progress",
-        dest="progress",
-        action="store_false",
-        default=None,
-        help="no progress bar (default: one on a terminal)",
-    )
+    add_fields(p, PrepareConfig)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    if a.workers is not None and a.workers < 1:
-        print(f"cpvlm prepare: error: --workers {a.workers}: must be 1 or more", file=sys.stderr)
-        return 2
     try:
-        m = prepare_dataset(
-            a.model,
-            a.data,
-            a.out,
-            data_args=a.data_arg or (),
-            train_on=a.train_on,
-            min_pixels=a.min_pixels,
-            max_pixels=a.max_pixels,
-            video_min_pixels=a.video_min_pixels,
-            video_max_pixels=a.video_max_pixels,
-            workers=a.workers,
-            shard_size=a.shard_size,
-            overwrite=a.overwrite,
-            progress=a.progress,
-        )
+        m = prepare_dataset(from_args(PrepareConfig, a))
     except (ValueError, DataError) as err:
         print(f"cpvlm prepare: error: {err}", file=sys.stderr)
         return 2

@@ -21,13 +21,16 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from cpvlm import options
+from cpvlm.config_cli import add_fields, arg, from_args, help_of, like
 from cpvlm.constants import ATTN_IMPLS, DTYPES
-from cpvlm.options import DEFAULTS
+from cpvlm.options import DEFAULTS, CPOptions
+from cpvlm.train.config import ModelConfig
 from cpvlm.verify.batches import verify_batches
 from cpvlm.verify.compare import FLOAT32_IN_FLOAT64, compare, group_of, module_groups, tolerance
 from cpvlm.verify.reference import reference
@@ -73,7 +76,8 @@ def hybrid_size(cp: int, ulysses_size: int | None) -> int:
 def default_cp_model(model, group, attn: str, vision: str, flow: str, **kwargs):
     from cpvlm.hf import ContextParallelVLM
 
-    return ContextParallelVLM(model, group, attn=attn, vision=vision, flow=flow, **kwargs)
+    options = CPOptions(attn=attn, vision=vision, flow=flow, **kwargs)
+    return ContextParallelVLM(model, group, options=options)
 
 
 def _cp_rank_main(rank, world_size, model_spec, dtype, cases, factory):
@@ -195,73 +199,91 @@ def _print_table(rows, labels, dtype, model_spec, out) -> None:
         print(line + ("  <- FAIL" if bad else ""), file=out)
 
 
-def _csv(kind):
-    def parse(text: str):
-        values = [kind(v) for v in text.split(",") if v]
-        if not values:
-            raise argparse.ArgumentTypeError("expected a comma-separated list")
-        return values
-
-    return parse
+VERIFY_DTYPES = tuple(sorted(DTYPES))
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from cpvlm.hf.registry import default_model, model_help
-
-    parser.add_argument("--model", default=default_model(), help=model_help())
-    parser.add_argument(
-        "--cp", type=_csv(int), default="2,4", help="CP sizes to check, comma-separated"
+def _each_checked(name: str, allowed=None):
+    """The help of a list of ``CPOptions`` field ``name``, and its comma-separated type."""
+    allowed = options.CHOICES[name] if allowed is None else allowed
+    return dict(
+        sep=",",
+        type=options.checked(name, allowed, lists=True),
+        metavar="{" + ",".join(allowed) + "}[,...]",
+        help=lambda: "comma-separated, each checked: " + help_of(CPOptions, name),
     )
-    # --attn, --vision, --flow, --layout, --ulysses-size: every combination is checked
-    options.add_arguments(
-        parser,
-        lists=True,
-        attn=CHECKED_IMPLS,
-        defaults={"attn": CHECKED_IMPLS},
-        ulysses_help="--attn hybrid: ranks per Ulysses group, a divisor of every --cp "
-        "(default: the smallest divisor above 1 of each)",
+
+
+@dataclass(frozen=True)
+class VerifyConfig:
+    """The flags of ``cpvlm verify`` (``cpvlm.config_cli``): the model, the dtype, and lists of
+    CP options, every combination of which is checked. Validated when built: every --cp size,
+    --ulysses-size at each (with hybrid), and at least one (vision, flow) pair ``CPOptions``
+    accepts (``run_verify`` skips the others); the tolerance; the model."""
+
+    model: str = like(ModelConfig, "name")
+    cp: tuple[int, ...] = arg((2, 4), sep=",", help="CP sizes to check, comma-separated")
+    attn: tuple[str, ...] = arg(CHECKED_IMPLS, **_each_checked("attn", CHECKED_IMPLS))
+    vision: tuple[str, ...] = arg((DEFAULTS.vision,), **_each_checked("vision"))
+    flow: tuple[str, ...] = arg((DEFAULTS.flow,), **_each_checked("flow"))
+    layout: tuple[str, ...] = arg((DEFAULTS.layout,), **_each_checked("layout"))
+    ulysses_size: int | None = arg(
+        None,
+        help="--attn hybrid: ranks per Ulysses group, a divisor of every --cp (default: the "
+        "smallest divisor above 1 of each)",
     )
-    parser.add_argument(
-        "--dtype",
-        choices=sorted(DTYPES),
-        default="float64",
+    dtype: Literal[VERIFY_DTYPES] = arg(
+        "float64",
         help="model and compute dtype; tolerance float64 1e-10, float32 1e-5, bfloat16 5e-2",
     )
-    parser.add_argument(
-        "--tol",
-        type=float,
-        default=None,
-        help="relative error allowed, a finite number > 0 (default: the dtype's)",
+    tol: float | None = arg(
+        None, help="relative error allowed, a finite number > 0 (default: the dtype's)"
     )
 
+    def __post_init__(self):
+        for name in ("cp", "attn", "vision", "flow", "layout"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        for name, allowed in (("attn", CHECKED_IMPLS), ("vision", None), ("flow", None)):
+            for value in getattr(self, name):
+                options.check_choice(name, value, allowed)
+        for value in self.layout:
+            options.check_choice("layout", value)
+        problem = _problem(self)
+        if problem is not None:
+            raise ValueError(problem)
 
-def _check_args(args) -> str | None:
-    """The first problem with the flags, or None. The CP options are ``CPOptions``' to judge:
-    every --cp size, --ulysses-size at each (with hybrid), and at least one (vision, flow) pair
-    it accepts (``run_verify`` skips the others)."""
-    u = args.ulysses_size
-    if "hybrid" in args.attn:
-        checks = [dict(cp_size=c, attn="hybrid", ulysses_size=hybrid_size(c, u)) for c in args.cp]
+
+def _problem(c: VerifyConfig) -> str | None:
+    """The first problem with the flags, or None. The CP options are ``CPOptions``' to judge."""
+    u = c.ulysses_size
+    if "hybrid" in c.attn:
+        checks = [dict(cp_size=n, attn="hybrid", ulysses_size=hybrid_size(n, u)) for n in c.cp]
     else:
-        checks = [dict(cp_size=c, attn=args.attn[0], ulysses_size=u) for c in args.cp]
+        checks = [dict(cp_size=n, attn=c.attn[0], ulysses_size=u) for n in c.cp]
     for why in (options.problem(**fields) for fields in checks):
         if why is not None:
             return why
-    pairs = [options.problem(vision=v, flow=f) for f in args.flow for v in args.vision]
+    pairs = [options.problem(vision=v, flow=f) for f in c.flow for v in c.vision]
     if all(pairs):
         return pairs[0]
-    if args.tol is not None and not (math.isfinite(args.tol) and args.tol > 0):
-        return f"--tol must be a finite number > 0, got {args.tol}"
+    if c.tol is not None and not (math.isfinite(c.tol) and c.tol > 0):
+        return f"--tol must be a finite number > 0, got {c.tol}"
+    if c.dtype not in VERIFY_DTYPES:
+        return f"--dtype must be one of {', '.join(VERIFY_DTYPES)}, got {c.dtype!r}"
     try:
         from cpvlm.train.launcher import model_config
 
-        model_config(args.model)
+        model_config(c.model)
     except ValueError as err:
         return str(err)
     return None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every flag of ``cpvlm verify``: one per ``VerifyConfig`` field."""
+    add_fields(parser, VerifyConfig)
+
+
+def build_parser() -> argparse.ArgumentParser:
     from cpvlm.cli import HelpFormatter
 
     parser = argparse.ArgumentParser(
@@ -270,21 +292,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=HelpFormatter,
     )
     add_arguments(parser)
-    args = parser.parse_args(argv)
-    problem = _check_args(args)
-    if problem is not None:
-        parser.error(problem)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        config = from_args(VerifyConfig, parser.parse_args(argv))
+    except ValueError as err:
+        parser.error(str(err))
     torch.set_num_threads(1)
     ok = run_verify(
-        args.model,
-        args.cp,
-        args.attn,
-        args.vision,
-        args.flow,
-        args.dtype,
-        args.tol,
-        ulysses_size=args.ulysses_size,
-        layouts=args.layout,
+        config.model,
+        config.cp,
+        config.attn,
+        config.vision,
+        config.flow,
+        config.dtype,
+        config.tol,
+        ulysses_size=config.ulysses_size,
+        layouts=config.layout,
     )
     return 0 if ok else 1
 

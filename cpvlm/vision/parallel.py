@@ -33,7 +33,7 @@ from torch import nn
 from cpvlm.constants import VISION_DP_MODES
 from cpvlm.distributed.collectives import StepAgreement, agree
 from cpvlm.distributed.shard_plan import ShardPlan
-from cpvlm.options import CPOptions
+from cpvlm.options import AttentionOptions, CPOptions
 from cpvlm.vision.assign import assign_vision_units
 from cpvlm.vision.cost import VisionCost
 from cpvlm.vision.gather import gather_vision_embeddings
@@ -113,8 +113,8 @@ class VisionDataParallel(nn.Module):
         unit_sizes: ``(grid, kind) -> (pixel rows, output rows)`` of a unit, for a tower whose
             layout is not t*h*w pixel rows and t*h*w/m**2 output rows (see ``vision_units``); it
             also sizes the dummy frame (1, m, m), an image, of a rank without units.
-        attn, attn_options: ``mode="split"``: the ``cp_attention`` impl (and its keywords) of
-            the tower's attention over the sharded units.
+        attention: ``mode="split"``: the ``cp_attention`` options (``AttentionOptions``: impl and
+            Ulysses size) of the tower's attention over the sharded units; default ring.
 
     Kinds: ``forward(..., kinds=)`` gives each item's kind (``"image"`` or ``"video"``); the
     encoder is then called as ``encoder(pixel_values, grid_thw, kinds=)`` with its units' kinds
@@ -139,8 +139,7 @@ class VisionDataParallel(nn.Module):
         dtype: torch.dtype | None = None,
         cost: VisionCost | None = None,
         unit_sizes: UnitSizes | None = None,
-        attn: str = "ring",
-        attn_options: dict | None = None,
+        attention: AttentionOptions | None = None,
     ):
         super().__init__()
         if mode not in VISION_DP_MODES:
@@ -158,7 +157,7 @@ class VisionDataParallel(nn.Module):
         self.dtype = dtype
         self.cost = _cost_model(encoder, cost)
         self.unit_sizes = unit_sizes
-        self.attn, self.attn_options = attn, dict(attn_options or {})
+        self.attention = AttentionOptions() if attention is None else attention
         if mode == "split":
             missing = [a for a in ("unit_order", "encode_local") if not hasattr(encoder, a)]
             if missing or out_dims is not None or unit_sizes is not None:
@@ -167,9 +166,9 @@ class VisionDataParallel(nn.Module):
                     f"encode_local (missing: {missing}) and no out_dims or unit_sizes; other modes: route, "
                     "allgather"
                 )
-            u, cp_size = self.attn_options.get("ulysses_size"), dist.get_world_size(group)
+            a, cp_size = self.attention, dist.get_world_size(group)
             try:  # the tower's cp_attention: the rules of the text model's (cpvlm.options)
-                CPOptions(attn=attn, ulysses_size=u, cp_size=cp_size)
+                CPOptions(attn=a.impl, ulysses_size=a.ulysses_size, cp_size=cp_size)
             except ValueError as err:
                 raise ValueError(f"VisionDataParallel: {err}") from None
 
@@ -347,8 +346,7 @@ class VisionDataParallel(nn.Module):
             window_plan=local.window_plan,
             line_len=local.line_len,
             group=self.group,
-            impl=self.attn,
-            options=self.attn_options,
+            attention=self.attention,
             step=step,
         )
         empty = local.row_ids.numel() == 0

@@ -20,9 +20,8 @@ The output rows (one per local group) are then routed to the owners of their seq
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 from cpvlm.attention import cp_attention
 from cpvlm.distributed.collectives import StepAgreement
 from cpvlm.distributed.shard_plan import ShardPlan
+from cpvlm.options import AttentionOptions
 from cpvlm.vision.split_assign import SplitAssignment
 from cpvlm.vision.units import VisionUnits
 
@@ -71,8 +71,7 @@ class SplitAttention:
     window_plan: ShardPlan | None  # documents: their windows
     line_len: int  # this rank's patches of the line
     group: dist.ProcessGroup | None
-    impl: str = "ring"
-    options: Mapping[str, Any] = field(default_factory=dict)
+    attention: AttentionOptions = AttentionOptions()  # cp_attention's, over the line
     step: StepAgreement | None = None
 
     def attend(
@@ -114,11 +113,11 @@ class SplitAttention:
             v,
             plan=plan,
             group=self.group,
-            impl=self.impl,
+            impl=self.attention.impl,
+            ulysses_size=self.attention.ulysses_size,
             causal=False,
             scale=scale,
             step=self.step,
-            **self.options,
         )
         return out[:, :, : self.line_len]
 

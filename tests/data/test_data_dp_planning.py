@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from cpvlm.data import RankLoader, RowStream, TokenIds, plan_tokenized
+from cpvlm.data import LoaderConfig, RankLoader, RowStream, TokenIds, plan_tokenized
 from cpvlm.data.balance import RowCost, deal_bound, dp_deal, max_over_mean, plan_split
 from cpvlm.data.exchange import DPExchange, pack_plans, unpack_plans
 from cpvlm.data.meta import SampleMeta
@@ -60,10 +60,10 @@ def _plan(record):
 
 def _loader(source, dp, d, *, exchange=None, state=None, balance="cost", rows=4):
     stream = RowStream(source, _plan, seq_len=SEQ_LEN, window=WINDOW, seed=7)
+    config = LoaderConfig(rows_per_step=rows, dp_rank=d, dp_size=dp, balance=balance)
     return RankLoader(
-        stream, lambda item, t: None, IDS, rows_per_step=rows, dp_rank=d, dp_size=dp,
-        state=state, balance=balance, row_cost=COST, exchange=exchange,
-    )  # fmt: skip
+        stream, lambda item, t: None, IDS, config, state=state, row_cost=COST, exchange=exchange
+    )
 
 
 def _rows(loader, n):

@@ -10,7 +10,15 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from cpvlm.data import RankLoader, RowStream, dp_split, open_source, pack_window, parse_data_args
+from cpvlm.data import (
+    LoaderConfig,
+    RankLoader,
+    RowStream,
+    dp_split,
+    open_source,
+    pack_window,
+    parse_data_args,
+)
 from cpvlm.hf.data.processor import ChatEncoder
 from cpvlm.hf.tiny_checkpoint import example_records, make_tiny_checkpoint, write_jsonl
 from cpvlm.vision import assign_vision_units, vision_units
@@ -30,10 +38,10 @@ def setup(tmp_path_factory):
 
 def _loader(encoder, source, *, dp=(0, 1), cp=(0, 1), rows=2, state=None, window=16, **kw):
     stream = RowStream(source, encoder.plan, seq_len=SEQ_LEN, window=window, seed=5)
-    return RankLoader(
-        stream, encoder.decode, encoder.ids, rows_per_step=rows, dp_rank=dp[0], dp_size=dp[1],
-        cp_rank=cp[0], cp_size=cp[1], state=state, **kw,
-    )  # fmt: skip
+    config = LoaderConfig(
+        rows_per_step=rows, dp_rank=dp[0], dp_size=dp[1], cp_rank=cp[0], cp_size=cp[1], **kw
+    )
+    return RankLoader(stream, encoder.decode, encoder.ids, config, state=state)
 
 
 def test_packing_and_dp_split_are_balanced_and_complete():

@@ -28,6 +28,7 @@ from cpvlm.hf import (  # noqa: E402
     build_model,
     prepare_batch,
 )
+from cpvlm.options import CPOptions  # noqa: E402
 from cpvlm.verify import (  # noqa: E402
     mixed_batch,
     packed_documents,
@@ -143,7 +144,9 @@ def _cp_losses(rank, world_size, name, variants):
         bridge, real, masks = _changed(variant, None)
         bridge._masks = masks
         try:
-            cp = ContextParallelVLM(copy.deepcopy(base), dist.group.WORLD, attn="ring")
+            cp = ContextParallelVLM(
+                copy.deepcopy(base), dist.group.WORLD, options=CPOptions(attn="ring")
+            )
             with torch.no_grad():
                 loss = cp(**batch).loss
         finally:
@@ -361,7 +364,9 @@ def _masks_built(rank, world_size, name):
 
     AttentionMaskInterface.register(bridge.CP_ATTENTION, spy)
     try:
-        cp = ContextParallelVLM(copy.deepcopy(base), dist.group.WORLD, attn="ring")
+        cp = ContextParallelVLM(
+            copy.deepcopy(base), dist.group.WORLD, options=CPOptions(attn="ring")
+        )
         with torch.no_grad():
             cp(**batch)
             in_cp = list(built)

@@ -32,7 +32,7 @@ from hf_families import (  # noqa: E402
     mixes,
 )
 
-from cpvlm import ShardPlan  # noqa: E402
+from cpvlm import CPOptions, ShardPlan  # noqa: E402
 from cpvlm.attention import Shapes, choose_impl  # noqa: E402
 from cpvlm.hf import (  # noqa: E402
     ContextParallelVLM,
@@ -122,14 +122,8 @@ def _cp_configs(rank, base, batch, doc_lens, configs):
     results = []
     for attn, vision, flow, *more in configs:
         model = copy.deepcopy(base)
-        cp_model = ContextParallelVLM(
-            model,
-            dist.group.WORLD,
-            attn=attn,
-            vision=vision,
-            flow=flow,
-            **(more[0] if more else {}),
-        )
+        options = CPOptions(attn=attn, vision=vision, flow=flow, **(more[0] if more else {}))
+        cp_model = ContextParallelVLM(model, dist.group.WORLD, options=options)
         out, loss, grads = cp_loss_and_grads(cp_model, batch, doc_lens)
         results.append(
             {

@@ -30,6 +30,7 @@ import cpvlm.hf.context_parallel as context_parallel  # noqa: E402
 from cpvlm.families.qwen3_vl_moe import tiny_qwen3_vl_moe_config  # noqa: E402
 from cpvlm.hf import ContextParallelVLM, SampleSpec, synthetic_batch  # noqa: E402
 from cpvlm.loss import count_valid_labels, shift_labels  # noqa: E402
+from cpvlm.options import CPOptions  # noqa: E402
 from cpvlm.router_loss import load_balancing_loss, load_balancing_loss_share  # noqa: E402
 from cpvlm.verify import (  # noqa: E402
     causal_lm_loss_sum,
@@ -82,7 +83,9 @@ def _cp(rank, world_size, kind, configs, per_shard=False):
     results = []
     for attn, vision, flow in configs:
         model = copy.deepcopy(base)
-        cp_model = ContextParallelVLM(model, dist.group.WORLD, attn=attn, vision=vision, flow=flow)
+        cp_model = ContextParallelVLM(
+            model, dist.group.WORLD, options=CPOptions(attn=attn, vision=vision, flow=flow)
+        )
         share = per_shard_share if per_shard else load_balancing_loss_share
         with mock.patch.object(context_parallel, "load_balancing_loss_share", share):
             out, loss, grads = cp_loss_and_grads(cp_model, batch, doc_lens)

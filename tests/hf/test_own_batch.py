@@ -31,6 +31,7 @@ from hf_families import FAMILIES, cached_model, grad_errors  # noqa: E402
 
 from cpvlm.hf import ContextParallelVLM, adapter_for, prepare_batch  # noqa: E402
 from cpvlm.hf.inputs import batch_keys  # noqa: E402
+from cpvlm.options import CPOptions  # noqa: E402
 from cpvlm.verify import (  # noqa: E402
     cp_loss_and_grads,
     mixed_batch,
@@ -238,7 +239,9 @@ def _own_batch_steps(rank, world_size, batches):
     for name, batch in batches:
         for attn, vision, flow in CONFIGS:
             model = copy.deepcopy(cached_model(name))
-            cp = ContextParallelVLM(model, dist.group.WORLD, attn=attn, vision=vision, flow=flow)
+            cp = ContextParallelVLM(
+                model, dist.group.WORLD, options=CPOptions(attn=attn, vision=vision, flow=flow)
+            )
             out, loss, grads = cp_loss_and_grads(cp, batch)
             results.append((loss, grads if rank == 0 else None, out.encoded_units))
     return results

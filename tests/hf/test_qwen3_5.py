@@ -40,6 +40,7 @@ from cpvlm.hf import (  # noqa: E402
     adapter_for,
     synthetic_batch,
 )
+from cpvlm.options import CPOptions  # noqa: E402
 from cpvlm.verify import (  # noqa: E402
     cp_loss_and_grads,
     gradient_errors,
@@ -101,7 +102,9 @@ def _cp(rank, world_size, name, cases, islands=True, naive=False):
     for kind, (attn, vision, flow) in cases:
         batch, doc_lens = _batch(base, kind)
         model = copy.deepcopy(base)
-        cp_model = ContextParallelVLM(model, dist.group.WORLD, attn=attn, vision=vision, flow=flow)
+        cp_model = ContextParallelVLM(
+            model, dist.group.WORLD, options=CPOptions(attn=attn, vision=vision, flow=flow)
+        )
         if naive:  # each rank's linear layers on its own shard, from zero states
             for module in model.modules():
                 if isinstance(module, ContextParallelQwen3_5GatedDeltaNet):

@@ -25,6 +25,7 @@ from cpvlm.hf import (  # noqa: E402  # noqa: E402
     build_model,
     synthetic_batch,
 )
+from cpvlm.options import CPOptions  # noqa: E402
 from cpvlm.testing import rel_err, run_distributed  # noqa: E402
 from cpvlm.verify import reference_loss_and_grads  # noqa: E402
 from cpvlm.vision import vision_units  # noqa: E402
@@ -53,7 +54,9 @@ def _split_rank(rank, world, name):
     results = []
     for hw in SHAPES:
         model = copy.deepcopy(base)
-        cp_model = ContextParallelVLM(model, dist.group.WORLD, attn="ring", vision="split")
+        cp_model = ContextParallelVLM(
+            model, dist.group.WORLD, options=CPOptions(attn="ring", vision="split")
+        )
         batch = _batch(base, hw)
         out = cp_model(**batch)
         out.loss.backward()

@@ -37,6 +37,7 @@ from cpvlm.hf import (  # noqa: E402
     pack_documents,
     synthetic_batch,
 )
+from cpvlm.options import CPOptions  # noqa: E402
 from cpvlm.verify import (  # noqa: E402
     cp_loss_and_grads,
     reference_loss_and_grads,
@@ -84,7 +85,9 @@ def _cp_step(rank, world_size, name, batch, doc_lens):
     results = []
     for attn, vision, flow in CONFIGS:
         model = copy.deepcopy(base)
-        cp_model = ContextParallelVLM(model, dist.group.WORLD, attn=attn, vision=vision, flow=flow)
+        cp_model = ContextParallelVLM(
+            model, dist.group.WORLD, options=CPOptions(attn=attn, vision=vision, flow=flow)
+        )
         out, loss, grads = cp_loss_and_grads(cp_model, batch, doc_lens)
         results.append((loss, grads if rank == 0 else None, out.encoded_units))
     return results

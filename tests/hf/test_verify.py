@@ -15,6 +15,7 @@ from hf_families import FAMILIES, cached_model  # noqa: E402
 
 from cpvlm.hf import ContextParallelVLM  # noqa: E402
 from cpvlm.hf.context_parallel import _local_row_order  # noqa: E402
+from cpvlm.options import CPOptions  # noqa: E402
 from cpvlm.verify import (  # noqa: E402
     group_of,
     main,
@@ -122,7 +123,8 @@ class _BuggyVisionGatherVLM(ContextParallelVLM):
 
 
 def buggy_factory(model, group, attn, vision, flow, **options):
-    return _BuggyVisionGatherVLM(model, group, attn=attn, vision="allgather", flow=flow, **options)
+    options = CPOptions(attn=attn, vision="allgather", flow=flow, **options)
+    return _BuggyVisionGatherVLM(model, group, options=options)
 
 
 def test_verify_fails_and_names_the_vision_groups_on_a_local_slice_gather_backward():

@@ -20,7 +20,7 @@ from cpvlm.data.prepared import PreparedSource, shard_path
 from cpvlm.hf.tiny_checkpoint import example_records, make_tiny_checkpoint
 from cpvlm.train import prepare as prepare_module
 from cpvlm.train.command import main as train_main
-from cpvlm.train.prepare import prepare_dataset
+from cpvlm.train.prepare import PrepareConfig, prepare_dataset
 
 FLAGS = ["--seq-len", "160", "--dtype", "float64", "--steps", "3", "--pack-window", "8"]
 
@@ -105,7 +105,11 @@ def test_images_as_bytes_are_kept_in_the_prepared_folder(data, tmp_path):
                 c["video"] = str(jsonl.parent / c["video"])
         rows.append({"messages": record["messages"], "images": images})
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
-    prepare_dataset(str(ckpt), str(tmp_path / "train.parquet"), tmp_path / "p", workers=1)
+    prepare_dataset(
+        PrepareConfig(
+            model=str(ckpt), data=str(tmp_path / "train.parquet"), out=tmp_path / "p", workers=1
+        )
+    )
     prepared = open_source(str(tmp_path / "p"))
     assert _assert_same_plans(ckpt, open_source(str(tmp_path / "train.parquet")), prepared) == {}
     assert any(it.image.data for i in range(5) for it in prepared.plan(prepared[i]).images)
@@ -188,7 +192,11 @@ def test_an_interrupted_prepare_resumes_to_the_same_folder(data, tmp_path, monke
 
     monkeypatch.setattr(prepare_module, "_prepare_shard", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        prepare_dataset(str(ckpt), str(jsonl), out, workers=1, shard_size=5, progress=False)
+        prepare_dataset(
+            PrepareConfig(
+                model=str(ckpt), data=str(jsonl), out=out, workers=1, shard_size=5, progress=False
+            )
+        )
     monkeypatch.undo()
     with pytest.raises(ValueError, match="did not finish"):
         PreparedSource(out)
@@ -197,7 +205,9 @@ def test_an_interrupted_prepare_resumes_to_the_same_folder(data, tmp_path, monke
         "shard-00001.arrow",
         "shard-00003.arrow.123.tmp",
     ]
-    prepare_dataset(str(ckpt), str(jsonl), out, workers=1, progress=False)  # resumes
+    prepare_dataset(  # resumes
+        PrepareConfig(model=str(ckpt), data=str(jsonl), out=out, workers=1, progress=False)
+    )
     names = sorted(p.name for p in (out / "shards").iterdir())
     assert names == sorted(p.name for p in (whole / "shards").iterdir())
     for k in range(len(names)):

@@ -21,6 +21,10 @@ pytest.importorskip("transformers")
 from cpvlm import ShardPlan  # noqa: E402
 from cpvlm.hf import adapter_for, build_model  # noqa: E402
 from cpvlm.hf.vision_attention import SplitTower  # noqa: E402
+from cpvlm.options import (
+    AttentionOptions,  # noqa: E402
+    CPOptions,  # noqa: E402
+)
 from cpvlm.testing import rel_err, run_distributed  # noqa: E402
 from cpvlm.vision import VisionDataParallel, vision_units  # noqa: E402
 from cpvlm.vision.split import Piece, SplitAttention  # noqa: E402
@@ -86,7 +90,7 @@ def _split_rank(rank, world, name, grids, seed, attn="ring", local=False):
         mode="split",
         merge_size=adapter.merge_size,
         cost=adapter.vision_cost(),
-        attn=attn,
+        attention=AttentionOptions(attn),
     )
     plan = ShardPlan(rows, world)
     positions = plan.padded_index
@@ -188,7 +192,9 @@ def _bad_inputs_rank(rank, world):
     for case in ("one rank short", "local pixels short", "glm"):
         try:
             if case == "glm":
-                ContextParallelVLM(build_model("glm4v-tiny"), dist.group.WORLD, vision="split")
+                ContextParallelVLM(
+                    build_model("glm4v-tiny"), dist.group.WORLD, options=CPOptions(vision="split")
+                )
             else:
                 pix = pixels[:-1] if case != "glm" and rank == 1 else pixels
                 vdp(

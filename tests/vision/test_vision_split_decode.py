@@ -31,6 +31,7 @@ from cpvlm.hf import (  # noqa: E402
 )
 from cpvlm.hf.data.processor import ChatEncoder  # noqa: E402
 from cpvlm.hf.tiny_checkpoint import make_tiny_checkpoint, write_frames  # noqa: E402
+from cpvlm.options import CPOptions  # noqa: E402
 from cpvlm.testing import rel_err, run_distributed  # noqa: E402
 from cpvlm.verify import reference_loss_and_grads  # noqa: E402
 from cpvlm.vision import vision_units  # noqa: E402
@@ -146,7 +147,9 @@ def _split_rank(rank, world):
     for name in FAMILIES:
         model = copy.deepcopy(_model(name))
         m = adapter_for(model).merge_size
-        cp_model = ContextParallelVLM(model, dist.group.WORLD, attn="ring", vision="split")
+        cp_model = ContextParallelVLM(
+            model, dist.group.WORLD, options=CPOptions(attn="ring", vision="split")
+        )
         local, read, whole = _pieces_only(cp_model, _batch(model), rank, m)
         out = cp_model(**local)
         out.loss.backward()
@@ -184,7 +187,7 @@ def test_split_step_from_pieces_rows_matches_the_one_process_model(world):
 def test_the_loader_decodes_only_the_pieces_rows(encoder, tmp_path):
     """A ``RankLoader`` given ``pieces``: each CP rank's pixel rows are exactly the rows it
     reads (``pixel_rows_read``) of the full decode, and some rank holds a piece."""
-    from cpvlm.data import RankLoader, RowStream, open_source
+    from cpvlm.data import LoaderConfig, RankLoader, RowStream, open_source
     from cpvlm.hf.tiny_checkpoint import example_records, write_jsonl
     from cpvlm.vision import split_assignment
     from cpvlm.vision.pieces import piece_groups
@@ -203,9 +206,10 @@ def test_the_loader_decodes_only_the_pieces_rows(encoder, tmp_path):
         orders = [pixel_order(n) for n in units.row_counts]
         return [piece_groups(orders, split(units), r) for r in range(cp)]
 
-    def loader(c, **kw):
+    def loader(c, decode_mode="local", **kw):
         stream = RowStream(source, encoder.plan, seq_len=192, window=8, seed=5)
-        return RankLoader(stream, encoder.decode, encoder.ids, cp_rank=c, cp_size=cp, **kw)
+        config = LoaderConfig(cp_rank=c, cp_size=cp, decode_mode=decode_mode)
+        return RankLoader(stream, encoder.decode, encoder.ids, config, **kw)
 
     ranks = [loader(c, assign=assign, pieces=pieces) for c in range(cp)]
     full, sharded = loader(0, decode_mode="all"), 0
