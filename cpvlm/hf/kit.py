@@ -12,6 +12,7 @@ gives the kit of a model.
 
 from __future__ import annotations
 
+import re
 import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -99,14 +100,16 @@ class FamilyKit:
 
     def module_groups(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
         """``(label, parameter-name regexes)`` that ``cpvlm verify`` reports; first match wins.
-        Default: the base layout's modules (a tower ``model.visual`` with its merger)."""
+        Default: the base layout's modules (a tower with its merger inside) at the adapter's
+        ``modules`` paths."""
+        tower, text, head = _paths(self.adapter, "vision_tower", "text_model", "lm_head")
         return (
-            ("vision patch embed", (r"model\.visual\.(patch_embed|pos_embed)\.",)),
-            ("vision blocks", (r"model\.visual\.blocks\.",)),
-            ("vision merger", (r"model\.visual\.merger\.",)),
-            ("token embeddings", (r"model\.language_model\.embed_tokens\.",)),
-            ("decoder layers", (r"model\.language_model\.(layers|norm)\.",)),
-            ("lm head", (r"lm_head\.",)),
+            ("vision patch embed", (rf"{tower}\.(patch_embed|pos_embed)\.",)),
+            ("vision blocks", (rf"{tower}\.blocks\.",)),
+            ("vision merger", (rf"{tower}\.merger\.",)),
+            ("token embeddings", (rf"{text}\.embed_tokens\.",)),
+            ("decoder layers", (rf"{text}\.(layers|norm)\.",)),
+            ("lm head", (rf"{head}\.",)),
         )
 
     def init_tiny(self, model: nn.Module) -> None:
@@ -167,6 +170,11 @@ def with_float64_forward(model: nn.Module, class_names: Iterable[str]) -> None:
             module.forward = types.MethodType(forward, module)
 
 
+def _paths(adapter, *names: str) -> list[str]:
+    """The adapter's ``modules`` paths of ``names``, as regexes of parameter-name prefixes."""
+    return [re.escape(getattr(adapter.modules, name)) for name in names]
+
+
 class MoeKit:
     """Mixin of the MoE families' kits (listed before the family's kit in the bases): eager
     experts in float64, the router and expert parameters as their own module groups."""
@@ -175,7 +183,8 @@ class MoeKit:
     experts_pattern = r"experts\."  # the expert parameters of a layer's mlp
 
     def module_groups(self):
-        layer = r"model\.language_model\.layers\.\d+\.mlp\."
+        text, layers = _paths(self.adapter, "text_model", "decoder_layers")
+        layer = rf"{text}\.{layers}\.\d+\.mlp\."
         groups = list(super().module_groups())
         i = [label for label, _ in groups].index("decoder layers")
         groups[i:i] = [

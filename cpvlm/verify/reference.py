@@ -42,14 +42,16 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torc
 
 def _forward(model, inputs: Mapping, router: bool):
     from cpvlm.hf import adapter_for
+    from cpvlm.hf.adapter import module_at
 
-    kwargs = adapter_for(model).to_model_batch({k: v for k, v in inputs.items() if k != "labels"})
+    adapter = adapter_for(model)
+    kwargs = adapter.to_model_batch({k: v for k, v in inputs.items() if k != "labels"})
     if router:
         kwargs["output_router_logits"] = True
     try:
         return model(**kwargs, use_cache=False)
-    finally:
-        model.model.rope_deltas = None
+    finally:  # the M-RoPE offsets the forward caches beside its get_rope_index
+        module_at(model, adapter.modules.rope_index.rpartition(".")[0]).rope_deltas = None
 
 
 def _gradients(model) -> dict[str, torch.Tensor]:
