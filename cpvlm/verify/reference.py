@@ -49,7 +49,9 @@ def _forward(model, inputs: Mapping, router: bool):
     try:
         return model(**kwargs, use_cache=False)
     finally:
-        model.model.rope_deltas = None
+        inner = getattr(model, "model", None)  # M-RoPE models cache rope_deltas there
+        if inner is not None:  # (a model without a .model, Nemotron Omni, has none)
+            inner.rope_deltas = None
 
 
 def _gradients(model) -> dict[str, torch.Tensor]:
