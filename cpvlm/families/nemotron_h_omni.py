@@ -184,7 +184,7 @@ def radio_vision_cost(config) -> VisionCost:
 
 class NemotronHOmniKit(FamilyKit):
     tiny_configs = {"nemotron-omni-tiny": tiny_nemotron_h_omni_config}
-    traits = frozenset({"linear_attention"})
+    traits = frozenset({"linear_attention", "own_layout"})
     float64_load_kwargs = {"experts_implementation": "eager"}  # grouped_mm rejects float64
     # The video patch projection: images never use it (videos are not in this step).
     unused_parameters = r"vision_model\.embeddings\.video_patch_projection\."
