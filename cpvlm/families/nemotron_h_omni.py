@@ -179,11 +179,66 @@ def radio_vision_cost(config) -> VisionCost:
 # ---- published configs ---------------------------------------------------------------------------
 
 
+def nemotron_3_nano_omni_config() -> NemotronH_Omni_Reasoning_V3_Config:
+    """Nemotron-3-Nano-Omni-30B-A3B-Reasoning, images and text: the checkpoint's config.json
+    (its ``llm_config`` as NemotronH's, the same as Megatron-Bridge's ``Nemotron3NanoProvider``;
+    ``vit_hidden_size`` 1280 and ``projector_hidden_size`` 20480; the tower C-RADIOv4-H, whose
+    dimensions are ``RadioConfig``'s defaults), written out. Its Parakeet audio encoder is left
+    out (no audio in this step)."""
+    pattern = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
+    kinds = {"M": "linear_attention", "E": "moe", "*": "full_attention"}
+    return NemotronH_Omni_Reasoning_V3_Config(
+        text_config={
+            "vocab_size": 131072,
+            "hidden_size": 2688,
+            "layers_block_type": [kinds[c] for c in pattern],
+            "max_position_embeddings": 262144,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 2,
+            "head_dim": 128,
+            "layer_norm_epsilon": 1e-5,
+            "mamba_num_heads": 64,
+            "mamba_head_dim": 64,
+            "ssm_state_size": 128,
+            "n_groups": 8,
+            "conv_kernel": 4,
+            "n_routed_experts": 128,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 6,
+            "moe_intermediate_size": 1856,
+            "moe_shared_expert_intermediate_size": 3712,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            "n_group": 1,
+            "topk_group": 1,
+        },
+        vision_config={
+            "hidden_size": 1280,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 16,
+            "mlp_ratio": 4.0,
+            "patch_size": 16,
+            "num_cls_tokens": 3,
+            "num_registers": 7,
+            "video_temporal_patch_size": 2,
+        },
+        audio_config=None,
+        vision_hidden_size=1280,
+        projector_hidden_size=20480,
+        downsample_ratio=0.5,
+        image_token_id=18,
+        video_token_id=131081,
+        image_start_token_id=21,
+        image_end_token_id=22,
+    )
+
+
 # ---- the kit -------------------------------------------------------------------------------------
 
 
 class NemotronHOmniKit(FamilyKit):
     tiny_configs = {"nemotron-omni-tiny": tiny_nemotron_h_omni_config}
+    published_configs = {"nemotron-3-nano-omni-30b-a3b": nemotron_3_nano_omni_config}
     traits = frozenset({"linear_attention", "own_layout"})
     float64_load_kwargs = {"experts_implementation": "eager"}  # grouped_mm rejects float64
     # The video patch projection: images never use it (videos are not in this step).
