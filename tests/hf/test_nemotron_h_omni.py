@@ -38,6 +38,7 @@ from cpvlm.hf import (  # noqa: E402
 )
 from cpvlm.hf.vision_cost import vision_cost  # noqa: E402
 from cpvlm.verify import (  # noqa: E402
+    DistributedTestError,
     cp_loss_and_grads,
     mixed_batch,
     packed_documents,
@@ -230,6 +231,20 @@ def test_audio_and_video_inputs_are_refused_by_name():
     with pytest.raises(ValueError, match="videos are not supported yet"):
         synthetic_batch(model.config, [SampleSpec(videos=((2, 4, 4),), text_len=4)])
     assert not adapter_for(model).takes_videos
+
+
+def _cp_audio_step(rank, world_size, batch):
+    model = copy.deepcopy(cached_model(NAME))
+    ContextParallelVLM(model, dist.group.WORLD)(**batch)
+
+
+def test_audio_inputs_raise_on_every_cp_rank():
+    """The CP step takes the audio keys (the model's own) only to refuse them, on every rank."""
+    batch = mixed_batch(cached_model(NAME), torch.float64)
+    batch["input_features"] = torch.zeros(1, 16, 128, dtype=torch.float64)
+    with pytest.raises(DistributedTestError, match=r"rank\(s\) \[0, 1\] raised") as info:
+        run_distributed(_cp_audio_step, 2, batch, timeout=TIMEOUT)
+    assert "audio inputs (input_features) are not supported yet" in str(info.value)
 
 
 def test_the_models_own_batch_and_grids():
