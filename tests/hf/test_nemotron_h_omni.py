@@ -93,11 +93,10 @@ def _errors(result, ref_loss, ref_grads):
 
 @pytest.mark.parametrize("kind", ["mixed", "packed"])
 def test_cp3_every_mode_matches_one_process_float64(kind):
-    """cp 3 (pieces of 1/6 of the row, documents cut mid-chunk): both attentions, Ulysses over
-    the 4 query heads is not a divisor of 3, so ring and all-gather K/V, both vision collectives and
-    the replicated tower."""
-    configs = [c for c in CONFIGS if c[0] != "ulysses"]
-    cases = [(kind, c) for c in configs]
+    """cp 3 (pieces of 1/6 of the row, documents cut mid-chunk): ring, all-gather K/V and
+    Ulysses (4 query and 2 key/value heads over 3 ranks), both vision collectives and the
+    replicated tower."""
+    cases = [(kind, c) for c in CONFIGS]
     model = cached_model(NAME)
     ref_loss, ref_grads = reference(model, *_batch(model, kind))
     per_rank = run_distributed(_cp, 3, cases, timeout=TIMEOUT)
