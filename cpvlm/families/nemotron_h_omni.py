@@ -28,7 +28,9 @@ Vision. The processor writes ``<img>``, h*w/m**2 ``<image>`` tokens, ``</img>`` 
 ``image_grid_thw`` (t = 1) and back. An image is one vision unit: RADIO attends within the image
 (with its P prefix tokens) and pixel shuffle acts on the whole image's grid, so ``encode`` calls
 the model's own ``get_image_features`` (tower, final norm, pixel shuffle, projector) on the unit's
-rows. Positions are 1D (no ``get_rope_index``); the decoder ignores them anyway.
+rows. Positions are 1D (no ``get_rope_index``); the decoder ignores them anyway. The tower is the
+FSDP unit ``vision_model`` and the projector one of its own; ``vision_final_layernorm`` stays with
+the root (and trainable under ``freeze_vision_encoder``, like the projector).
 
 Not in this step: videos (tubelets of 2 frames through the video patch projection, with
 Efficient Video Sampling) and audio (the Parakeet encoder): ``takes_videos`` is False, and a batch
