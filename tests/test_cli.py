@@ -92,3 +92,15 @@ def test_model_flag_lists_the_registry_and_defaults_to_its_default_model(capsys,
         a.family for a in set(tiny_adapters().values()) if vars(a.kit).get("default_model")
     ]
     assert declaring == [tiny_adapters()[default_model()].family]
+
+
+def test_python_dash_m_cpvlm_is_the_cpvlm_command():
+    """``python -m cpvlm`` runs the same command line as the ``cpvlm`` script."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "cpvlm", "plan", "--help"], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: cpvlm plan")

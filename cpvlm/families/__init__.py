@@ -6,6 +6,7 @@ from . import (  # noqa: F401
     glm4v,
     internvl,
     llava_onevision,
+    nemotron_h_omni,
     qwen2_5_vl,
     qwen2_vl,
     qwen3_5,

@@ -28,6 +28,7 @@ TRAITS = {
     "linear_attention": "decoder layers other than attention (a recurrence over the sequence)",
     "frames_as_images": "video frames are image tokens inside video markers, one tower call each",
     "image_spans": "images attended bidirectionally and sliding windows; the model's own images",
+    "own_layout": "pixel rows with its own image tokens and grids, 1D positions, images only",
 }
 """What the shared tests select families by (``FamilyKit.traits``)."""
 

@@ -45,6 +45,7 @@ def build_model(
             model = AutoModelForImageTextToText.from_config(config, **extra)
             kit_for(model).init_tiny(model)
         model = model.to(dtype)
+        _record_dtype(model.config, dtype)
     else:
         path = Path(name_or_path)
         if not path.is_dir():
@@ -64,6 +65,17 @@ def build_model(
         )
     adapter_for(model)
     return model.train()
+
+
+def _record_dtype(config, dtype: torch.dtype) -> None:
+    """Say ``dtype`` in the config and its sub-configs, as ``from_pretrained(dtype=)`` does: a
+    model that casts its inputs to its config's dtype (Nemotron Omni's pixels) then casts them
+    to its weights' dtype."""
+    config.dtype = dtype
+    for key in getattr(config, "sub_configs", {}):
+        sub = getattr(config, key, None)
+        if sub is not None:
+            sub.dtype = dtype
 
 
 def _dtype_kwargs(config, dtype: torch.dtype) -> dict:

@@ -51,7 +51,9 @@ def _forward(model, inputs: Mapping, router: bool):
     try:
         return model(**kwargs, use_cache=False)
     finally:  # the M-RoPE offsets the forward caches beside its get_rope_index
-        module_at(model, adapter.modules.rope_index.rpartition(".")[0]).rope_deltas = None
+        owner = module_at(model, adapter.modules.rope_index.rpartition(".")[0], None)
+        if owner is not None:  # (a model without that module, Nemotron Omni, caches none)
+            owner.rope_deltas = None
 
 
 def _gradients(model) -> dict[str, torch.Tensor]:

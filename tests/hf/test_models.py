@@ -22,6 +22,7 @@ from hf_families import (
     GEMMA,
     GLM,
     LINEAR_ATTENTION,
+    OWN_LAYOUT,
     TILED,
     UNUSED,
     cached_model,
@@ -53,7 +54,8 @@ NAMES = [n for n in FAMILIES if n not in GEMMA]
 # attention-only decoders' behaviour below do not apply (tests/hf/test_qwen3_5.py).
 # The Qwen-VL layout (pixel rows and grids straight into the model, M-RoPE): the tiling families
 # (tests/hf/test_tiled_families.py) take [tiles, C, H, W] pixels and 1D positions.
-QWEN_LAYOUT = [n for n in NAMES if n not in TILED]
+# Nemotron Omni (own_layout): its own image tokens and grids, 1D positions, no videos.
+QWEN_LAYOUT = [n for n in NAMES if n not in TILED | OWN_LAYOUT]
 ATTENTION_ONLY = [n for n in QWEN_LAYOUT if n not in LINEAR_ATTENTION]
 # Two images of different sizes, one video (2 temporal patch-frames), one text-only sample.
 SAMPLES = [
@@ -188,7 +190,9 @@ def test_tiny_model_builds(name):
     assert config.vision_config._attn_implementation == "sdpa"
     vocab = config.text_config.vocab_size
     specials = adapter_for(model).special_token_ids
-    assert len(specials) >= (2 if name in TILED else 4) and max(specials) < vocab
+    # image, (video,) and their markers; tiles: image and its markers only; own layout: no video
+    least = 2 if name in TILED else 3 if name in OWN_LAYOUT else 4
+    assert len(specials) >= least and max(specials) < vocab
     assert config.text_config.num_attention_heads == 2 * config.text_config.num_key_value_heads
     # Same seed, same weights in every dtype.
     model32 = cached_model(name, torch.float32)
@@ -380,7 +384,7 @@ def test_custom_text_attention_matches_sdpa(name):
         assert attention_mask is None and scaling == head_dim**-0.5
         if name == "glm4v-moe-tiny":  # passes its [3,B,S] rotary positions on (CP ignores them)
             assert kw["position_ids"].shape == (3, 1, seq)
-        elif name in TILED:  # 1D RoPE: its [B,S] positions pass on (CP ignores them)
+        elif name in TILED | OWN_LAYOUT:  # 1D: its [B,S] positions pass on (CP ignores them)
             assert torch.equal(kw["position_ids"], torch.arange(seq)[None])
         else:
             assert kw["position_ids"] is None  # only [4,B,S] position ids pass a text row
