@@ -37,6 +37,7 @@ from cpvlm.hf import (  # noqa: E402
     synthetic_batch,
 )
 from cpvlm.hf.vision_cost import vision_cost  # noqa: E402
+from cpvlm.options import CPOptions  # noqa: E402
 from cpvlm.verify import (  # noqa: E402
     DistributedTestError,
     cp_loss_and_grads,
@@ -77,7 +78,9 @@ def _cp(rank, world_size, cases, islands=True, naive=False):
     for kind, (attn, vision, flow) in cases:
         batch, doc_lens = _batch(base, kind)
         model = copy.deepcopy(base)
-        cp_model = ContextParallelVLM(model, dist.group.WORLD, attn=attn, vision=vision, flow=flow)
+        cp_model = ContextParallelVLM(
+            model, dist.group.WORLD, options=CPOptions(attn=attn, vision=vision, flow=flow)
+        )
         if naive:
             for module in model.modules():
                 if isinstance(module, NemotronHMamba2Mixer):
