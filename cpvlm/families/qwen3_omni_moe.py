@@ -197,6 +197,7 @@ class Qwen3OmniMoeKit(MoeKit, Qwen3VLKit):
     tiny_configs = {"qwen3-omni-moe-tiny": tiny_qwen3_omni_moe_config}
     published_configs = {"qwen3-omni-30b-a3b": qwen3_omni_30b_a3b_config}
     published_towers = {"Qwen3-Omni-30B-A3B": OMNI_TOWER}
+    traits = frozenset({"deepstack"})  # not frame_timestamps: a video is one group
     tiny_processor = None  # no chat_media yet (module docstring)
     unused_parameters = r"model\.audio_tower\."  # audio is not in this step
     float32_islands = ("Qwen3OmniMoeThinkerTextTopKRouter",)
@@ -207,11 +208,18 @@ class Qwen3OmniMoeKit(MoeKit, Qwen3VLKit):
         return FamilyKit.item_tokens(self, kind, grid, text)
 
     def module_groups(self):
-        groups = [
-            (label, (r"model\.visual\.merger_list\.",) if label == "deepstack mergers" else p)
-            for label, p in super().module_groups()
-        ]
-        return (*groups, ("audio tower", (r"model\.audio_tower\.",)))
+        """Qwen3-VL-MoE's groups (deepstack mergers at ``merger_list``); the unused audio tower
+        goes with the token embeddings, as a group of its own would be all zeros (a zero error
+        there would mean two zeros, not equal gradients)."""
+        audio = r"model\.audio_tower\."
+        groups = []
+        for label, patterns in super().module_groups():
+            if label == "deepstack mergers":
+                patterns = (r"model\.visual\.merger_list\.",)
+            elif label == "token embeddings":
+                label, patterns = "token embeddings, audio tower (unused)", (*patterns, audio)
+            groups.append((label, patterns))
+        return tuple(groups)
 
 
 # ---- the adapter ---------------------------------------------------------------------------------
@@ -244,15 +252,21 @@ class Qwen3OmniMoeAdapter(MoeRouter, Qwen3VLAdapter):
     # ---- batch layout ---------------------------------------------------------------------------
 
     def from_model_batch(self, batch):
-        """The processor's ``video_second_per_grid`` as the core's ``second_per_grid_ts``; audio
-        inputs and audio tokens are refused."""
+        """The processor's ``video_second_per_grid`` as the core's ``second_per_grid_ts``, and
+        the token types from ``input_ids`` where the batch has none (the thinker takes none: its
+        ``get_rope_index`` places items by their ids); audio inputs and audio tokens are
+        refused."""
         _refuse_audio(batch, self.audio_token_ids)
-        if batch.get(SECONDS_KEY) is None:
+        ids = batch.get("input_ids")
+        missing_types = batch.get("mm_token_type_ids") is None and isinstance(ids, torch.Tensor)
+        if batch.get(SECONDS_KEY) is None and not missing_types:
             return batch
         batch = dict(batch)
-        seconds = batch.pop(SECONDS_KEY)
-        if batch.get("second_per_grid_ts") is None:
+        seconds = batch.pop(SECONDS_KEY, None)
+        if seconds is not None and batch.get("second_per_grid_ts") is None:
             batch["second_per_grid_ts"] = torch.as_tensor(seconds)
+        if missing_types:
+            batch["mm_token_type_ids"] = self.mm_token_type_ids(ids, batch.get("attention_mask"))
         return batch
 
     def to_model_batch(self, batch):
