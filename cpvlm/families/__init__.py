@@ -10,6 +10,7 @@ from . import (  # noqa: F401
     qwen2_5_vl,
     qwen2_vl,
     qwen3_5,
+    qwen3_omni_moe,
     qwen3_vl,
     qwen3_vl_moe,
 )

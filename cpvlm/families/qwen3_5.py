@@ -215,7 +215,7 @@ def qwen3_5_9b_config() -> Qwen3_5Config:
 class Qwen3_5Kit(Qwen3VLKit):
     tiny_configs = {"qwen3.5-tiny": tiny_qwen3_5_config}
     published_configs = {"qwen3.5-9b": qwen3_5_9b_config}
-    traits = frozenset({"linear_attention"})
+    traits = frozenset({"linear_attention", "frame_timestamps"})
     tiny_processor = None
 
     float32_islands = (

@@ -128,7 +128,7 @@ class Qwen3VLKit(FamilyKit):
          "spatial_merge_size": 2, "in_channels": 3, "num_position_embeddings": 2304,
          "deepstack_visual_indexes": [8, 16, 24]},
     }  # fmt: skip
-    traits = frozenset({"deepstack"})
+    traits = frozenset({"deepstack", "frame_timestamps"})
     tiny_processor = tiny_qwen_vl_processor(
         "Qwen3VLProcessor", "Qwen3VLVideoProcessor", system_prompt=False
     )

@@ -24,7 +24,8 @@ hook declared on ``VLMAdapter`` below, with its contract; nothing else is read f
   ``split_frames``, ``vision_cost``; ``vision="split"``: ``split_vision``, ``unit_order``,
   ``windowed_attention``, ``split_tower_kwargs``;
 - positions and masks: ``span_token_types``, ``span_layers`` (M-RoPE positions come from the
-  model's own ``get_rope_index`` at ``modules.rope_index``, 1D RoPE where it has none);
+  model's own ``get_rope_index`` at ``modules.rope_index``, called with ``rope_index_kwargs``;
+  1D RoPE where it has none);
 - decoder and losses: ``decoder_inputs`` (deepstack rows, per-layer embeddings, router logits),
   ``router_loss`` (the core adds its share, ``cpvlm.router_loss``), ``logit_softcap``.
 
@@ -380,6 +381,13 @@ class VLMAdapter:
         return {"position_ids": positions, "cu_seqlens": single_call(n, positions.device)}
 
     # ---- positions and masks (prepare_batch, the attention) -------------------------------------
+
+    def rope_index_kwargs(self, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The keywords of the model's ``get_rope_index`` (at ``modules.rope_index``) besides
+        ``input_ids`` [B, S], from the core's: ``mm_token_type_ids``, ``image_grid_thw``,
+        ``video_grid_thw``, ``attention_mask`` (None: no padding) and the ``video_keys``.
+        Default: those, as they are (the base layout's signature)."""
+        return kwargs
 
     span_token_types: ClassVar[tuple[int, ...]] = ()
     """Token types (``mm_token_type_ids``) whose runs attend to each other bidirectionally (one

@@ -193,11 +193,16 @@ def rope_index(
         return arange.expand(3, input_ids.shape[0], -1).clone()
     position_ids, _ = get_rope_index(
         input_ids,
-        mm_token_type_ids=mm_token_type_ids,
-        image_grid_thw=image_grid_thw,
-        video_grid_thw=video_grid_thw,
-        attention_mask=attention_mask,
-        **video_extras,
+        **adapter.rope_index_kwargs(
+            input_ids,
+            {
+                "mm_token_type_ids": mm_token_type_ids,
+                "image_grid_thw": image_grid_thw,
+                "video_grid_thw": video_grid_thw,
+                "attention_mask": attention_mask,
+                **video_extras,
+            },
+        ),
     )
     return position_ids
 

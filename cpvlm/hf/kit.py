@@ -25,6 +25,7 @@ from cpvlm.hf.float64 import KeepFloat64
 TRAITS = {
     "tiled": "square tiles or crops of an image through a ViT, image tokens only, 1D RoPE",
     "deepstack": "the tower returns deepstack levels that the decoder adds after its layers",
+    "frame_timestamps": "each video frame its own vision group after a timestamp (Qwen3-VL's)",
     "linear_attention": "decoder layers other than attention (a recurrence over the sequence)",
     "frames_as_images": "video frames are image tokens inside video markers, one tower call each",
     "image_spans": "images attended bidirectionally and sliding windows; the model's own images",

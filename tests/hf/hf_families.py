@@ -33,6 +33,7 @@ def with_trait(trait: str) -> set[str]:
 
 TILED = with_trait("tiled")
 DEEPSTACK = with_trait("deepstack")
+FRAME_TIMESTAMPS = with_trait("frame_timestamps")  # a group per video frame (Qwen3-VL)
 GLM = with_trait("frames_as_images")
 LINEAR_ATTENTION = with_trait("linear_attention")
 GEMMA = with_trait("image_spans")  # sliding windows, image spans, their own image inputs

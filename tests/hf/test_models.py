@@ -7,6 +7,7 @@ loss upcasts float64 logits to float32, so it is compared with the float64 refer
 """
 
 import contextlib
+import inspect
 import re
 
 import pytest
@@ -19,6 +20,7 @@ from hf_families import (
     DEEPSTACK,
     FAMILIES,
     FAMILY_OF,
+    FRAME_TIMESTAMPS,
     GEMMA,
     GLM,
     LINEAR_ATTENTION,
@@ -43,6 +45,7 @@ from cpvlm.hf import (  # noqa: E402
     supported,
     synthetic_batch,
 )
+from cpvlm.hf.adapter import module_at  # noqa: E402
 from cpvlm.verify import causal_lm_loss, mrope_position_ids, reference_loss_and_grads  # noqa: E402
 
 # The Qwen-VL-layout families (grids of pixel rows in the model's own batch, M-RoPE): these
@@ -276,7 +279,7 @@ def test_synthetic_batch_layout(name):
         assert (ids == config.video_token_id).sum() == 32 // merge**2
         expected_types = (ids == config.image_token_id).long() + 2 * (ids == config.video_token_id)
         # Qwen3-VL and Qwen3.5: one start/end pair per frame
-        frames = 2 if name in DEEPSTACK | LINEAR_ATTENTION else 1
+        frames = 2 if name in FRAME_TIMESTAMPS else 1
         assert (ids == config.vision_start_token_id).sum() == 2 + frames
         assert (ids == config.vision_end_token_id).sum() == 2 + frames
     assert torch.equal(types, expected_types)
@@ -335,17 +338,21 @@ def test_causal_lm_loss_without_valid_labels():
 @pytest.mark.parametrize("name", QWEN_LAYOUT)
 def test_mm_token_type_ids_is_required(name):
     model = cached_model(name)
-    batch = model_inputs(synthetic_batch(model.config, samples(name, ONE_SAMPLE), seed=1))
+    core = model_inputs(synthetic_batch(model.config, samples(name, ONE_SAMPLE), seed=1))
+    batch = model_inputs(core, model)  # the forward's own keywords
     without = {k: v for k, v in batch.items() if k != "mm_token_type_ids"}
+    # A get_rope_index without the keyword places items by input_ids alone (Qwen3-Omni's).
+    get_rope_index = module_at(model, adapter_for(model).modules.rope_index)
+    needs = "mm_token_type_ids" in inspect.signature(get_rope_index).parameters
     with torch.no_grad():
-        if name != "qwen2.5-vl-tiny":
+        if needs and name != "qwen2.5-vl-tiny":
             with pytest.raises(ValueError, match="mm_token_type_ids"):
                 model(**without, use_cache=False)
-        else:  # Qwen2.5-VL silently falls back to 1-D positions.
+        elif needs:  # Qwen2.5-VL silently falls back to 1-D positions.
             wrong = model(**without, use_cache=False).logits
             right = model(**batch, use_cache=False).logits
             assert not torch.allclose(wrong, right)
-        explicit = model(**without, position_ids=mrope_position_ids(model, batch), use_cache=False)
+        explicit = model(**without, position_ids=mrope_position_ids(model, core), use_cache=False)
         assert torch.equal(explicit.logits, model(**batch, use_cache=False).logits)
 
 
@@ -425,16 +432,18 @@ def test_language_model_runs_on_reordered_local_tokens(name):
     rows in local order, is the model's; a head-tail reordering changes nothing but round-off."""
     model = cached_model(name)
     batch = model_inputs(synthetic_batch(model.config, samples(name, ONE_SAMPLE), seed=1))
+    own = model_inputs(batch, model)  # the forward's own keywords
     with torch.no_grad():
-        full = model.model(**batch, use_cache=False).last_hidden_state
-        logits = model(**batch, use_cache=False).logits
+        full = model.model(**own, use_cache=False).last_hidden_state
+        logits = model(**own, use_cache=False).logits
         embeds, visual, deepstack = embed_multimodal(model, batch)
         mrope = mrope_position_ids(model, batch)
         assert torch.equal(language_model_hidden(model, embeds, mrope, visual, deepstack), full)
         assert torch.equal(model.lm_head(full), logits)
         keep = batch["attention_mask"].bool()
-        kept = model(**batch, use_cache=False, logits_to_keep=keep).logits
-        assert torch.equal(kept, logits[keep])
+        if "logits_to_keep" in inspect.signature(type(model).forward).parameters:
+            kept = model(**own, use_cache=False, logits_to_keep=keep).logits
+            assert torch.equal(kept, logits[keep])  # (Qwen3-Omni's thinker takes no such keyword)
 
         seq = embeds.shape[1]
         chunks = torch.tensor_split(torch.arange(seq), 4)
@@ -463,7 +472,7 @@ def test_packed_documents_with_per_document_positions(name):
         model_inputs(synthetic_batch(model.config, **second, text_len=6, seed=3)),
     ]
     with torch.no_grad():
-        alone = [model(**d, use_cache=False).logits for d in docs]
+        alone = [model(**model_inputs(d, model), use_cache=False).logits for d in docs]
         lens = [d["input_ids"].shape[1] for d in docs]
         mrope = torch.cat([mrope_position_ids(model, d) for d in docs], dim=-1)
         text_row = torch.cat([torch.arange(n) for n in lens]).view(1, 1, -1)

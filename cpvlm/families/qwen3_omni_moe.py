@@ -1,0 +1,316 @@
+"""Qwen3-Omni-MoE's thinker (``Qwen3OmniMoeThinkerForConditionalGeneration``): an audio encoder,
+Qwen3-VL's vision tower with deepstack, and a sparse MoE decoder with M-RoPE; images, videos and
+text (audio not in this step).
+
+Legend: B batch, S length, m spatial merge size, D text width.
+
+Layout. The thinker is Qwen3-VL-MoE's layout with an audio tower beside the vision tower:
+``model.language_model`` (the decoder, layers ``layers``), ``model.visual`` (the tower, its final
+``merger`` and one deepstack merger per ``vision_config.deepstack_visual_indexes`` in
+``merger_list``), ``model.audio_tower`` and ``lm_head``; ``model.get_rope_index`` gives the M-RoPE
+positions. So the default ``ModulePaths`` hold but for the projector prefixes (``merger``,
+``merger_list``), and the adapter reuses Qwen3-VL's tower cost, ``encode`` (rows and deepstack
+levels), ``vision="split"`` inputs and deepstack decoder inputs by inheritance.
+
+Tokens. Each image is ``<vision_start> pads <vision_end>`` (the base layout), and so is each video,
+whole: unlike Qwen3-VL the processor writes no timestamp between frames; a video's temporal
+positions are ``t * second_per_grid * position_id_per_seconds`` (Qwen2.5-VL's rule, with the
+config's ``position_id_per_seconds``). The processor's per-video seconds are
+``video_second_per_grid`` (the forward's keyword); the core's key is ``second_per_grid_ts``
+(``from_model_batch`` / ``to_model_batch`` rename it). Audio is ``<audio_start> pads
+<audio_end>``; those ids are special tokens too (never drawn as text).
+
+Positions. ``get_rope_index`` here takes ``(input_ids, image_grid_thw, video_grid_thw,
+attention_mask, use_audio_in_video, audio_seqlens, second_per_grids)``: no
+``mm_token_type_ids``, the seconds under another name, and an ``attention_mask`` it indexes (None
+fails); ``rope_index_kwargs`` adapts the core's call (drops the token types, renames the seconds,
+gives an all-ones mask where the core has none). Its positions are float32 (as the model's own);
+the thinker's forward likewise computes no M-RoPE positions without an attention mask, so
+``to_model_batch`` gives it an all-ones one.
+
+Audio, not in this step: a batch with the audio inputs (``input_features``,
+``feature_attention_mask``, ``audio_feature_lengths``) or audio tokens in ``input_ids`` raises a
+ValueError naming the limitation, from ``from_model_batch``, which ``prepare_batch`` calls on the
+replicated batch on every rank before any collective (so every rank raises the same). The
+config needs an audio config (None builds the full-size default), so the tiny config has a tiny
+one; the audio tower stays unused (``unused_parameters``).
+
+Data path: no ``chat_media`` yet. The processor's placeholder layout is not Qwen3-VL's (no
+timestamps between video frames; Qwen2.5-VL's layout with ``video_second_per_grid``), and its
+processor (an omni processor with an audio feature extractor) is not yet wired into cpvlm's data
+path; the kit declares no tiny processor.
+
+Precision (``float32_islands``): the router ``Qwen3OmniMoeThinkerTextTopKRouter`` takes its
+softmax in float32 whatever the model's dtype; the checks compute it in float64. The MoE experts'
+default ``grouped_mm`` rejects float64, so float64 models load with eager experts (``MoeKit``);
+the router load-balancing loss is cpvlm's, exact under CP (``MoeRouter``).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Qwen3OmniMoeThinkerConfig
+
+from cpvlm.hf.adapter import ModulePaths, MoeRouter
+from cpvlm.hf.chat_media import ChatMedia
+from cpvlm.hf.kit import FamilyKit, MoeKit
+from cpvlm.hf.registration import register
+from cpvlm.hf.tiny import VISION_TOKEN_IDS, split_overrides, with_overrides
+
+from .qwen3_vl import TINY_TEXT, Qwen3VLAdapter, Qwen3VLKit, tiny_vision
+
+AUDIO_TOKEN_ID = 506
+AUDIO_START_TOKEN_ID = 507
+AUDIO_END_TOKEN_ID = 508
+
+AUDIO_KEYS = ("input_features", "feature_attention_mask", "audio_feature_lengths")
+"""The thinker's audio inputs (mel features of its audio encoder), refused in this step."""
+
+SECONDS_KEY = "video_second_per_grid"
+"""The processor's and the forward's per-video seconds (the core's ``second_per_grid_ts``)."""
+
+# ---- tiny config ---------------------------------------------------------------------------------
+
+TINY_AUDIO = {
+    "num_mel_bins": 16,
+    "encoder_layers": 1,
+    "encoder_attention_heads": 2,
+    "encoder_ffn_dim": 32,
+    "d_model": 16,
+    "output_dim": TINY_TEXT["hidden_size"],
+    "downsample_hidden_size": 8,
+    "max_source_positions": 64,
+}
+"""A one-layer audio encoder (the config cannot do without one); unused in this step."""
+
+
+def tiny_qwen3_omni_moe_config(**overrides) -> Qwen3OmniMoeThinkerConfig:
+    """A Qwen3-Omni-MoE thinker config small enough for float64 CPU tests: Qwen3-VL-MoE's tiny
+    decoder (4 experts, top 2, both layers sparse, the router loss on), Qwen3-VL's tiny tower
+    (deepstack at the first and last block), a tiny unused audio encoder. ``audio_config``
+    overrides merge into the tiny one."""
+    vision, text, top = split_overrides(overrides)
+    audio = with_overrides(TINY_AUDIO, top.pop("audio_config", None))
+    text = with_overrides(
+        {
+            **TINY_TEXT,
+            "moe_intermediate_size": 32,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "decoder_sparse_step": 1,
+            "output_router_logits": True,
+            "router_aux_loss_coef": 0.001,
+        },
+        text,
+    )
+    top = with_overrides(
+        {
+            **VISION_TOKEN_IDS,
+            "audio_token_id": AUDIO_TOKEN_ID,
+            "audio_start_token_id": AUDIO_START_TOKEN_ID,
+            "audio_end_token_id": AUDIO_END_TOKEN_ID,
+            "attn_implementation": "sdpa",
+        },
+        top,
+    )
+    return Qwen3OmniMoeThinkerConfig(
+        text_config=text, vision_config=tiny_vision(vision), audio_config=audio, **top
+    )
+
+
+# ---- published configs ---------------------------------------------------------------------------
+
+OMNI_TOWER = {
+    "depth": 27,
+    "hidden_size": 1152,
+    "intermediate_size": 4304,
+    "num_heads": 16,
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "spatial_merge_size": 2,
+    "in_channels": 3,
+    "out_hidden_size": 2048,
+    "num_position_embeddings": 2304,
+    "deepstack_visual_indexes": [8, 16, 24],
+}
+
+
+def qwen3_omni_30b_a3b_config() -> Qwen3OmniMoeThinkerConfig:
+    """Qwen3-Omni-30B-A3B (Instruct; the Thinking checkpoint's thinker has the same dimensions),
+    its thinker written out from the checkpoint's ``thinker_config`` as public copies of its
+    config.json give it (48 layers, 32 query and 4 key/value heads of 128, 128 experts of 768,
+    top 8, vocab 152064, M-RoPE [24, 20, 20] interleaved, theta 1e6; the Qwen3-VL tower of 27
+    blocks with deepstack at 8, 16, 24 and output width 2048; a 32-layer audio encoder of width
+    1280). Not checked against the checkpoint itself (no download here), and transformers'
+    config defaults are not these (their text defaults are another model's); the number of
+    learned position embeddings (2304) is the config class's default, which the published copies
+    leave out."""
+    return Qwen3OmniMoeThinkerConfig(
+        text_config={
+            "vocab_size": 152064,
+            "hidden_size": 2048,
+            "num_hidden_layers": 48,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "moe_intermediate_size": 768,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "max_position_embeddings": 65536,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1_000_000.0,
+                "mrope_section": [24, 20, 20],
+                "interleaved": True,
+            },
+        },
+        vision_config=OMNI_TOWER,
+        audio_config={
+            "num_mel_bins": 128,
+            "d_model": 1280,
+            "encoder_layers": 32,
+            "encoder_attention_heads": 20,
+            "encoder_ffn_dim": 5120,
+            "downsample_hidden_size": 480,
+            "output_dim": 2048,
+            "n_window": 50,
+            "n_window_infer": 800,
+        },
+        image_token_id=151655,
+        video_token_id=151656,
+        audio_token_id=151675,
+        vision_start_token_id=151652,
+        vision_end_token_id=151653,
+        audio_start_token_id=151669,
+        audio_end_token_id=151670,
+        position_id_per_seconds=13,
+        user_token_id=872,
+    )
+
+
+# ---- the kit -------------------------------------------------------------------------------------
+
+
+class Qwen3OmniMoeKit(MoeKit, Qwen3VLKit):
+    tiny_configs = {"qwen3-omni-moe-tiny": tiny_qwen3_omni_moe_config}
+    published_configs = {"qwen3-omni-30b-a3b": qwen3_omni_30b_a3b_config}
+    published_towers = {"Qwen3-Omni-30B-A3B": OMNI_TOWER}
+    traits = frozenset({"deepstack"})  # not frame_timestamps: a video is one group
+    tiny_processor = None  # no chat_media yet (module docstring)
+    unused_parameters = r"model\.audio_tower\."  # audio is not in this step
+    float32_islands = ("Qwen3OmniMoeThinkerTextTopKRouter",)
+    """The router's softmax, in float32 whatever the model's dtype (module docstring)."""
+
+    def item_tokens(self, kind, grid, text):
+        # one <vision_start> pads <vision_end> group per image and per video (no timestamps)
+        return FamilyKit.item_tokens(self, kind, grid, text)
+
+    def module_groups(self):
+        """Qwen3-VL-MoE's groups (deepstack mergers at ``merger_list``); the unused audio tower
+        goes with the token embeddings, as a group of its own would be all zeros (a zero error
+        there would mean two zeros, not equal gradients)."""
+        audio = r"model\.audio_tower\."
+        groups = []
+        for label, patterns in super().module_groups():
+            if label == "deepstack mergers":
+                patterns = (r"model\.visual\.merger_list\.",)
+            elif label == "token embeddings":
+                label, patterns = "token embeddings, audio tower (unused)", (*patterns, audio)
+            groups.append((label, patterns))
+        return tuple(groups)
+
+
+# ---- the adapter ---------------------------------------------------------------------------------
+
+
+@register
+class Qwen3OmniMoeAdapter(MoeRouter, Qwen3VLAdapter):
+    family = "qwen3_omni_moe"
+    model_classes = ("Qwen3OmniMoeThinkerForConditionalGeneration",)
+    model_types = ("qwen3_omni_moe_thinker",)
+    kit = Qwen3OmniMoeKit
+    chat_media = ChatMedia  # none of its own yet (module docstring)
+    modules = ModulePaths(projector=("merger", "merger_list"))
+    video_keys = ("second_per_grid_ts",)
+    # the processor's per-video seconds; the audio keys are accepted to be refused by name
+    model_batch_keys = (SECONDS_KEY, *AUDIO_KEYS)
+
+    # ---- tokens ---------------------------------------------------------------------------------
+
+    @property
+    def audio_token_ids(self) -> tuple[int, ...]:
+        c = self.config
+        ids = (c.audio_token_id, c.audio_start_token_id, getattr(c, "audio_end_token_id", None))
+        return tuple(i for i in ids if i is not None)
+
+    @property
+    def special_token_ids(self):
+        return (*super().special_token_ids, *self.audio_token_ids)
+
+    # ---- batch layout ---------------------------------------------------------------------------
+
+    def from_model_batch(self, batch):
+        """The processor's ``video_second_per_grid`` as the core's ``second_per_grid_ts``, and
+        the token types from ``input_ids`` where the batch has none (the thinker takes none: its
+        ``get_rope_index`` places items by their ids); audio inputs and audio tokens are
+        refused."""
+        _refuse_audio(batch, self.audio_token_ids)
+        ids = batch.get("input_ids")
+        missing_types = batch.get("mm_token_type_ids") is None and isinstance(ids, torch.Tensor)
+        if batch.get(SECONDS_KEY) is None and not missing_types:
+            return batch
+        batch = dict(batch)
+        seconds = batch.pop(SECONDS_KEY, None)
+        if seconds is not None and batch.get("second_per_grid_ts") is None:
+            batch["second_per_grid_ts"] = torch.as_tensor(seconds)
+        if missing_types:
+            batch["mm_token_type_ids"] = self.mm_token_type_ids(ids, batch.get("attention_mask"))
+        return batch
+
+    def to_model_batch(self, batch):
+        """The thinker's forward keywords: the seconds as ``video_second_per_grid``, no
+        ``mm_token_type_ids`` (it takes none), an all-ones attention mask where the batch has
+        none (without one the thinker computes no M-RoPE positions)."""
+        _refuse_audio(batch, self.audio_token_ids)
+        out = {
+            k: v for k, v in batch.items() if k not in ("mm_token_type_ids", "second_per_grid_ts")
+        }
+        if batch.get("second_per_grid_ts") is not None:
+            out[SECONDS_KEY] = batch["second_per_grid_ts"]
+        if out.get("attention_mask") is None and out.get("input_ids") is not None:
+            out["attention_mask"] = torch.ones_like(out["input_ids"])
+        return out
+
+    # ---- positions ------------------------------------------------------------------------------
+
+    def rope_index_kwargs(self, input_ids, kwargs):
+        """The thinker's ``get_rope_index`` keywords (module docstring, "Positions")."""
+        out = {
+            k: v for k, v in kwargs.items() if k not in ("mm_token_type_ids", "second_per_grid_ts")
+        }
+        if kwargs.get("video_grid_thw") is not None:
+            seconds = kwargs.get("second_per_grid_ts")
+            if seconds is None:
+                raise ValueError(
+                    "qwen3_omni_moe: a batch with videos needs second_per_grid_ts (the "
+                    "processor's video_second_per_grid: seconds per temporal patch, one per "
+                    "video); the video positions are t * seconds * position_id_per_seconds"
+                )
+            out["second_per_grids"] = seconds
+        if out.get("attention_mask") is None:
+            out["attention_mask"] = torch.ones_like(input_ids)
+        return out
+
+
+def _refuse_audio(batch, audio_ids) -> None:
+    given = [k for k in AUDIO_KEYS if batch.get(k) is not None]
+    ids = batch.get("input_ids")
+    if isinstance(ids, torch.Tensor) and bool(torch.isin(ids, torch.tensor(audio_ids)).any()):
+        given.append(f"audio tokens {list(audio_ids)} in input_ids")
+    if given:
+        raise ValueError(
+            f"qwen3_omni_moe: audio inputs ({', '.join(given)}) are not supported yet: cpvlm "
+            "trains this family on images, videos and text (the audio encoder comes later)"
+        )
