@@ -52,6 +52,11 @@ FAMILIES = {
         {**_TINY, "deepstack_visual_indexes": [1], "num_position_embeddings": 64},
     ),
     "qwen3_5": ("qwen3_5", "Qwen3_5VisionModel", {**_TINY, "num_position_embeddings": 64}),
+    "qwen3_omni_moe_thinker": (
+        "qwen3_omni_moe",
+        "Qwen3OmniMoeVisionEncoder",
+        {**_TINY, "deepstack_visual_indexes": [1], "num_position_embeddings": 64},
+    ),
     "qwen3_5_moe": (
         "qwen3_5_moe",
         "Qwen3_5MoeVisionModel",
