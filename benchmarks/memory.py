@@ -39,7 +39,7 @@ memory falls exactly as 1/cp. "scal/comp" is the scalable over the compatibility
 Not counted: what every rank holds before the step, the full batch (in_MiB, mostly pixels) and
 the model. Then the live bytes at the peak are split by origin: the module that made them in the
 forward (vision, embed, layer<i>, norm, lm_head), "loss" after the head, "glue" for the rest
-(ContextParallelVLM and VisionDataParallel between modules: batch preparation, vision row
+(ContextParallelVLM and EncoderDataParallel between modules: batch preparation, vision row
 collectives, scatter into the embeddings, shard, rotary tables), "backward"; the largest live
 tensors at the peak are listed; and every float tensor with a dimension of full sequence length
 (S or padded) that a rank allocated: the scalable flow must have none. That check does not see

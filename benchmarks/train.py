@@ -52,7 +52,7 @@ time minus its children's) is put in one bucket by where it ran:
 - data: waiting for the loader's rows (and the agreement on decode failures);
 - prepare: positions, labels and the plan on the full integer sequence (replicated on every
   rank), and sharding them;
-- vision: the tower and VisionDataParallel's collectives, forward and backward (backward ops are
+- vision: the tower and EncoderDataParallel's collectives, forward and backward (backward ops are
   matched to their forward op by autograd's sequence number);
 - attention compute / attention comm: the CP attention's kernels, and its sends, receives and
   waits (what the ring did not hide behind compute);

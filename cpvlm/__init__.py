@@ -19,8 +19,8 @@ from cpvlm.parallelize import (
     sync_gradients,
 )
 from cpvlm.vision import (
+    EncoderDataParallel,
     VisionCost,
-    VisionDataParallel,
     assign_vision_units,
     gather_vision_embeddings,
     route_to_owners,
@@ -36,7 +36,7 @@ __all__ = [
     "MeshGroups",
     "ShardPlan",
     "VisionCost",
-    "VisionDataParallel",
+    "EncoderDataParallel",
     "assign_vision_units",
     "build_mesh",
     "count_valid_labels",

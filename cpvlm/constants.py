@@ -17,11 +17,11 @@ head-tail chunks of every document, or long documents head-tail and short ones w
 
 VISION_MODES = ("route", "allgather", "split", "replicate")
 """How the CP ranks of a replica share the vision tower (``CPOptions(vision=...)``,
-``--vision``); the first three are ``VisionDataParallel`` modes, "replicate" encodes everything on
+``--vision``); the first three are ``EncoderDataParallel`` modes, "replicate" encodes everything on
 every rank (the baseline)."""
 
 VISION_DP_MODES = ("route", "allgather", "split")
-"""``VisionDataParallel(mode=...)``: each unit encoded once, rows routed to owners or all-gathered;
+"""``EncoderDataParallel(mode=...)``: each unit encoded once, rows routed to owners or all-gathered;
 or, "split", units too large for a rank's share sharded across ranks, rows routed."""
 
 FLOWS = ("scalable", "compat")

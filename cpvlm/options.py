@@ -184,7 +184,7 @@ class CPOptions:
 class AttentionOptions:
     """The options of ``cp_attention`` besides its inputs: ``impl`` (``CPOptions.attn``) and,
     for "hybrid", ``ulysses_size``. Checked where they meet their group (``cp_attention``,
-    ``VisionDataParallel``), by the rules of ``CPOptions``."""
+    ``EncoderDataParallel``), by the rules of ``CPOptions``."""
 
     impl: str = "ring"
     ulysses_size: int | None = None

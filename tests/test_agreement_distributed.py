@@ -20,7 +20,7 @@ from cpvlm.distributed.collectives import StepAgreement, agree
 from cpvlm.options import CPOptions
 from cpvlm.testing import run_distributed
 from cpvlm.testing.toy_tower import ToyVisionTower
-from cpvlm.vision import VisionDataParallel
+from cpvlm.vision import EncoderDataParallel
 
 MERGE = 2
 GRIDS = [[1, 4, 4], [1, 2, 4], [1, 2, 2]]  # 4 + 2 + 1 rows, one or two units per rank
@@ -68,10 +68,10 @@ def _cases(rank, world):
         "gather: counts differ": lambda: gather_vision_embeddings(
             x, [3 + (rank == bad)] + [3] * (world - 1), dist.group.WORLD
         ),
-        "route: the tower returns a row too few": lambda: VisionDataParallel(
+        "route: the tower returns a row too few": lambda: EncoderDataParallel(
             short, dist.group.WORLD, mode="route", merge_size=MERGE
         )(pixels, grids, plan=plan, row_positions=positions),
-        "allgather: the tower returns a row too few": lambda: VisionDataParallel(
+        "allgather: the tower returns a row too few": lambda: EncoderDataParallel(
             short, dist.group.WORLD, mode="allgather", merge_size=MERGE
         )(pixels, grids),
         "cp_attention: a wrong local length": lambda: cp_attention(
@@ -108,11 +108,11 @@ EXPECTED = {  # every rank's message contains these; {bad} is the wrong rank, {w
     ],
     "gather: counts differ": ["gather_vision_embeddings: the ranks", "different counts", "(4, 3"],
     "route: the tower returns a row too few": [
-        "rank {bad} of {w}: VisionDataParallel: encoder output 0 has shape",
+        "rank {bad} of {w}: EncoderDataParallel: encoder output 0 has shape",
         "is merge_size right?",
     ],
     "allgather: the tower returns a row too few": [
-        "rank {bad} of {w}: VisionDataParallel: encoder output 0 has shape"
+        "rank {bad} of {w}: EncoderDataParallel: encoder output 0 has shape"
     ],
     "cp_attention: a wrong local length": [
         "rank {bad} of {w}: cp_attention: q has",

@@ -44,7 +44,7 @@ pytestmark = pytest.mark.usefixtures("no_training_process")
 
 def _library_messages(rank, world_size, cases):
     from cpvlm.hf import ContextParallelVLM, build_model
-    from cpvlm.vision import VisionDataParallel
+    from cpvlm.vision import EncoderDataParallel
 
     model = build_model("qwen3-vl-tiny", seed=0)
     messages = []
@@ -61,7 +61,7 @@ def _library_messages(rank, world_size, cases):
     split = []
     for attn, u in ((f["attn"], f["ulysses_size"]) for f in cases if "ulysses_size" in f):
         try:
-            VisionDataParallel(tower, None, mode="split", attention=AttentionOptions(attn, u))
+            EncoderDataParallel(tower, None, mode="split", attention=AttentionOptions(attn, u))
             split.append(None)
         except ValueError as err:
             split.append(str(err))
@@ -96,7 +96,7 @@ def test_the_library_refuses_with_the_same_messages():
             where = "library: ContextParallelVLM: " if problem(**fields) is None else ""
             assert got == where + problem(cp_size=2, **fields), (fields, got)
         for fields, got in zip(ulysses, split, strict=True):
-            assert got == f"VisionDataParallel: {problem(cp_size=2, **fields)}", (fields, got)
+            assert got == f"EncoderDataParallel: {problem(cp_size=2, **fields)}", (fields, got)
         assert defaults == dataclasses.replace(DEFAULTS, cp_size=2)
 
 

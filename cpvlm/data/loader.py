@@ -7,7 +7,7 @@ Per step every rank takes the next R * dp row slots of the global ``RowStream`` 
 sample positions and sizes), deals them to DP ranks (``balance``: by tokens, ``dp_split``, or by
 modelled cost, ``dp_deal`` with a ``RowCost``), plans in full only its DP rank's R rows, and for
 each row computes which units its CP rank encodes, with the same assignment as the model's
-``VisionDataParallel`` (``assign``, patch-balanced by default). Sizing a window needs every
+``EncoderDataParallel`` (``assign``, patch-balanced by default). Sizing a window needs every
 sample's ``SampleMeta``: from the source where it has ``meta``; else, with an ``exchange``
 (``DPExchange`` over the DP ranks of this CP rank), each DP rank plans a share of the window dealt
 by estimated planning cost (``plan_split`` of ``RowStream.plan_costs``: the same on every rank, known
@@ -62,7 +62,7 @@ Pieces = Callable[[VisionUnits], list[dict[int, tuple[int, ...]]]]
 
 
 def patch_balanced(cp_size: int) -> Assign:
-    """The assignment ``VisionDataParallel`` uses by default: balanced by patch counts."""
+    """The assignment ``EncoderDataParallel`` uses by default: balanced by patch counts."""
     return lambda units: assign_vision_units(units.pixel_counts, cp_size)
 
 
@@ -135,7 +135,7 @@ class LocalRow:
 
 def _unit_layout(ids, row) -> dict:
     """``vision_units`` keywords of the family's units of ``row``: frames or whole items, so
-    sized, of their kinds (the units ``VisionDataParallel`` assigns)."""
+    sized, of their kinds (the units ``EncoderDataParallel`` assigns)."""
     return {"split_frames": ids.split_frames, "sizes": ids.sizes, "kinds": row.kinds()}
 
 

@@ -340,7 +340,7 @@ class FixedImageLayout(VLMAdapter):
     def encode(self, model, pixel_values, grid_thw, kinds=None):
         full = grid_thw.new_tensor([1, self.side, self.side])
         if len(grid_thw) == 1 and not torch.equal(grid_thw[0], full):
-            # VisionDataParallel's m x m dummy frame on a rank without images: one zero image,
+            # EncoderDataParallel's m x m dummy frame on a rank without images: one zero image,
             # one row of it kept (its value is discarded).
             zeros = pixel_values.new_zeros(self.side**2, self.pixel_width)
             return self.encode(model, zeros, full[None])[

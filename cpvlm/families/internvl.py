@@ -438,7 +438,7 @@ class InternVLAdapter(VLMAdapter):
     def encode(self, model, pixel_values, grid_thw, kinds=None):
         # InternVLModel.get_image_features: the tower, the feature layer, pixel shuffle and the
         # projector. Consecutive items of one tile size go through one call (all real tiles are
-        # s x s; VisionDataParallel's dummy frame on a rank without units is a smaller one, alone).
+        # s x s; EncoderDataParallel's dummy frame on a rank without units is a smaller one, alone).
         grids = [tuple(int(v) for v in g) for g in grid_thw.tolist()]
         out, row = [], 0
         for size, group in itertools.groupby(grids, key=lambda g: g[1:]):

@@ -1,6 +1,6 @@
 """Qwen3-Omni-MoE's thinker (``Qwen3OmniMoeThinkerForConditionalGeneration``): an audio encoder,
 Qwen3-VL's vision tower with deepstack, and a sparse MoE decoder with M-RoPE; images, videos and
-text (audio not in this step).
+text and audio.
 
 Legend: B batch, S length, m spatial merge size, D text width.
 
@@ -28,12 +28,24 @@ gives an all-ones mask where the core has none). Its positions are float32 (as t
 the thinker's forward likewise computes no M-RoPE positions without an attention mask, so
 ``to_model_batch`` gives it an all-ones one.
 
-Audio, not in this step: a batch with the audio inputs (``input_features``,
-``feature_attention_mask``, ``audio_feature_lengths``) or audio tokens in ``input_ids`` raises a
-ValueError naming the limitation, from ``from_model_batch``, which ``prepare_batch`` calls on the
-replicated batch on every rank before any collective (so every rank raises the same). The
-config needs an audio config (None builds the full-size default), so the tiny config has a tiny
-one; the audio tower stays unused (``unused_parameters``).
+Audio. Each clip is ``<audio_start> pads <audio_end>``, its pads the rows of the audio encoder
+(``model.audio_tower``: three stride-2 convolutions over chunks of ``2 * n_window`` mel frames,
+then blocks attending within windows of ``n_window_infer`` frames of the clip, then the
+projection to the text width), ``audio_rows`` by the model's own
+``_get_feat_extract_output_lengths``. A clip's rows depend on that clip alone, so each clip is a
+unit of the audio ``EncoderDataParallel``: encoded once, on one rank, by ``encode_audio``, which
+calls the tower as ``get_audio_features`` does (the mel frames of the clips one after another,
+``[F, frames]``, with ``feature_lens``). The tower pads every chunk to the longest chunk of
+the clips it is called with, and its convolution biases carry that padding into the last rows of
+a shorter chunk: ``encode_audio`` pads this rank's chunks to the forward batch's longest chunk
+(``batch_lengths``), through the tower's own ``padded_feature`` / ``chunk_lengths`` inputs, so
+each clip's rows are those of the model's call on the whole batch (a packed document alone is
+the same where its clips have the batch's longest chunk: a clip of ``2 * n_window`` frames or
+more, 1 s of audio). The processor's ``input_features`` [clips, F, T] with
+``feature_attention_mask`` [clips, T] are the core's ``audio_features`` [frames, F] (the valid
+frames, as ``get_audio_features`` takes them) and ``audio_lengths``; ``from_model_batch`` /
+``to_model_batch`` convert. ``get_rope_index`` takes the clips' frames as ``audio_seqlens``;
+an audio clip inside a video (``use_audio_in_video``) is not supported.
 
 Data path: no ``chat_media`` yet. The processor's placeholder layout is not Qwen3-VL's (no
 timestamps between video frames; Qwen2.5-VL's layout with ``video_second_per_grid``), and its
@@ -63,8 +75,8 @@ AUDIO_TOKEN_ID = 506
 AUDIO_START_TOKEN_ID = 507
 AUDIO_END_TOKEN_ID = 508
 
-AUDIO_KEYS = ("input_features", "feature_attention_mask", "audio_feature_lengths")
-"""The thinker's audio inputs (mel features of its audio encoder), refused in this step."""
+AUDIO_KEYS = ("input_features", "feature_attention_mask")
+"""The thinker's audio inputs (padded mel features of its clips and their frame mask)."""
 
 SECONDS_KEY = "video_second_per_grid"
 """The processor's and the forward's per-video seconds (the core's ``second_per_grid_ts``)."""
@@ -81,13 +93,13 @@ TINY_AUDIO = {
     "downsample_hidden_size": 8,
     "max_source_positions": 64,
 }
-"""A one-layer audio encoder (the config cannot do without one); unused in this step."""
+"""A one-layer audio encoder (chunks of 2 * 50 frames, attention windows of 800 frames)."""
 
 
 def tiny_qwen3_omni_moe_config(**overrides) -> Qwen3OmniMoeThinkerConfig:
     """A Qwen3-Omni-MoE thinker config small enough for float64 CPU tests: Qwen3-VL-MoE's tiny
     decoder (4 experts, top 2, both layers sparse, the router loss on), Qwen3-VL's tiny tower
-    (deepstack at the first and last block), a tiny unused audio encoder. ``audio_config``
+    (deepstack at the first and last block), a one-layer audio encoder. ``audio_config``
     overrides merge into the tiny one."""
     vision, text, top = split_overrides(overrides)
     audio = with_overrides(TINY_AUDIO, top.pop("audio_config", None))
@@ -199,25 +211,27 @@ class Qwen3OmniMoeKit(MoeKit, Qwen3VLKit):
     published_towers = {"Qwen3-Omni-30B-A3B": OMNI_TOWER}
     traits = frozenset({"deepstack"})  # not frame_timestamps: a video is one group
     tiny_processor = None  # no chat_media yet (module docstring)
-    unused_parameters = r"model\.audio_tower\."  # audio is not in this step
+    zero_gradients = (r"model\.audio_tower\.layers\.\d+\.self_attn\.k_proj\.bias$",)
+    """The audio blocks' key bias (softmax cancels it: its gradient is round-off)."""
+    audio_clips = (230, 57)  # two full chunks of 100 frames and a part; less than one chunk
     float32_islands = ("Qwen3OmniMoeThinkerTextTopKRouter",)
     """The router's softmax, in float32 whatever the model's dtype (module docstring)."""
 
     def item_tokens(self, kind, grid, text):
-        # one <vision_start> pads <vision_end> group per image and per video (no timestamps)
+        # one <vision_start> pads <vision_end> group per image and per video (no timestamps),
+        # one <audio_start> pads <audio_end> group per audio clip
+        if kind == "audio":
+            c = self.config
+            pads = [c.audio_token_id] * self.adapter.audio_rows(grid[2])
+            return [c.audio_start_token_id, *pads, c.audio_end_token_id]
         return FamilyKit.item_tokens(self, kind, grid, text)
 
     def module_groups(self):
-        """Qwen3-VL-MoE's groups (deepstack mergers at ``merger_list``); the unused audio tower
-        goes with the token embeddings, as a group of its own would be all zeros (a zero error
-        there would mean two zeros, not equal gradients)."""
-        audio = r"model\.audio_tower\."
-        groups = []
+        """Qwen3-VL-MoE's groups (deepstack mergers at ``merger_list``) and the audio tower."""
+        groups = [("audio tower", (r"model\.audio_tower\.",))]
         for label, patterns in super().module_groups():
             if label == "deepstack mergers":
                 patterns = (r"model\.visual\.merger_list\.",)
-            elif label == "token embeddings":
-                label, patterns = "token embeddings, audio tower (unused)", (*patterns, audio)
             groups.append((label, patterns))
         return tuple(groups)
 
@@ -232,10 +246,9 @@ class Qwen3OmniMoeAdapter(MoeRouter, Qwen3VLAdapter):
     model_types = ("qwen3_omni_moe_thinker",)
     kit = Qwen3OmniMoeKit
     chat_media = ChatMedia  # none of its own yet (module docstring)
-    modules = ModulePaths(projector=("merger", "merger_list"))
+    modules = ModulePaths(projector=("merger", "merger_list"), audio_tower="model.audio_tower")
     video_keys = ("second_per_grid_ts",)
-    # the processor's per-video seconds; the audio keys are accepted to be refused by name
-    model_batch_keys = (SECONDS_KEY, *AUDIO_KEYS)
+    model_batch_keys = (SECONDS_KEY, *AUDIO_KEYS)  # the processor's seconds and audio
 
     # ---- tokens ---------------------------------------------------------------------------------
 
@@ -249,19 +262,61 @@ class Qwen3OmniMoeAdapter(MoeRouter, Qwen3VLAdapter):
     def special_token_ids(self):
         return (*super().special_token_ids, *self.audio_token_ids)
 
+    # ---- audio ----------------------------------------------------------------------------------
+
+    @property
+    def audio_token_id(self):
+        return self.config.audio_token_id
+
+    @property
+    def audio_feature_width(self):
+        return self.config.audio_config.num_mel_bins
+
+    def audio_rows(self, frames):
+        from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as m
+
+        n_window = self.config.audio_config.n_window
+        return int(m._get_feat_extract_output_lengths(torch.tensor(frames), n_window))
+
+    def encode_audio(self, model, features, lengths, batch_lengths):
+        """The tower on these clips, their chunks padded as in the forward batch (module
+        docstring, "Audio")."""
+        from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as m
+
+        tower = self.audio_tower(model)
+        x, n_window = features.T, self.config.audio_config.n_window
+        chunks, chunk_lengths = m.chunk_and_pad_features(x, lengths, n_window)
+        longest = min(max(batch_lengths, default=1), 2 * n_window)  # the batch's longest chunk
+        if chunks.shape[-1] < longest:
+            chunks = torch.nn.functional.pad(chunks, (0, longest - chunks.shape[-1]))
+        out = tower(
+            x,
+            feature_lens=lengths,
+            padded_feature=chunks,
+            chunk_lengths=chunk_lengths,
+            return_dict=True,
+        )
+        return out.last_hidden_state
+
     # ---- batch layout ---------------------------------------------------------------------------
 
     def from_model_batch(self, batch):
-        """The processor's ``video_second_per_grid`` as the core's ``second_per_grid_ts``, and
-        the token types from ``input_ids`` where the batch has none (the thinker takes none: its
-        ``get_rope_index`` places items by their ids); audio inputs and audio tokens are
-        refused."""
-        _refuse_audio(batch, self.audio_token_ids)
+        """The processor's ``video_second_per_grid`` as the core's ``second_per_grid_ts``, its
+        audio as the core's ``audio_features`` / ``audio_lengths``, and the token types from
+        ``input_ids`` where the batch has none (the thinker takes none: its ``get_rope_index``
+        places items by their ids)."""
         ids = batch.get("input_ids")
         missing_types = batch.get("mm_token_type_ids") is None and isinstance(ids, torch.Tensor)
-        if batch.get(SECONDS_KEY) is None and not missing_types:
+        own_audio = any(batch.get(k) is not None for k in AUDIO_KEYS)
+        if batch.get(SECONDS_KEY) is None and not missing_types and not own_audio:
             return batch
         batch = dict(batch)
+        if own_audio:
+            batch.update(
+                _core_audio(
+                    batch.pop("input_features", None), batch.pop("feature_attention_mask", None)
+                )
+            )
         seconds = batch.pop(SECONDS_KEY, None)
         if seconds is not None and batch.get("second_per_grid_ts") is None:
             batch["second_per_grid_ts"] = torch.as_tensor(seconds)
@@ -270,13 +325,14 @@ class Qwen3OmniMoeAdapter(MoeRouter, Qwen3VLAdapter):
         return batch
 
     def to_model_batch(self, batch):
-        """The thinker's forward keywords: the seconds as ``video_second_per_grid``, no
-        ``mm_token_type_ids`` (it takes none), an all-ones attention mask where the batch has
-        none (without one the thinker computes no M-RoPE positions)."""
-        _refuse_audio(batch, self.audio_token_ids)
-        out = {
-            k: v for k, v in batch.items() if k not in ("mm_token_type_ids", "second_per_grid_ts")
-        }
+        """The thinker's forward keywords: the seconds as ``video_second_per_grid``, the audio
+        as ``input_features`` / ``feature_attention_mask``, no ``mm_token_type_ids`` (it takes
+        none), an all-ones attention mask where the batch has none (without one the thinker
+        computes no M-RoPE positions)."""
+        core = ("mm_token_type_ids", "second_per_grid_ts", "audio_features", "audio_lengths")
+        out = {k: v for k, v in batch.items() if k not in core}
+        if batch.get("audio_features") is not None:
+            out.update(_model_audio(batch["audio_features"], batch["audio_lengths"]))
         if batch.get("second_per_grid_ts") is not None:
             out[SECONDS_KEY] = batch["second_per_grid_ts"]
         if out.get("attention_mask") is None and out.get("input_ids") is not None:
@@ -287,9 +343,10 @@ class Qwen3OmniMoeAdapter(MoeRouter, Qwen3VLAdapter):
 
     def rope_index_kwargs(self, input_ids, kwargs):
         """The thinker's ``get_rope_index`` keywords (module docstring, "Positions")."""
-        out = {
-            k: v for k, v in kwargs.items() if k not in ("mm_token_type_ids", "second_per_grid_ts")
-        }
+        core = ("mm_token_type_ids", "second_per_grid_ts", "audio_lengths")
+        out = {k: v for k, v in kwargs.items() if k not in core}
+        if kwargs.get("audio_lengths") is not None:
+            out["audio_seqlens"] = kwargs["audio_lengths"]
         if kwargs.get("video_grid_thw") is not None:
             seconds = kwargs.get("second_per_grid_ts")
             if seconds is None:
@@ -304,13 +361,36 @@ class Qwen3OmniMoeAdapter(MoeRouter, Qwen3VLAdapter):
         return out
 
 
-def _refuse_audio(batch, audio_ids) -> None:
-    given = [k for k in AUDIO_KEYS if batch.get(k) is not None]
-    ids = batch.get("input_ids")
-    if isinstance(ids, torch.Tensor) and bool(torch.isin(ids, torch.tensor(audio_ids)).any()):
-        given.append(f"audio tokens {list(audio_ids)} in input_ids")
-    if given:
-        raise ValueError(
-            f"qwen3_omni_moe: audio inputs ({', '.join(given)}) are not supported yet: cpvlm "
-            "trains this family on images, videos and text (the audio encoder comes later)"
+def _core_audio(features, mask) -> dict:
+    """The processor's ``input_features`` [clips, F, T] and ``feature_attention_mask`` [clips, T]
+    as the core's ``audio_features`` [frames, F] (each clip's valid frames, in order, as
+    ``get_audio_features`` selects them) and ``audio_lengths``."""
+    if (
+        features is None
+        or mask is None
+        or features.dim() != 3
+        or mask.shape
+        != (
+            features.shape[0],
+            features.shape[2],
         )
+    ):
+        raise ValueError(
+            "qwen3_omni_moe: audio needs input_features [clips, mel bins, frames] with its "
+            "feature_attention_mask [clips, frames] (the processor's output)"
+        )
+    keep = mask.bool()
+    return {"audio_features": features.transpose(1, 2)[keep], "audio_lengths": keep.sum(1)}
+
+
+def _model_audio(features, lengths) -> dict:
+    """The core's audio as the thinker's ``input_features`` (zero-padded to the longest clip) and
+    ``feature_attention_mask``; ``_core_audio``'s inverse."""
+    lengths = torch.as_tensor(lengths).tolist()
+    longest = max(lengths)
+    padded = features.new_zeros(len(lengths), longest, features.shape[1])
+    mask = torch.zeros(len(lengths), longest, dtype=torch.long)
+    for i, clip in enumerate(torch.split(features, lengths)):
+        padded[i, : len(clip)] = clip
+        mask[i, : len(clip)] = 1
+    return {"input_features": padded.transpose(1, 2), "feature_attention_mask": mask}

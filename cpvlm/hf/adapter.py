@@ -3,7 +3,7 @@
 Legend: B batch, S full length, L local length, D hidden size, R visual rows.
 
 The core knows the CP step: replicated integer inputs and the plan (``prepare_batch``), local
-embeddings, vision data parallelism (``VisionDataParallel``, the split tower), the decoder on the
+embeddings, vision data parallelism (``EncoderDataParallel``, the split tower), the decoder on the
 shard, the token-mean loss (``ContextParallelVLM``), FSDP units and freezing (the trainer), and
 the data path (``cpvlm.hf.data.processor``, the loader). Everything it asks a family is a
 hook declared on ``VLMAdapter`` below, with its contract; nothing else is read from an adapter:
@@ -26,6 +26,10 @@ hook declared on ``VLMAdapter`` below, with its contract; nothing else is read f
 - positions and masks: ``span_token_types``, ``span_layers`` (M-RoPE positions come from the
   model's own ``get_rope_index`` at ``modules.rope_index``, called with ``rope_index_kwargs``;
   1D RoPE where it has none);
+- audio (families with an audio encoder; each clip a unit of its own ``EncoderDataParallel``):
+  ``audio_token_id`` (None: no audio), ``audio_feature_width``, ``audio_rows``,
+  ``encode_audio``, ``audio_cost``, ``audio_dummy_frames``, and the tower at
+  ``modules.audio_tower``;
 - decoder and losses: ``decoder_inputs`` (deepstack rows, per-layer embeddings, router logits),
   ``router_loss`` (the core adds its share, ``cpvlm.router_loss``), ``logit_softcap``.
 
@@ -136,6 +140,9 @@ class ModulePaths:
     rope_index: str = "model.get_rope_index"
     """The model's own M-RoPE position function (``get_rope_index``); a model without it has 1D
     RoPE (the core then uses per-document positions)."""
+    audio_tower: str | None = None
+    """The audio encoder (an FSDP unit, called once per forward on every rank like the vision
+    tower); None: the family has none. A projector beside it is not part of it."""
 
 
 _MISSING = object()
@@ -164,6 +171,7 @@ _NOT_HOOKS = (
     "embed_tokens",
     "lm_head",
     "vision_tower",
+    "audio_tower",
     "fsdp_units",
     "projector",
     "freeze_vision_encoder",
@@ -250,18 +258,21 @@ class VLMAdapter:
     def mm_token_type_ids(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """``[B, S]`` long: 1 at image placeholders, 2 at video placeholders, 0 elsewhere (the
-        processor's ``mm_token_type_ids``; padding is 0). prepare_batch checks a given one
-        against it, and the data path counts placeholders by it."""
+        """``[B, S]`` long: 1 at image placeholders, 2 at video placeholders, 3 at audio
+        placeholders, 0 elsewhere (the processor's ``mm_token_type_ids``; padding is 0).
+        prepare_batch checks a given one against it, and the data path counts placeholders by
+        it."""
         types = (input_ids == self.image_token_id).long()
         types += 2 * (input_ids == self.video_token_id).long()
+        if self.audio_token_id is not None:
+            types += 3 * (input_ids == self.audio_token_id).long()
         return types if attention_mask is None else types * attention_mask.bool()
 
     def item_sizes(self, grid: tuple[int, int, int], kind: str) -> tuple[int, int]:
         """``(pixel rows, output rows)`` of an item (or vision unit) of ``grid`` and ``kind``
         (``"image"`` or ``"video"``: which grid tensor it came from) in cpvlm's batch: t*h*w
         patch rows and t*h*w/m**2 merged tokens by default, whatever the kind. prepare_batch, the
-        data path and VisionDataParallel size items and units by it."""
+        data path and EncoderDataParallel size items and units by it."""
         t, h, w = grid
         return t * h * w, t * h * w // self.merge_size**2
 
@@ -312,11 +323,19 @@ class VLMAdapter:
         """The vision encoder itself (``modules.vision_tower``)."""
         return module_at(model, self.modules.vision_tower)
 
+    def audio_tower(self, model: nn.Module) -> nn.Module | None:
+        """The audio encoder (``modules.audio_tower``), or None where the model has none."""
+        if self.modules.audio_tower is None or self.audio_token_id is None:
+            return None
+        return module_at(model, self.modules.audio_tower, default=None)
+
     def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
-        """FSDP2 units: each decoder layer, the tower's ``modules.tower_units`` and the
-        ``modules.extra_units`` (a module list gives each of its modules)."""
+        """FSDP2 units: each decoder layer, the tower's ``modules.tower_units``, the audio tower
+        and the ``modules.extra_units`` (a module list gives each of its modules)."""
         tower = self.vision_tower(model)
         units = [module_at(tower, p) for p in self.modules.tower_units]
+        audio = self.audio_tower(model)
+        units += [] if audio is None else [audio]
         units += [module_at(model, p) for p in self.modules.extra_units]
         flat = [u for unit in units for u in (unit if isinstance(unit, nn.ModuleList) else [unit])]
         return [*self.decoder_layers(model), *flat]
@@ -326,7 +345,7 @@ class VLMAdapter:
         transformers' AttentionInterface) follow the ``cpvlm_cp`` context; called once by
         ``ContextParallelVLM``, must be idempotent. Default: nothing (attention-only decoders)."""
 
-    # ---- vision (VisionDataParallel, the split tower) -------------------------------------------
+    # ---- vision (EncoderDataParallel, the split tower) -------------------------------------------
 
     split_frames: ClassVar[bool] = True
     """The tower treats a video's temporal frames independently: each frame is a vision unit."""
@@ -350,7 +369,7 @@ class VLMAdapter:
 
     def vision_cost(self) -> VisionCost:
         """The per-unit cost model of the tower, by which vision units are balanced over the CP
-        ranks (VisionDataParallel and a loader that decodes local pixels use it). Default: the
+        ranks (EncoderDataParallel and a loader that decodes local pixels use it). Default: the
         patch count."""
         return VisionCost.patches()
 
@@ -380,12 +399,54 @@ class VLMAdapter:
         positions = local_rows(pieces, lambda g: position_ids(g, m))
         return {"position_ids": positions, "cu_seqlens": single_call(n, positions.device)}
 
+    # ---- audio (the audio EncoderDataParallel; families with an audio encoder) ------------------
+
+    @property
+    def audio_token_id(self) -> int | None:
+        """The placeholder id of an audio clip's rows (``mm_token_type_ids`` 3); None: the family,
+        or this model's config, has no audio encoder (the default)."""
+        return None
+
+    @property
+    def audio_feature_width(self) -> int:
+        """Values in one feature frame of ``audio_features`` (mel bins)."""
+        raise NotImplementedError(f"{self.family} has no audio encoder")
+
+    def audio_rows(self, frames: int) -> int:
+        """Output rows (placeholders) of a clip of ``frames`` feature frames: the encoder's own
+        length rule."""
+        raise NotImplementedError(f"{self.family} has no audio encoder")
+
+    audio_dummy_frames: ClassVar[int] = 1
+    """Feature frames of the clip a rank with no audio encodes (and keeps none of), so that every
+    rank calls the audio tower once per forward."""
+
+    def encode_audio(
+        self,
+        model: nn.Module,
+        features: torch.Tensor,
+        lengths: torch.Tensor,
+        batch_lengths: tuple[int, ...],
+    ) -> torch.Tensor:
+        """Run the model's audio side (encoder and any projector) on ``features`` [frames, F],
+        the clips of ``lengths`` one after another; return ``[A, D]``, ``audio_rows`` rows per
+        clip, in clip order. A clip's rows must be those the model computes for it in the forward
+        batch, whose clips' frames are ``batch_lengths`` (an encoder that pads its clips to the
+        batch's longest reproduces that padding), and depend on no other clip's features."""
+        raise NotImplementedError(f"{self.family} has no audio encoder")
+
+    def audio_cost(self) -> VisionCost:
+        """The per-clip cost model of the audio encoder (a clip is grid (1, 1, frames)); default:
+        its frames."""
+        return VisionCost.patches()
+
     # ---- positions and masks (prepare_batch, the attention) -------------------------------------
 
     def rope_index_kwargs(self, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The keywords of the model's ``get_rope_index`` (at ``modules.rope_index``) besides
         ``input_ids`` [B, S], from the core's: ``mm_token_type_ids``, ``image_grid_thw``,
-        ``video_grid_thw``, ``attention_mask`` (None: no padding) and the ``video_keys``.
+        ``video_grid_thw``, ``attention_mask`` (None: no padding), the ``video_keys`` and, where
+        the document has audio, ``audio_lengths`` (each clip's feature frames).
         Default: those, as they are (the base layout's signature)."""
         return kwargs
 

@@ -5,7 +5,8 @@ Legend: B batch, S full length, L = S_loc local length, D hidden size, V vocabul
 Every CP rank passes the same full batch. The scalable flow (docs/architecture.md, "One training
 step") never builds a full-length float tensor: positions and labels are computed on the full
 integer sequence, then each rank embeds its own tokens, gets the vision rows of its own visual
-positions (each image or frame encoded once, on one rank, rows routed to their owners), runs the
+positions (each image or frame encoded once, on one rank, rows routed to their owners; audio
+clips likewise, through the audio encoder's own ``EncoderDataParallel``), runs the
 decoder on its shard with CP attention, and returns its share of the global token-mean loss (plus
 its share of the model's extra losses, such as an MoE router's load-balancing loss). The
 compatibility flow builds the full ``inputs_embeds`` as the model itself would and cuts it with
@@ -51,7 +52,7 @@ from cpvlm.hf.vision_attention import SplitTower
 from cpvlm.loss import chunked_token_mean_loss, token_mean_loss
 from cpvlm.options import CPOptions
 from cpvlm.router_loss import load_balancing_loss_share
-from cpvlm.vision import VisionDataParallel, VisionUnits
+from cpvlm.vision import EncoderDataParallel, VisionUnits
 
 
 @dataclass
@@ -63,12 +64,13 @@ class ContextParallelOutput:
     local_labels: int  # valid labels on this rank
     local_visual_tokens: int  # visual positions in this rank's shard
     encoded_units: int  # vision units (images, frames) this rank encoded
+    encoded_audio: int = 0  # audio clips this rank encoded
     attn_impl: str = ""  # the CP attention that ran ("ring", "hybrid 2x2", ...; auto: its pick)
     extra_losses: dict[str, torch.Tensor] = field(default_factory=dict)  # shares, unweighted
 
 
 class TowerCall:
-    """``encoder(pixel_values, grid_thw, kinds=)`` as VisionDataParallel calls it: the adapter's
+    """``encoder(pixel_values, grid_thw, kinds=)`` as EncoderDataParallel calls it: the adapter's
     ``encode`` on the model. A plain callable, not a module, so the tower's parameters keep one owner (the
     model) in ``state_dict`` and FSDP."""
 
@@ -79,9 +81,45 @@ class TowerCall:
         return self.adapter.encode(self.model, pixel_values, grid_thw, kinds=kinds)
 
 
-def _local_row_order(prep: PreparedBatch, cp_rank: int) -> torch.Tensor:
-    """Indices of the visual rows this rank owns, sorted by their place in its [B, L] shard."""
-    owner, local = prep.plan.locate(prep.row_positions)
+class AudioCall:
+    """``encoder(features, grid, kinds=)`` as the audio EncoderDataParallel calls it: the
+    adapter's ``encode_audio`` on clips of grid (1, 1, frames). A plain callable (``TowerCall``)."""
+
+    def __init__(self, adapter: VLMAdapter, model: nn.Module):
+        self.adapter, self.model = adapter, model
+        self.batch_lengths: tuple[int, ...] = ()  # the forward batch's clips, set per forward
+
+    def __call__(self, features: torch.Tensor, grid_thw: torch.Tensor, kinds=None):
+        lengths = grid_thw[:, 2]
+        return self.adapter.encode_audio(self.model, features, lengths, self.batch_lengths)
+
+
+def audio_data_parallel(
+    adapter: VLMAdapter, model: nn.Module, group, vision: str
+) -> EncoderDataParallel | None:
+    """The audio encoder's data parallelism over the CP group (None: the model has no audio
+    encoder): each clip one unit of grid (1, 1, frames), encoded once, balanced by the adapter's
+    ``audio_cost``, rows routed to their owners (all-gathered under ``vision="allgather"`` or
+    ``"replicate"``)."""
+    if adapter.audio_tower(model) is None:
+        return None
+    return EncoderDataParallel(
+        AudioCall(adapter, model),
+        group,
+        mode="allgather" if vision in ("allgather", "replicate") else "route",
+        merge_size=1,
+        split_frames=False,
+        cost=adapter.audio_cost(),
+        unit_sizes=lambda grid, kind: (grid[2], adapter.audio_rows(grid[2])),
+        dummy_unit=((1, 1, adapter.audio_dummy_frames), "audio"),
+    )
+
+
+def _local_row_order(prep: PreparedBatch, cp_rank: int, row_positions=None) -> torch.Tensor:
+    """Indices of the visual rows (or of ``row_positions``' rows) this rank owns, sorted by their
+    place in its [B, L] shard."""
+    rows = prep.row_positions if row_positions is None else row_positions
+    owner, local = prep.plan.locate(rows)
     mine = torch.nonzero(owner == cp_rank).squeeze(1)
     return mine[torch.argsort(local[mine])]
 
@@ -203,7 +241,7 @@ class ContextParallelVLM(nn.Module):
         split = {}
         if vision == "split":  # the tower's attention: SDPA per unit, cp_attention when sharded
             split = {"attention": options.attention}
-        self.vision_dp = VisionDataParallel(
+        self.vision_dp = EncoderDataParallel(
             SplitTower(self.adapter, model) if vision == "split" else self.encode,
             cp_group,
             mode="allgather" if vision == "replicate" else vision,
@@ -214,6 +252,7 @@ class ContextParallelVLM(nn.Module):
             unit_sizes=None if vision == "split" else self.adapter.item_sizes,
             **split,
         )
+        self.audio_dp = audio_data_parallel(self.adapter, model, cp_group, vision)
         self.batch_keys = batch_keys(self.adapter)
 
     def forward(
@@ -248,6 +287,7 @@ class ContextParallelVLM(nn.Module):
             except ValueError as err:
                 self._join_failed_step(str(err))
                 raise
+            audio = {} if prep.audio_mask is None else {"audio_mask": prep.audio_mask}
             local = pad_and_shard(
                 {
                     "input_ids": prep.input_ids,
@@ -255,22 +295,28 @@ class ContextParallelVLM(nn.Module):
                     "position_ids": prep.position_ids,
                     "visual_mask": prep.visual_mask,
                     "real_mask": prep.real_mask,
+                    **audio,
                 },
                 prep.plan,
                 self.cp_rank,
-                seq_dims={"visual_mask": 1, "real_mask": 1},
+                seq_dims={"visual_mask": 1, "real_mask": 1, "audio_mask": 1},
             )
         visual_mask_loc = local["visual_mask"]
         step = StepAgreement(
             {
                 "plan": (prep.plan.cp_size, prep.plan.doc_lens),
                 "batch": fingerprint(
-                    prep.input_ids, prep.labels, prep.grid_thw, prep.kinds, prep.num_valid
+                    prep.input_ids,
+                    prep.labels,
+                    prep.grid_thw,
+                    prep.kinds,
+                    prep.num_valid,
+                    prep.audio_lengths,
                 ),
             }
         )
-        x_loc, deepstack, encoded = self._local_embeddings(
-            prep, local["input_ids"], visual_mask_loc, step
+        x_loc, deepstack, encoded, encoded_audio = self._local_embeddings(
+            prep, local["input_ids"], visual_mask_loc, local.get("audio_mask"), step
         )
         context = CPAttentionContext(
             prep.plan,
@@ -309,6 +355,7 @@ class ContextParallelVLM(nn.Module):
             local_labels=int((local["labels"] != IGNORE_INDEX).sum()),
             local_visual_tokens=int(visual_mask_loc.sum()),
             encoded_units=encoded,
+            encoded_audio=encoded_audio,
             attn_impl=",".join(sorted(context.ran)),
             extra_losses=extras,
         )
@@ -373,7 +420,7 @@ class ContextParallelVLM(nn.Module):
 
     def vision_assignment(self, units: VisionUnits) -> list[list[int]]:
         """The units whose pixels each CP rank reads, ascending: those it encodes,
-        ``VisionDataParallel``'s assignment balanced by the tower's modelled cost, and under
+        ``EncoderDataParallel``'s assignment balanced by the tower's modelled cost, and under
         ``vision="split"`` the units it holds pieces of (a loader that decodes only this rank's
         units must use this one)."""
         return self.vision_dp.pixel_assignment(units)
@@ -383,35 +430,76 @@ class ContextParallelVLM(nn.Module):
         (``vision="split"``; else none): a loader may decode only those groups' pixel rows."""
         return self.vision_dp.pixel_pieces(units)
 
-    def _local_embeddings(self, prep: PreparedBatch, ids_loc, visual_mask_loc, step):
-        """``(inputs_embeds [B, L, D], deepstack rows of the local visual positions, units)``.
+    def _local_embeddings(
+        self, prep: PreparedBatch, ids_loc, visual_mask_loc, audio_mask_loc, step
+    ):
+        """``(inputs_embeds [B, L, D], deepstack rows of the local visual positions, vision units,
+        audio clips encoded here)``.
 
         In a method so that the compat flow's full-length tensors die when it returns, before the
         decoder runs (autograd keeps only their indices).
         """
         with record_function("cpvlm.vision"):
             rows, encoded = self._vision_rows(prep, step)
+        with record_function("cpvlm.audio"):
+            audio, encoded_audio = self._audio_rows(prep, step)
         embed = self.adapter.embed_tokens(self.model)
         if self.flow == "scalable":
             x_loc = embed(ids_loc)
             x_loc = x_loc.masked_scatter(visual_mask_loc.unsqueeze(-1), rows[0].to(x_loc.dtype))
-            return x_loc, rows[1:], encoded
+            if audio_mask_loc is not None:
+                x_loc = x_loc.masked_scatter(audio_mask_loc.unsqueeze(-1), audio.to(x_loc.dtype))
+            return x_loc, rows[1:], encoded, encoded_audio
         x_full = embed(prep.input_ids)
         # masked_scatter fills positions in row-major order; rows are images then videos.
         order = torch.argsort(prep.row_positions).to(x_full.device)
         x_full = x_full.masked_scatter(
             prep.visual_mask.unsqueeze(-1), rows[0].index_select(0, order).to(x_full.dtype)
         )
+        if prep.audio_mask is not None:
+            order = torch.argsort(prep.audio_row_positions).to(x_full.device)
+            x_full = x_full.masked_scatter(
+                prep.audio_mask.unsqueeze(-1), audio.index_select(0, order).to(x_full.dtype)
+            )
         mine = _local_row_order(prep, self.cp_rank).to(x_full.device)
         deepstack = [t.index_select(0, mine) for t in rows[1:]]
-        return prep.plan.shard(prep.plan.pad(x_full), self.cp_rank), deepstack, encoded
+        x_loc = prep.plan.shard(prep.plan.pad(x_full), self.cp_rank)
+        return x_loc, deepstack, encoded, encoded_audio
+
+    def _audio_rows(self, prep: PreparedBatch, step: StepAgreement):
+        """``(rows, clips encoded here)``: this rank's audio rows in its shard's order (scalable
+        flow) or every clip's rows in clip order (compat); None without an audio encoder. The
+        audio tower runs on every rank, on a dummy clip where it has none (as the vision tower)."""
+        if self.audio_dp is None:
+            return None, 0
+        dtype = next(self.adapter.audio_tower(self.model).parameters()).dtype
+        n = len(prep.audio_lengths)
+        width = self.adapter.audio_feature_width
+        features = prep.audio_features.to(dtype) if n else torch.zeros(0, width, dtype=dtype)
+        self.audio_dp.encoder.batch_lengths = prep.audio_lengths
+        routed = self.audio_dp.mode == "route"  # scalable only (compat needs every row)
+        empty = torch.zeros(0, dtype=torch.long)
+        positions = prep.audio_row_positions if n else empty
+        route = {"plan": prep.plan, "row_positions": positions} if routed else {}
+        rows, encoded = self.audio_dp(
+            features,
+            prep.audio_grid,
+            kinds=("audio",) * n,
+            with_unit_count=True,
+            step=step,
+            **route,
+        )
+        if self.flow == "scalable" and not routed and n:
+            mine = _local_row_order(prep, self.cp_rank, prep.audio_row_positions)
+            rows = rows.index_select(0, mine.to(rows.device))
+        return rows, encoded
 
     def _vision_rows(
         self, prep: PreparedBatch, step: StepAgreement
     ) -> tuple[list[torch.Tensor], int]:
         """This rank's visual rows (scalable flow) or all of them (compat), main then deepstack.
 
-        The tower runs on every rank even without images (VisionDataParallel then encodes a dummy
+        The tower runs on every rank even without images (EncoderDataParallel then encodes a dummy
         frame and keeps none of it), so every rank makes the same collectives and gradients, and
         FSDP's per-module collectives and the set of gradients match across DP ranks.
         """

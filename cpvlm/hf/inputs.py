@@ -1,7 +1,7 @@
 """Full-sequence integer inputs of a VLM training batch, prepared identically on every CP rank.
 
 Legend: B batch, S sequence length, P padded length (ShardPlan), R visual rows (merged tokens of all
-images, then all videos), m spatial merge size.
+images, then all videos), A audio rows (of all clips), F audio feature width, m spatial merge size.
 
 Everything here is a pure function of the replicated batch: the token types, the position ids (the
 model's own ``get_rope_index`` per packed document for M-RoPE families, per-document positions
@@ -31,8 +31,13 @@ BASE_KEYS = (
     "image_grid_thw",
     "pixel_values_videos",
     "video_grid_thw",
+    "audio_features",
+    "audio_lengths",
 )
-"""Batch keys of a training step besides ``input_ids``, ``labels`` and the family's video keys."""
+"""Batch keys of a training step besides ``input_ids``, ``labels`` and the family's video keys.
+Audio, in the core's layout: ``audio_features`` [frames, F], the clips' feature frames one after
+another, and ``audio_lengths`` [clips], each clip's frames (a family's ``from_model_batch`` makes
+them of its processor's keys)."""
 
 OPTIONAL_KEYS = (*BASE_KEYS, "second_per_grid_ts")
 """Every optional batch key of the supported families (kept for callers of the old name)."""
@@ -49,6 +54,8 @@ _KINDS = (
     ("image", 1, "pixel_values", "image_grid_thw"),
     ("video", 2, "pixel_values_videos", "video_grid_thw"),
 )
+AUDIO_TYPE = 3
+"""``mm_token_type_ids`` of an audio placeholder."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +67,7 @@ class PreparedBatch:
     position_ids: torch.Tensor  # [3, B, S] (M-RoPE) or [B, S]
     labels: torch.Tensor  # [B, S] shifted (label of token t+1 at t), -100 = no loss
     num_valid: int  # global valid-label count the loss divides by
-    visual_mask: torch.Tensor  # [B, S] image or video placeholder
+    visual_mask: torch.Tensor  # [B, S] image or video placeholder (not audio)
     real_mask: torch.Tensor  # [B, S] a real token (attention_mask, or all True)
     pixel_parts: tuple[torch.Tensor, ...]  # [patches, C] images, then videos (none: text only)
     grid_thw: torch.Tensor  # [items, 3] images then videos ([0, 3] for text only)
@@ -71,6 +78,17 @@ class PreparedBatch:
     spans: tuple[tuple[tuple[int, int], ...], ...] = ()
     """Per batch row: the global padded ``[start, stop)`` of each run of the adapter's
     ``span_token_types`` within one document (tokens that attend bidirectionally)."""
+    audio_features: torch.Tensor | None = None  # [frames, F] every clip's, in order (or None)
+    audio_lengths: tuple[int, ...] = ()  # feature frames of each clip
+    audio_mask: torch.Tensor | None = None  # [B, S] audio placeholder (None: no audio tokens)
+    audio_row_positions: torch.Tensor | None = None  # [A] b * P + p of each audio row
+
+    @property
+    def audio_grid(self) -> torch.Tensor:
+        """``[clips, 3]``: each clip as an encoder unit of grid (1, 1, frames)."""
+        return torch.tensor([(1, 1, n) for n in self.audio_lengths], dtype=torch.long).reshape(
+            -1, 3
+        )
 
     def pixel_values(self, dtype: torch.dtype) -> torch.Tensor:
         """``[patches, C]`` images then videos in ``dtype``. Build it only where it is used: it
@@ -81,8 +99,11 @@ class PreparedBatch:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _tokens_per_item(grids: list[tuple[int, int, int]], kind: str, adapter: VLMAdapter):
-    return [adapter.item_sizes(g, kind)[1] for g in grids]
+def _tokens_per_item(items: list, kind: str, adapter: VLMAdapter) -> list[int]:
+    """Placeholders of each item: grids of images or videos, feature frames of audio clips."""
+    if kind == "audio":
+        return [adapter.audio_rows(n) for n in items]
+    return [adapter.item_sizes(g, kind)[1] for g in items]
 
 
 def _check_text(batch: Mapping) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -150,10 +171,49 @@ def _check_token_types(adapter: VLMAdapter, ids, attention_mask, given) -> torch
     ):
         raise ValueError(
             "mm_token_type_ids does not match input_ids: it must be 1 at the image tokens "
-            f"(id {adapter.config.image_token_id}), 2 at the video tokens, 0 elsewhere (the "
-            f"{adapter.family} processor's rule)"
+            f"(id {adapter.config.image_token_id}), 2 at the video tokens, 3 at the audio tokens, "
+            f"0 elsewhere (the {adapter.family} processor's rule)"
         )
     return types
+
+
+def _check_audio(batch: Mapping, n_tokens: int, adapter: VLMAdapter) -> list[int]:
+    """Each clip's feature frames, validated against its features and its placeholders."""
+    features, lengths = batch.get("audio_features"), batch.get("audio_lengths")
+    if features is None and lengths is None:
+        if n_tokens:
+            raise ValueError(
+                f"input_ids hold {n_tokens} audio tokens (id {adapter.audio_token_id}) but no "
+                "audio_features / audio_lengths"
+            )
+        return []
+    if adapter.audio_token_id is None:
+        raise ValueError(
+            f"{adapter.family}: this model has no audio encoder (its config has no audio); "
+            "pass no audio_features"
+        )
+    if features is None or lengths is None:
+        raise ValueError("audio_features and audio_lengths go together: pass both or neither")
+    lengths = torch.as_tensor(lengths)
+    if lengths.dim() != 1 or lengths.is_floating_point() or bool((lengths < 1).any()):
+        raise ValueError(
+            f"audio_lengths must be a 1-d integer tensor of lengths >= 1, got {lengths}"
+        )
+    frames = lengths.tolist()
+    width = adapter.audio_feature_width
+    if features.dim() != 2 or features.shape != (sum(frames), width):
+        raise ValueError(
+            f"audio_features has shape {tuple(features.shape)} but audio_lengths {frames} need "
+            f"[{sum(frames)}, {width}] (each clip's feature frames, one after another)"
+        )
+    rows = sum(adapter.audio_rows(n) for n in frames)
+    if n_tokens != rows:
+        raise ValueError(
+            f"audio tokens and features do not match: input_ids hold {n_tokens} audio tokens "
+            f"(id {adapter.audio_token_id}) but clips of {frames} feature frames give {rows} "
+            f"rows (the {adapter.family} adapter's audio_rows)"
+        )
+    return frames
 
 
 def _split_by_document(grids, tokens_in_doc, adapter, kind) -> list[list[tuple[int, int, int]]]:
@@ -180,15 +240,17 @@ def rope_index(
     image_grid_thw: torch.Tensor | None,
     video_grid_thw: torch.Tensor | None,
     video_extras: dict[str, torch.Tensor],
+    audio_lengths: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """``[3, B, S]`` M-RoPE positions of one document, from the model's own ``get_rope_index``
     (the adapter's ``modules.rope_index``; a document without vision items: ``arange`` in every
     row); None for a model without one (1D RoPE: the core then uses per-document positions
-    ``[B, S]``). ``video_extras``: the adapter's ``video_keys``."""
+    ``[B, S]``). ``video_extras``: the adapter's ``video_keys``; ``audio_lengths``: each audio
+    clip's feature frames (the keyword only where the document has audio)."""
     get_rope_index = module_at(model, adapter.modules.rope_index, default=None)
     if get_rope_index is None:
         return None
-    if image_grid_thw is None and video_grid_thw is None:
+    if image_grid_thw is None and video_grid_thw is None and audio_lengths is None:
         arange = torch.arange(input_ids.shape[1], device=input_ids.device)
         return arange.expand(3, input_ids.shape[0], -1).clone()
     position_ids, _ = get_rope_index(
@@ -201,6 +263,7 @@ def rope_index(
                 "video_grid_thw": video_grid_thw,
                 "attention_mask": attention_mask,
                 **video_extras,
+                **({} if audio_lengths is None else {"audio_lengths": audio_lengths}),
             },
         ),
     )
@@ -210,7 +273,7 @@ def rope_index(
 def _document_positions(adapter, model, ids, types, attention_mask, grids, extras) -> torch.Tensor:
     """Positions of one document (or of a padded batch): ``[3, B, S]`` for M-RoPE families
     (``rope_index``), ``[B, S]`` arange for 1D families (``rope_index`` None)."""
-    image_grids, video_grids = grids
+    image_grids, video_grids, audio_frames = grids
     as_tensor = lambda g: torch.tensor(g, dtype=torch.long) if g else None  # noqa: E731
     pos = rope_index(
         adapter,
@@ -221,6 +284,7 @@ def _document_positions(adapter, model, ids, types, attention_mask, grids, extra
         as_tensor(image_grids),
         as_tensor(video_grids),
         extras,
+        as_tensor(audio_frames),
     )
     if pos is None:
         return torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1).clone()
@@ -240,14 +304,15 @@ def _positions(adapter, model, ids, types, attention_mask, grids, extras, plan, 
         seen = torch.cat([types.new_zeros(1), (types[0] == type_id).long().cumsum(0)])
         return (seen[ends[1:]] - seen[ends[:-1]]).tolist()
 
+    kinds = [(k, t) for k, t, *_ in _KINDS] + [("audio", AUDIO_TYPE)]
     per_kind = [
         _split_by_document(g, tokens_per_doc(t), adapter, k)
-        for g, (k, t, *_) in zip(grids, _KINDS, strict=True)
+        for g, (k, t) in zip(grids, kinds, strict=True)
     ]
     text = _text_positions(adapter, model, ids, plan)
     parts, v0, done = [], 0, 0
-    for (a, b), img_d, vid_d in zip(spans, *per_kind, strict=True):
-        if not img_d and not vid_d:
+    for (a, b), img_d, vid_d, aud_d in zip(spans, *per_kind, strict=True):
+        if not img_d and not vid_d and not aud_d:
             continue  # a text document: its slice of ``text``, joined with its neighbours
         if done < a:
             parts.append(text[..., done:a])
@@ -256,7 +321,7 @@ def _positions(adapter, model, ids, types, attention_mask, grids, extras, plan, 
         mask_d = None if attention_mask is None else attention_mask[:, a:b]
         parts.append(
             _document_positions(
-                adapter, model, ids[:, a:b], types[:, a:b], mask_d, (img_d, vid_d), extras_d
+                adapter, model, ids[:, a:b], types[:, a:b], mask_d, (img_d, vid_d, aud_d), extras_d
             )
         )
         done = b
@@ -279,12 +344,13 @@ def _text_positions(adapter, model, ids, plan: ShardPlan) -> torch.Tensor:
     return pos.clone()
 
 
-def _row_positions(types: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
-    """``b * P + p`` of every visual row: image rows, then video rows, each row-major (the
-    tower's order, the order the model's ``masked_scatter`` fills them)."""
+def _row_positions(types: torch.Tensor, plan: ShardPlan, type_ids=(1, 2)) -> torch.Tensor:
+    """``b * P + p`` of every row of the ``type_ids`` tokens: image rows, then video rows (or
+    audio rows), each row-major (the tower's order, the order the model's ``masked_scatter``
+    fills them)."""
     padded = plan.padded_index.to(types.device)
     flat = []
-    for _, type_id, *_ in _KINDS:
+    for type_id in type_ids:
         b, s = torch.nonzero(types == type_id, as_tuple=True)
         flat.append(b * plan.padded_len + padded[s])
     return torch.cat(flat)
@@ -331,11 +397,12 @@ def prepare_batch(
     ``batch`` holds what the transformers model takes for training: ``input_ids``, ``labels``
     (unshifted), optional ``attention_mask`` (right padding), ``mm_token_type_ids``,
     ``pixel_values``/``image_grid_thw``, ``pixel_values_videos``/``video_grid_thw`` and the
-    family's per-video keys (the adapter's ``video_keys``). ``doc_lens`` packs one row into
+    family's per-video keys (the adapter's ``video_keys``), ``audio_features`` / ``audio_lengths``
+    (families with an audio encoder; see ``BASE_KEYS``). ``doc_lens`` packs one row into
     documents (positions restart, no attention across documents, labels shifted per document).
     ``layout`` is the ShardPlan layout ("head_tail" or "balanced").
     ``local_pixels``: the pixel values hold only the rows of the units this CP rank encodes
-    (``VisionDataParallel`` checks their count).
+    (``EncoderDataParallel`` checks their count).
     """
     adapter = adapter or adapter_for(model)
     batch = adapter.from_model_batch(batch)
@@ -361,6 +428,8 @@ def prepare_batch(
         )
         for (kind, t, pix, grid), tok in zip(_KINDS, token_ids, strict=True)
     )
+    audio_frames = _check_audio(batch, int((types == AUDIO_TYPE).sum()), adapter)
+    grids = (*grids, audio_frames)
     extras = {k: batch[k] for k in adapter.video_keys if batch.get(k) is not None}
 
     if isinstance(doc_lens, torch.Tensor):
@@ -381,13 +450,14 @@ def prepare_batch(
     if num_valid is None:
         num_valid = count_valid_labels(shifted)
     pixels = tuple(batch[pix] for *_, pix, _ in _KINDS if batch.get(pix) is not None)
+    audio = types == AUDIO_TYPE
     return PreparedBatch(
         plan=plan,
         input_ids=ids,
         position_ids=position_ids,
         labels=shifted,
         num_valid=int(num_valid),
-        visual_mask=types != 0,
+        visual_mask=(types != 0) & ~audio,
         real_mask=torch.ones_like(ids, dtype=torch.bool)
         if attention_mask is None
         else attention_mask.bool(),
@@ -398,4 +468,8 @@ def prepare_batch(
         pixel_width=adapter.pixel_width,
         local_pixels=local_pixels,
         spans=_mask_spans(adapter, types, plan),
+        audio_features=batch.get("audio_features") if audio_frames else None,
+        audio_lengths=tuple(audio_frames),
+        audio_mask=audio if audio_frames else None,
+        audio_row_positions=_row_positions(types, plan, (AUDIO_TYPE,)) if audio_frames else None,
     )

@@ -95,6 +95,9 @@ class FamilyKit:
     vision_config=...)`` builds one."""
     tiny_processor: ClassVar[TinyProcessor | None] = None
     """The processor files of a tiny checkpoint directory (None: the family has none)."""
+    audio_clips: ClassVar[tuple[int, ...]] = ()
+    """Feature frames of the audio clips checks put in their batches (families with an audio
+    encoder): lengths that cross the encoder's chunks and windows."""
 
     def __init__(self, adapter):
         self.adapter = adapter

@@ -115,7 +115,7 @@ def single_call(n: int, device) -> torch.Tensor:
 
 
 class SplitTower:
-    """A family's tower as ``VisionDataParallel``'s split encoder (``unit_order``,
+    """A family's tower as ``EncoderDataParallel``'s split encoder (``unit_order``,
     ``encode_local``); selects ``SPLIT_ATTENTION`` for the tower's attention."""
 
     def __init__(self, adapter, model: nn.Module):

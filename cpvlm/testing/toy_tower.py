@@ -113,7 +113,7 @@ class ToyVisionTower(nn.Module):
         return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
     def vision_cost(self) -> VisionCost:
-        """Forward MACs from the tower's shape (VisionDataParallel balances units by it)."""
+        """Forward MACs from the tower's shape (EncoderDataParallel balances units by it)."""
         width, m = self.patch_embed.out_channels, self.merge_size
         merger = m * m * width * width + width * self.merger.mlp[-1].out_features
         linear = (

@@ -17,14 +17,22 @@ def _side(adapter) -> int:
 
 def mixed_batch(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Images of two sizes (and a video where the model's own forward takes images and videos in
-    one call; GLM-4V's does not) in one row, a text-only row; right padding."""
+    one call; GLM-4V's does not; and the kit's first audio clip where the model has an audio
+    encoder) in one row, a text-only row; right padding."""
     from cpvlm.hf import SampleSpec, adapter_for, kit_for, synthetic_batch
 
     adapter = adapter_for(model.config)
     s = _side(adapter)
-    mixes = kit_for(model.config).mixes_images_and_videos and adapter.takes_videos
+    kit = kit_for(model.config)
+    mixes = kit.mixes_images_and_videos and adapter.takes_videos
+    clips = kit.audio_clips[:1] if adapter.audio_token_id is not None else ()
     samples = [
-        SampleSpec(images=((s, s), (2 * s, s)), videos=((2, s, s),) if mixes else (), text_len=21),
+        SampleSpec(
+            images=((s, s), (2 * s, s)),
+            videos=((2, s, s),) if mixes else (),
+            text_len=21,
+            audios=clips,
+        ),
         SampleSpec(text_len=30),
     ]
     return synthetic_batch(model.config, samples, dtype=dtype, seed=1)
@@ -33,7 +41,7 @@ def mixed_batch(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 def packed_documents(model, dtype: torch.dtype):
     """Documents packed in one row: an image and a video (for GLM-4V an image document, then a
     video document; without videos (Gemma 3) a second image), a 3-token text document, two
-    images. Returns ``(packed batch, the single-document batches, doc_lens)``."""
+    images, and where the model has an audio encoder a document of the kit's audio clips. Returns ``(packed batch, the single-document batches, doc_lens)``."""
     from cpvlm.hf import (
         SampleSpec,
         adapter_for,
@@ -54,6 +62,8 @@ def packed_documents(model, dtype: torch.dtype):
             SampleSpec(videos=((2, s, s),), text_len=4),
         ]
     docs += [SampleSpec(text_len=3), SampleSpec(images=((s, s), (s, s)), text_len=12)]
+    if adapter.audio_token_id is not None:
+        docs.append(SampleSpec(audios=kit_for(model.config).audio_clips, text_len=5))
     parts = [
         synthetic_batch(model.config, [d], dtype=dtype, seed=10 + i) for i, d in enumerate(docs)
     ]

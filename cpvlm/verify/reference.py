@@ -142,4 +142,5 @@ def mrope_position_ids(model, batch: Mapping[str, torch.Tensor]) -> torch.Tensor
         batch.get("image_grid_thw"),
         batch.get("video_grid_thw"),
         extras,
+        batch.get("audio_lengths"),
     )

@@ -2,7 +2,7 @@
 
 Read in this order: units.py (images and frames), cost.py (what encoding a unit costs),
 assign.py (who encodes what), gather.py (all-gather, backward reduce-scatter), route.py (rows to
-position owners, backward transposed), parallel.py (VisionDataParallel, the wrapper that puts
+position owners, backward transposed), parallel.py (EncoderDataParallel, the wrapper that puts
 them together); for units larger than a rank's share, split_assign.py (which units are sharded,
 where the cuts go) and split.py (the tower sequence-parallel on their patches).
 """
@@ -10,7 +10,7 @@ where the cuts go) and split.py (the tower sequence-parallel on their patches).
 from cpvlm.vision.assign import assign_vision_units, contiguous_assignment
 from cpvlm.vision.cost import VisionCost
 from cpvlm.vision.gather import gather_vision_embeddings
-from cpvlm.vision.parallel import VisionDataParallel
+from cpvlm.vision.parallel import EncoderDataParallel, VisionDataParallel
 from cpvlm.vision.route import RoutePlan, route_plan, route_to_owners
 from cpvlm.vision.split import SplitAttention, UnitOrder
 from cpvlm.vision.split_assign import SplitAssignment, split_assignment
@@ -23,6 +23,7 @@ __all__ = [
     "SplitAttention",
     "UnitOrder",
     "VisionCost",
+    "EncoderDataParallel",
     "VisionDataParallel",
     "VisionUnits",
     "assign_vision_units",

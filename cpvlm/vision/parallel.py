@@ -1,9 +1,14 @@
-"""VisionDataParallel: each vision unit encoded once, on one CP rank, results moved where needed.
+"""EncoderDataParallel: each encoder unit encoded once, on one CP rank, results moved where needed.
 
 Legend: U units, R rows of all units (t*h*w/m**2 each), m merge size, W ranks, D feature width.
 
+A unit is what an encoder encodes independently of everything else in the batch: an image, a
+video frame, an audio clip. The same class serves each modality's encoder (the CP step builds one
+for the vision tower and one for an audio tower); an audio clip of n feature frames is a unit of
+grid (1, 1, n) with merge size 1, its feature frames its "pixel rows" (``cpvlm.vision.units``).
+
 Every rank holds the same pixel_values and grid_thw (replicated inputs). Each rank splits them
-into units (images, video frames), takes its share from ``assign_vision_units`` (balanced by
+into units (images, video frames, clips), takes its share from ``assign_vision_units`` (balanced by
 the tower's modelled cost, ``VisionCost``), encodes only those, and then either
 - ``mode="allgather"``: all-gathers every unit's rows; every rank gets all R rows in the
   unwrapped tower's order (backward: reduce-scatter), or
@@ -23,6 +28,7 @@ ends the step with the same set of gradients, as DDP and FSDP expect.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -57,7 +63,7 @@ def _split_output(out: object) -> tuple[list[torch.Tensor], bool]:
     ):
         return [out[0], *out[1]], True
     raise ValueError(
-        "VisionDataParallel: the encoder must return a tensor or (tensor, [deepstack tensors]); "
+        "EncoderDataParallel: the encoder must return a tensor or (tensor, [deepstack tensors]); "
         f"got {type(out).__name__} (wrap HF towers to return pooler_output / deepstack_features)"
     )
 
@@ -83,14 +89,15 @@ def _cost_model(encoder: nn.Module, cost: VisionCost | None) -> VisionCost:
         cost = supplied() if callable(supplied) else VisionCost.patches()
     if not isinstance(cost, VisionCost):
         raise ValueError(
-            f"VisionDataParallel: cost must be a VisionCost (or encoder.vision_cost() return one), "
+            f"EncoderDataParallel: cost must be a VisionCost (or encoder.vision_cost() return one), "
             f"got {type(cost).__name__}"
         )
     return cost
 
 
-class VisionDataParallel(nn.Module):
-    """Wrap a vision tower ``encoder(pixel_values, grid_thw)`` for data parallelism over CP ranks.
+class EncoderDataParallel(nn.Module):
+    """Wrap an encoder ``encoder(pixel_values, grid_thw)`` (a vision tower, an audio tower) for
+    data parallelism over CP ranks.
 
     Args:
         encoder: returns ``[R, D]`` or ``([R, D], [[R, D_i], ...])`` with t*h*w/m**2 rows per
@@ -115,6 +122,9 @@ class VisionDataParallel(nn.Module):
             also sizes the dummy frame (1, m, m), an image, of a rank without units.
         attention: ``mode="split"``: the ``cp_attention`` options (``AttentionOptions``: impl and
             Ulysses size) of the tower's attention over the sharded units; default ring.
+        dummy_unit: ``(grid, kind)`` of the unit a rank without units encodes (and keeps none
+            of); default one m x m image frame, ``((1, m, m), "image")``. An audio encoder's is a
+            short clip, ``((1, 1, n), "audio")``.
 
     Kinds: ``forward(..., kinds=)`` gives each item's kind (``"image"`` or ``"video"``); the
     encoder is then called as ``encoder(pixel_values, grid_thw, kinds=)`` with its units' kinds
@@ -140,14 +150,15 @@ class VisionDataParallel(nn.Module):
         cost: VisionCost | None = None,
         unit_sizes: UnitSizes | None = None,
         attention: AttentionOptions | None = None,
+        dummy_unit: tuple[tuple[int, int, int], str] | None = None,
     ):
         super().__init__()
         if mode not in VISION_DP_MODES:
             raise ValueError(
-                f"VisionDataParallel: mode must be one of {VISION_DP_MODES}, got {mode!r}"
+                f"EncoderDataParallel: mode must be one of {VISION_DP_MODES}, got {mode!r}"
             )
         if (out_dims is None) != (dtype is None):
-            raise ValueError("VisionDataParallel: pass out_dims and dtype together, or neither")
+            raise ValueError("EncoderDataParallel: pass out_dims and dtype together, or neither")
         self.encoder = encoder
         self.group = group
         self.mode = mode
@@ -158,11 +169,13 @@ class VisionDataParallel(nn.Module):
         self.cost = _cost_model(encoder, cost)
         self.unit_sizes = unit_sizes
         self.attention = AttentionOptions() if attention is None else attention
+        m = self.merge_size
+        self.dummy_unit = ((1, m, m), "image") if dummy_unit is None else dummy_unit
         if mode == "split":
             missing = [a for a in ("unit_order", "encode_local") if not hasattr(encoder, a)]
             if missing or out_dims is not None or unit_sizes is not None:
                 raise ValueError(
-                    f"VisionDataParallel: mode='split' needs an encoder with unit_order and "
+                    f"EncoderDataParallel: mode='split' needs an encoder with unit_order and "
                     f"encode_local (missing: {missing}) and no out_dims or unit_sizes; other modes: route, "
                     "allgather"
                 )
@@ -170,7 +183,7 @@ class VisionDataParallel(nn.Module):
             try:  # the tower's cp_attention: the rules of the text model's (cpvlm.options)
                 CPOptions(attn=a.impl, ulysses_size=a.ulysses_size, cp_size=cp_size)
             except ValueError as err:
-                raise ValueError(f"VisionDataParallel: {err}") from None
+                raise ValueError(f"EncoderDataParallel: {err}") from None
 
     def units(self, grid_thw: torch.Tensor, kinds=None) -> VisionUnits:
         return vision_units(
@@ -258,7 +271,7 @@ class VisionDataParallel(nn.Module):
             # Found by this rank alone (a tower that returned too few rows, inputs that differ
             # from the other ranks'): the other ranks are entering the rows' collective, whose
             # agreement this joins, so that every rank raises it.
-            agree("VisionDataParallel", self.group, {}, error=str(err), step=step)
+            agree("EncoderDataParallel", self.group, {}, error=str(err), step=step)
             raise
         if self.mode == "route":
             moved = route_to_owners(tensors, rp, self.group, step=step)
@@ -283,7 +296,7 @@ class VisionDataParallel(nn.Module):
         if self.mode == "route":
             rp = self._route_plan(units, assignment, plan, row_positions, world, rank)
         elif plan is not None or row_positions is not None:
-            raise ValueError("VisionDataParallel: plan/row_positions are for mode='route' only")
+            raise ValueError("EncoderDataParallel: plan/row_positions are for mode='route' only")
 
         mine = assignment[rank]
         if mine:
@@ -324,13 +337,13 @@ class VisionDataParallel(nn.Module):
                     index = _rows_within(units, mine, local.pixel_index)
                     local = replace(local, pixel_index=index)
             if not isinstance(plan, ShardPlan) or row_positions is None:
-                raise ValueError("VisionDataParallel: mode='split' needs plan= and row_positions=")
+                raise ValueError("EncoderDataParallel: mode='split' needs plan= and row_positions=")
             rp = route_plan(local.row_ranks, row_positions, plan, rank)
             facts = {"split units": sa.split, "cuts": sa.cuts, "dtype": pixel_values.dtype}
         except ValueError as err:
             error = str(err)
         # Before the tower: its attention runs collectives over the sharded units' plan.
-        agree("VisionDataParallel split", self.group, facts, error=error, step=step)
+        agree("EncoderDataParallel split", self.group, facts, error=error, step=step)
         tensors, has_deepstack = self._encode_split(pixel_values, local, step)
         moved = route_to_owners(tensors, rp, self.group, step=step)
         encoded = len(local.pieces) if local.row_ids.numel() else 0
@@ -374,7 +387,7 @@ class VisionDataParallel(nn.Module):
         self, pixel_values: torch.Tensor, units: VisionUnits, mine, pieces=None
     ) -> None:
         if not isinstance(pixel_values, torch.Tensor) or pixel_values.dim() != 2:
-            raise ValueError("VisionDataParallel: pixel_values must be a 2-d tensor [patches, C]")
+            raise ValueError("EncoderDataParallel: pixel_values must be a 2-d tensor [patches, C]")
         if mine is None:
             expected, what = units.pixel_offsets[-1], "the grids have"
         else:
@@ -382,17 +395,17 @@ class VisionDataParallel(nn.Module):
             what = f"with local_pixels this rank's units {mine} have"
         if pixel_values.shape[0] != expected:
             raise ValueError(
-                f"VisionDataParallel: pixel_values has {pixel_values.shape[0]} rows but {what} "
+                f"EncoderDataParallel: pixel_values has {pixel_values.shape[0]} rows but {what} "
                 f"{expected} patches (sum of t*h*w)"
                 + (f", or {len(pieces)} of its pieces' groups only" if pieces is not None else "")
             )
 
     def _route_plan(self, units, assignment, plan, row_positions, world, rank):
         if not isinstance(plan, ShardPlan) or row_positions is None:
-            raise ValueError("VisionDataParallel: mode='route' needs plan= and row_positions=")
+            raise ValueError("EncoderDataParallel: mode='route' needs plan= and row_positions=")
         if plan.cp_size != world:
             raise ValueError(
-                f"VisionDataParallel: the plan has cp_size {plan.cp_size}, the group {world} ranks"
+                f"EncoderDataParallel: the plan has cp_size {plan.cp_size}, the group {world} ranks"
             )
         owner_of_unit = torch.empty(units.num_units, dtype=torch.long)
         for r, units_r in enumerate(assignment):
@@ -406,7 +419,7 @@ class VisionDataParallel(nn.Module):
         for i, t in enumerate(tensors):
             if t.dim() != 2 or t.shape[0] != rows:
                 raise ValueError(
-                    f"VisionDataParallel: encoder output {i} has shape {tuple(t.shape)}, expected "
+                    f"EncoderDataParallel: encoder output {i} has shape {tuple(t.shape)}, expected "
                     f"{rows} rows (t*h*w/{self.merge_size}**2 per unit); is merge_size right?"
                 )
         if self.out_dims is not None:
@@ -414,7 +427,7 @@ class VisionDataParallel(nn.Module):
             actual = [(t.shape[1], t.dtype) for t in tensors]
             if actual != declared or has_deepstack == isinstance(self.out_dims, int):
                 raise ValueError(
-                    f"VisionDataParallel: the encoder returned (width, dtype) {actual} but "
+                    f"EncoderDataParallel: the encoder returned (width, dtype) {actual} but "
                     f"out_dims/dtype declare {declared}; empty ranks would send the declared ones"
                 )
 
@@ -429,13 +442,19 @@ class VisionDataParallel(nn.Module):
                 for d, dt in self._declared()
             ]
             return tensors, not isinstance(self.out_dims, int)
-        m = self.merge_size
-        sizes = self.unit_sizes
-        pixels, rows = (m * m, 1) if sizes is None else sizes((1, m, m), "image")
+        grid, kind = self.dummy_unit
+        sizes, m2 = self.unit_sizes, self.merge_size**2
+        pixels, rows = (
+            (math.prod(grid), math.prod(grid) // m2) if sizes is None else sizes(grid, kind)
+        )
         dummy_pix = pixel_values.new_zeros(pixels, pixel_values.shape[1])
-        dummy_grid = torch.tensor([[1, m, m]], dtype=torch.long, device=device)
-        with_kinds = {} if kinds is None else {"kinds": ("image",)}
+        dummy_grid = torch.tensor([grid], dtype=torch.long, device=device)
+        with_kinds = {} if kinds is None else {"kinds": (kind,)}
         tensors, has_deepstack = _split_output(self.encoder(dummy_pix, dummy_grid, **with_kinds))
         # One m x m frame is one merged row: this catches a wrong merge_size on empty ranks too.
         self._check_output(tensors, has_deepstack, rows)
         return [t[:0] for t in tensors], has_deepstack
+
+
+VisionDataParallel = EncoderDataParallel
+"""The name of ``EncoderDataParallel`` from before it served audio towers too (kept as an alias)."""

@@ -192,11 +192,11 @@ def check_orders(units: VisionUnits, orders: Sequence[UnitOrder]) -> None:
         groups = order.groups
         if groups.numel() != rows or not torch.equal(torch.sort(groups).values, torch.arange(rows)):
             raise ValueError(
-                f"VisionDataParallel split: the tower's group order of unit {u} is not a "
+                f"EncoderDataParallel split: the tower's group order of unit {u} is not a "
                 f"permutation of its {rows} groups"
             )
         if order.windows is not None and sum(order.windows) != rows:
             raise ValueError(
-                f"VisionDataParallel split: the windows of unit {u} cover {sum(order.windows)} "
+                f"EncoderDataParallel split: the windows of unit {u} cover {sum(order.windows)} "
                 f"of its {rows} groups"
             )

@@ -1,10 +1,15 @@
-"""Vision units: the images and video frames that ranks encode, and where their rows live.
+"""Encoder units: the images, video frames and audio clips that ranks encode, and where their rows live.
 
 Legend: N items (images or videos, rows of ``grid_thw``), U units, m = spatial merge size.
 A grid (t, h, w) is in patch units; an item has t*h*w pixel rows (one per patch, C*tp*p*p values)
 and t*h*w/m**2 output rows (one per merged token). Every item and unit has a kind, ``"image"`` or
 ``"video"`` (``KINDS``), carried beside its grid: a tower whose layout differs by kind
 (LLaVA-OneVision pools a video's frames, packs an image's crops) sizes and encodes a unit by both.
+
+An audio clip is an item of kind ``"audio"`` and grid (1, 1, n): n feature frames (its "pixel
+rows", one mel vector each), one unit (a clip is never split), sized by the audio encoder's own
+rule (``sizes``) under merge size 1. Its encoder is another ``EncoderDataParallel`` than the
+vision tower's, so a batch's units of one encoder are all vision or all audio.
 
 In the Qwen-VL layout the pixel rows of a video are frame-major, and so are its output rows. A
 video of grid (t, h, w) is therefore the contiguous concatenation of t frame units of grid
@@ -22,8 +27,9 @@ from itertools import accumulate
 
 import torch
 
-KINDS = ("image", "video")
-"""The kinds of a vision item, in the order the tower takes them (images, then videos)."""
+KINDS = ("image", "video", "audio")
+"""The kinds of an item, in the order the towers take them (images, then videos; audio clips go
+to their own encoder)."""
 
 
 def check_kinds(kinds, n: int) -> tuple[str, ...]:

@@ -38,6 +38,8 @@ GLM = with_trait("frames_as_images")
 LINEAR_ATTENTION = with_trait("linear_attention")
 GEMMA = with_trait("image_spans")  # sliding windows, image spans, their own image inputs
 OWN_LAYOUT = with_trait("own_layout")  # not the Qwen-VL layout: own tokens, 1D, images only
+# Feature frames of the audio clips of the families with an audio encoder (the kits').
+AUDIO_CLIPS = {n: a.kit.audio_clips for n, a in tiny_adapters().items() if a.kit.audio_clips}
 # Parameters the forward never uses (zero gradient): the kits' unused_parameters.
 UNUSED = {n: a.kit.unused_parameters for n, a in tiny_adapters().items() if a.kit.unused_parameters}
 # Parameters whose gradient is zero in exact arithmetic and round-off in floats (the kit's

@@ -9,6 +9,7 @@ loss upcasts float64 logits to float32, so it is compared with the float64 refer
 import contextlib
 import inspect
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -17,6 +18,7 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from hf_families import (
+    AUDIO_CLIPS,
     DEEPSTACK,
     FAMILIES,
     FAMILY_OF,
@@ -69,9 +71,13 @@ SAMPLES = [
 ONE_SAMPLE = [SampleSpec(images=((4, 6),), videos=((2, 4, 4),), text_len=10)]
 
 
-def samples(name, which):
+def samples(name, which, audio=False):
     """``which`` for ``name``; for a model whose own forward takes only one kind of vision input
-    per call (GLM-4V), the video of a mixed sample becomes a second image."""
+    per call (GLM-4V), the video of a mixed sample becomes a second image; with ``audio``, a model
+    with an audio encoder gets the kit's first audio clip in the first sample."""
+    if audio and name in AUDIO_CLIPS:
+        first = replace(which[0], audios=AUDIO_CLIPS[name][:1])
+        which = [first, *which[1:]]
     if mixes(name):
         return which
     return [SampleSpec(s.images + ((4, 4),) * len(s.videos), (), s.text_len) for s in which]
@@ -297,7 +303,7 @@ def test_synthetic_batch_layout(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_reference_loss_and_grads(name):
     model = cached_model(name)
-    batch = synthetic_batch(model.config, samples(name, SAMPLES), seed=1)
+    batch = synthetic_batch(model.config, samples(name, SAMPLES, audio=True), seed=1)
     loss, grads = reference_loss_and_grads(model, batch)
     assert loss.dtype == torch.float64
     assert all(p.grad is None for p in model.parameters())
@@ -323,7 +329,7 @@ def test_reference_loss_and_grads(name):
         assert err < 1e-4, n
     model.zero_grad(set_to_none=True)
     model32 = cached_model(name, torch.float32)
-    batch32 = synthetic_batch(model32.config, samples(name, SAMPLES), seed=1)
+    batch32 = synthetic_batch(model32.config, samples(name, SAMPLES, audio=True), seed=1)
     hf32 = model32(**adapter_for(model).to_model_batch(batch32), use_cache=False)
     assert abs(hf32.loss.item() - loss.item()) < 1e-5
 

@@ -1,13 +1,15 @@
-"""Qwen3-Omni-MoE's thinker (Qwen3-VL's tower with deepstack, an MoE decoder, an unused audio
-tower) under CP.
+"""Qwen3-Omni-MoE's thinker (Qwen3-VL's tower with deepstack, an MoE decoder, an audio tower)
+under CP.
 
 The shared family tests (hf_families.FAMILIES) run qwen3-omni-moe-tiny at cp 2 and 4 (mixed,
 packed, a rank without images, text-only) and ``cpvlm verify`` at cp 2; here: what is particular
 to the thinker. Its M-RoPE positions through the adapter's ``rope_index_kwargs`` are the
 thinker's own ``get_rope_index``'s; a video's temporal positions follow its seconds per patch,
 non-integer ones too, and CP matches the one-process model on them; the processor's
-``video_second_per_grid`` is the core's ``second_per_grid_ts``, both ways; audio inputs and
-audio tokens are refused by name, on every CP rank.
+``video_second_per_grid`` is the core's ``second_per_grid_ts``, both ways; the processor's audio
+is the core's, both ways; a short clip's rows are those of the model's call on the whole batch
+(its chunk padding); each clip is encoded on exactly one rank, and a clip encoded on a rank that
+owns none of its positions gives exact gradients.
 
 Reference: the model's own one-process forward and backward, its router softmax in float64 in
 both runs (the kit's ``float64_islands``). float64 tolerance 1e-10.
@@ -41,6 +43,7 @@ from cpvlm.verify import (  # noqa: E402
     cp_loss_and_grads,
     mixed_batch,
     mrope_position_ids,
+    packed_documents,
     reference,
     rel_err,
     run_distributed,
@@ -70,6 +73,7 @@ def _own_positions(model, batch, attention_mask):
         video_grid_thw=batch.get("video_grid_thw"),
         attention_mask=attention_mask,
         second_per_grids=batch.get("second_per_grid_ts"),
+        audio_seqlens=batch.get("audio_lengths"),
     )
     return positions
 
@@ -84,7 +88,8 @@ def test_positions_are_the_thinkers_own():
     assert torch.equal(ours, _own_positions(model, batch, batch["attention_mask"]))
     real = int(batch["attention_mask"][0].sum())  # row 0: the images and the video, unpadded
     row = {k: batch[k][:1, :real] for k in ("input_ids", "mm_token_type_ids")}
-    row.update({k: batch[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")})
+    keys = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts", "audio_lengths")
+    row.update({k: batch[k] for k in keys})
     ones = torch.ones_like(row["input_ids"])
     assert torch.equal(mrope_position_ids(model, row), _own_positions(model, row, ones))
 
@@ -153,34 +158,130 @@ def test_the_models_own_batch():
     assert torch.equal(core["second_per_grid_ts"], batch["second_per_grid_ts"])
 
 
-def test_audio_inputs_and_tokens_are_refused_by_name():
+def test_the_processors_audio_is_the_cores():
+    """The processor's padded ``input_features`` [clips, F, T] with ``feature_attention_mask``
+    are the core's ``audio_features`` (valid frames, clip after clip) and ``audio_lengths``, and
+    back; the token types mark the audio placeholders 3."""
     model = cached_model(NAME)
     adapter = adapter_for(model)
-    batch = mixed_batch(model, torch.float64)
-    audio = {**batch, "input_features": torch.zeros(1, 16, 100)}
-    with pytest.raises(ValueError, match=r"audio inputs \(input_features\) are not supported yet"):
-        prepare_batch(model, audio, 2)
-    with pytest.raises(ValueError, match="audio inputs"):
-        adapter.to_model_batch(audio)
-    ids = batch["input_ids"].clone()
-    ids[1, 2] = AUDIO_TOKEN_ID
-    with pytest.raises(ValueError, match="audio tokens"):
-        prepare_batch(model, {**batch, "input_ids": ids}, 2)
-    assert AUDIO_TOKEN_ID in adapter.special_token_ids  # never drawn as text
+    batch = synthetic_batch(model.config, audios=(130, 57), text_len=6, seed=2)
+    own = adapter.to_model_batch(batch)
+    assert own["input_features"].shape == (2, 16, 130)
+    assert own["feature_attention_mask"].sum(1).tolist() == [130, 57]
+    assert not own["input_features"][1, :, 57:].any()
+    assert torch.equal(own["input_features"][1, :, :57], batch["audio_features"][130:].T)
+    core = adapter.from_model_batch({k: v for k, v in own.items() if k != "attention_mask"})
+    assert torch.equal(core["audio_features"], batch["audio_features"])
+    assert core["audio_lengths"].tolist() == [130, 57]
+    rows = adapter.audio_rows(130) + adapter.audio_rows(57)
+    assert int((core["mm_token_type_ids"] == 3).sum()) == rows == 17 + 8
+    bad = {**batch, "audio_lengths": torch.tensor([130, 50])}
+    with pytest.raises(ValueError, match="audio_features has shape"):
+        prepare_batch(model, bad, 2)
 
 
-def _cp_audio_step(rank, world_size, batch):
+def test_a_short_clip_is_padded_as_in_its_batch():
+    """The tower pads every chunk to the longest of its call, and its convolution biases carry
+    the padding into a shorter chunk's last rows: a short clip alone (padded to itself) is not
+    what the model computes for it in a batch with a longer clip (the bias gradients show it);
+    ``encode_audio`` with the batch's lengths is."""
+    model = cached_model(NAME)
+    adapter = adapter_for(model)
+    batch = synthetic_batch(model.config, audios=(130, 57), text_len=6, dtype=torch.float64)
+    own = adapter.to_model_batch(batch)
+    bias = model.model.audio_tower.conv2d2.bias
+    weights = torch.randn(8, model.config.text_config.hidden_size, dtype=torch.float64)
+
+    def bias_grad(rows):
+        return torch.autograd.grad((rows * weights).sum(), bias)[0]
+
+    whole = model.model.get_audio_features(own["input_features"], own["feature_attention_mask"])
+    expected = bias_grad(whole.last_hidden_state[17:])
+    short, lengths = batch["audio_features"][130:], torch.tensor([57])
+    in_batch = adapter.encode_audio(model, short, lengths, (130, 57))
+    alone = adapter.encode_audio(model, short, lengths, (57,))
+    assert rel_err(in_batch, whole.last_hidden_state[17:]) <= 1e-13  # other matmul shapes
+    assert rel_err(bias_grad(in_batch), expected) <= 1e-12
+    assert rel_err(bias_grad(alone), expected) > 1e-3
+
+
+def _cp_audio(rank, world_size, batch, doc_lens, vision):
+    model = copy.deepcopy(cached_model(NAME))
+    calls = []
+    tower = model.model.audio_tower
+    tower.register_forward_hook(
+        lambda m, args, kwargs, out: calls.append(int(kwargs["feature_lens"].numel())),
+        with_kwargs=True,
+    )
+    options = CPOptions(vision=vision)
+    cp_model = ContextParallelVLM(model, dist.group.WORLD, options=options)
+    out, loss, grads = cp_loss_and_grads(cp_model, batch, doc_lens)
+    owned = int(out.local_labels)
+    return {
+        "loss": loss,
+        "grads": grads if rank == 0 else None,
+        "encoded": out.encoded_audio,
+        "calls": calls,
+        "owned": owned,
+    }
+
+
+def _one_clip_in_the_middle(model):
+    """One row: text, an image, text, one audio clip in the middle of the row, text: at cp 2
+    the clip's positions are rank 1's (head-tail: rank 0 holds the first and last quarters),
+    and the only clip is encoded by rank 0 (the balancer's first rank)."""
+    return synthetic_batch(
+        model.config,
+        [SampleSpec(images=((4, 4),), text_len=48, audios=(57,))],
+        dtype=torch.float64,
+        seed=5,
+    )
+
+
+@pytest.mark.parametrize("vision", ["route", "allgather"])
+def test_each_clip_is_encoded_once_and_exact(vision):
+    """cp 2: the only clip is encoded by rank 0 (the tower's one real call there; rank 1 encodes
+    a dummy clip), its rows are rank 1's positions, and loss and every gradient equal the
+    one-process model's; cp 3 on the verify batches (two clips, a rank with neither audio nor
+    image in the mixed batch), each clip encoded on exactly one rank."""
+    model = cached_model(NAME)
+    batch = _one_clip_in_the_middle(model)
+    ids = batch["input_ids"][0]
+    audio_at = torch.nonzero(ids == AUDIO_TOKEN_ID).squeeze(1)
+    quarter = ids.numel() / 4
+    assert bool(((audio_at >= quarter) & (audio_at < 3 * quarter)).all())  # rank 1's half
+    ref_loss, ref_grads = reference(model, batch, None)
+    per_rank = run_distributed(_cp_audio, 2, batch, None, vision, timeout=TIMEOUT)
+    assert [r["encoded"] for r in per_rank] == [1, 0]
+    assert per_rank[0]["calls"] == [1] and per_rank[1]["calls"] == [1]  # one tower call each
+    errs = grad_errors(NAME, per_rank[0]["grads"], ref_grads)
+    worst = max(errs, key=errs.get)
+    assert rel_err(per_rank[0]["loss"], ref_loss) <= 1e-10 and errs[worst] <= 1e-10, worst
+    assert errs["model.audio_tower.conv2d1.weight"] <= 1e-10
+
+    packed, parts, doc_lens = packed_documents(model, torch.float64)
+    ref_loss, ref_grads = reference(model, packed, doc_lens)
+    per_rank = run_distributed(_cp_audio, 3, packed, doc_lens, vision, timeout=TIMEOUT)
+    assert sum(r["encoded"] for r in per_rank) == len(packed["audio_lengths"]) == 2
+    assert max(r["encoded"] for r in per_rank) == 1  # the two clips on two ranks
+    errs = grad_errors(NAME, per_rank[0]["grads"], ref_grads)
+    worst = max(errs, key=errs.get)
+    assert rel_err(per_rank[0]["loss"], ref_loss) <= 1e-10 and errs[worst] <= 1e-10, worst
+
+
+def _cp_wrong_clip(rank, world_size, batch):
+    if rank == 1:  # this rank alone was handed other clip lengths (same frames in all)
+        batch = {**batch, "audio_lengths": batch["audio_lengths"].flip(0)}
     model = copy.deepcopy(cached_model(NAME))
     ContextParallelVLM(model, dist.group.WORLD)(**batch)
 
 
-def test_audio_inputs_raise_on_every_cp_rank():
-    """The CP step takes the audio keys (the model's own) only to refuse them, on every rank."""
-    batch = mixed_batch(cached_model(NAME), torch.float64)
-    batch["input_features"] = torch.zeros(1, 16, 100, dtype=torch.float64)
-    with pytest.raises(DistributedTestError, match=r"rank\(s\) \[0, 1\] raised") as info:
-        run_distributed(_cp_audio_step, 2, batch, timeout=TIMEOUT)
-    assert "audio inputs (input_features) are not supported yet" in str(info.value)
+def test_audio_wrong_on_one_rank_raises_on_every_rank():
+    model = cached_model(NAME)
+    batch = synthetic_batch(model.config, audios=(130, 130), text_len=6, dtype=torch.float64)
+    batch["audio_lengths"] = torch.tensor([200, 60])  # the same frames, cut elsewhere
+    with pytest.raises(DistributedTestError, match=r"rank\(s\) \[0, 1\] raised"):
+        run_distributed(_cp_wrong_clip, 2, batch, timeout=TIMEOUT)
 
 
 def test_tower_cost_and_published_config():

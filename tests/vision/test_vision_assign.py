@@ -13,7 +13,7 @@ from cpvlm.testing import run_distributed
 from cpvlm.testing.toy_tower import ToyVisionTower
 from cpvlm.testing.vision_cases import MIXES, PUBLISHED_TOWERS
 from cpvlm.vision import (
-    VisionDataParallel,
+    EncoderDataParallel,
     assign_vision_units,
     contiguous_assignment,
     vision_units,
@@ -147,7 +147,7 @@ def test_cost_balance_fixes_what_patch_balance_misses():
 
 def _assign_on_rank(rank, world_size, cost_models):
     """Every mix's assignment under every cost model, from this rank's own arithmetic; and the
-    assignment VisionDataParallel makes for the toy tower by default and with ``cost=``."""
+    assignment EncoderDataParallel makes for the toy tower by default and with ``cost=``."""
     out = {}
     for name, cost in cost_models.items():
         for mix, grids in MIXES.items():
@@ -156,11 +156,11 @@ def _assign_on_rank(rank, world_size, cost_models):
                 out[name, mix, cp] = assign_vision_units(cost.unit_costs(units), cp)
     tower = ToyVisionTower(hidden=16, depth=2)
     units = vision_units(torch.tensor(MIXES["current"]), 2)
-    out["vdp default"] = VisionDataParallel(tower, dist.group.WORLD).assignment(units)
-    out["vdp patches"] = VisionDataParallel(
+    out["vdp default"] = EncoderDataParallel(tower, dist.group.WORLD).assignment(units)
+    out["vdp patches"] = EncoderDataParallel(
         tower, dist.group.WORLD, cost=VisionCost.patches()
     ).assignment(units)
-    out["vdp plain tower"] = VisionDataParallel(torch.nn.Identity(), None).assignment(units)
+    out["vdp plain tower"] = EncoderDataParallel(torch.nn.Identity(), None).assignment(units)
     return out
 
 
@@ -176,7 +176,7 @@ def test_assignment_is_identical_on_every_gloo_rank():
             for cp in (2, 4, 8):
                 expected = assign_vision_units(cost.unit_costs(mix_units), cp)
                 assert results[0][name, mix, cp] == expected
-    # VisionDataParallel balances by the tower's vision_cost(); cost= and plain towers (no
+    # EncoderDataParallel balances by the tower's vision_cost(); cost= and plain towers (no
     # vision_cost method: patch counts) override it.
     toy_costs = cost_models()["toy tower"].unit_costs(units)
     assert results[0]["vdp default"] == assign_vision_units(toy_costs, 4)
@@ -187,7 +187,7 @@ def test_assignment_is_identical_on_every_gloo_rank():
 
 def test_vision_data_parallel_rejects_a_cost_that_is_not_a_vision_cost():
     with pytest.raises(ValueError, match="cost must be a VisionCost"):
-        VisionDataParallel(torch.nn.Identity(), None, cost=[1, 2, 3])
+        EncoderDataParallel(torch.nn.Identity(), None, cost=[1, 2, 3])
 
 
 def test_videos_split_into_contiguous_frame_units():

@@ -1,4 +1,4 @@
-"""VisionDataParallel around a small tower on real gloo ranks, against the one-process tower.
+"""EncoderDataParallel around a small tower on real gloo ranks, against the one-process tower.
 
 The tower (cpvlm.testing.toy_tower) has a Conv3d patch embedding, attention within each frame, a 2x2
 merger and a deepstack tap, like the Qwen-VL towers. The reference encodes every item whole
@@ -14,7 +14,7 @@ import torch.distributed as dist
 from cpvlm import ShardPlan
 from cpvlm.testing import rel_err, run_distributed
 from cpvlm.testing.toy_tower import ToyVisionTower
-from cpvlm.vision import VisionDataParallel, assign_vision_units, vision_units
+from cpvlm.vision import EncoderDataParallel, assign_vision_units, vision_units
 
 MERGE = 2
 # Images of different sizes and two videos (t = 3 and t = 2): 8 units.
@@ -56,7 +56,7 @@ def _grads(module):
 
 def _wrapped_step(rank, world_size, grids, mode, dtype=torch.float64, out_dims=None):
     tower = _tower(dtype)
-    vdp = VisionDataParallel(
+    vdp = EncoderDataParallel(
         tower,
         dist.group.WORLD,
         mode=mode,
@@ -179,7 +179,7 @@ def test_placeholders_take_the_towers_dtype(dtype):
 
 def _frozen_and_no_grad(rank, world_size, grids, mode):
     tower = _tower().requires_grad_(False)
-    vdp = VisionDataParallel(tower, dist.group.WORLD, mode=mode, merge_size=MERGE)
+    vdp = EncoderDataParallel(tower, dist.group.WORLD, mode=mode, merge_size=MERGE)
     grid_thw = torch.tensor(grids)
     pixels = _pixels(grids, tower.pixel_dim)
     kwargs = {}
@@ -206,10 +206,10 @@ def test_frozen_tower_and_no_grad_evaluation(mode):
 def _bad_call(rank, world_size, case):
     tower = _tower()
     if case == "wrong merge size":  # the tower merges 2x2: 4x fewer rows than promised
-        vdp = VisionDataParallel(tower, dist.group.WORLD, mode="allgather", merge_size=1)
+        vdp = EncoderDataParallel(tower, dist.group.WORLD, mode="allgather", merge_size=1)
         grids = [[1, 2, 4], [1, 2, 4]]  # a unit on each rank
         return _message(vdp, _pixels(grids, tower.pixel_dim), torch.tensor(grids))
-    vdp = VisionDataParallel(tower, dist.group.WORLD, mode="route", merge_size=MERGE)
+    vdp = EncoderDataParallel(tower, dist.group.WORLD, mode="route", merge_size=MERGE)
     grids = [[1, 2, 4], [1, 2, 2]]
     pixels = _pixels(grids, tower.pixel_dim)
     plan, row_positions = _layout(grids, world_size)
@@ -266,6 +266,6 @@ def test_units_carry_their_items_kind_and_are_sized_by_it():
     assert whole.kinds == ("image", "video", "image")
     assert whole.row_counts == [4, 9, 8]  # (2, 4, 4): 8 rows as an image, 8 + 1 as a video
     assert vision_units(grids, MERGE).kinds == ("image",) * 5  # no kinds: images
-    for bad in (("image", "video"), ("image", "audio", "image")):
+    for bad in (("image", "video"), ("image", "sound", "image")):
         with pytest.raises(ValueError, match="kinds must be 3 of"):
             vision_units(grids, MERGE, kinds=bad)

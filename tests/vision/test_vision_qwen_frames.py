@@ -1,6 +1,6 @@
 """Splitting a video into frame units is exact for the real Qwen2.5-VL and Qwen3-VL towers.
 
-VisionDataParallel encodes each temporal frame of a video (grid (t, h, w)) as its own unit of grid
+EncoderDataParallel encodes each temporal frame of a video (grid (t, h, w)) as its own unit of grid
 (1, h, w). That is only correct if the tower treats frames independently. In transformers 5.x
 both Qwen towers do: attention segments are per frame (``cu_seqlens`` repeats h*w t times),
 rotary (h, w) positions repeat per frame, Qwen2.5-VL's attention windows are cut within each frame,
@@ -85,7 +85,7 @@ def test_a_video_encodes_exactly_as_its_frames(make_tower):
     "make_tower", [_qwen2_5_tower, _qwen3_tower], ids=["qwen2_5_vl", "qwen3_vl"]
 )
 def test_the_dummy_frame_of_empty_ranks_is_valid_for_the_real_towers(make_tower):
-    # VisionDataParallel's empty ranks encode one zero frame of grid (1, m, m) to learn their
+    # EncoderDataParallel's empty ranks encode one zero frame of grid (1, m, m) to learn their
     # placeholders' dtype and widths: it must give one row per output.
     tower = make_tower().to(torch.float64)
     outputs = _encode(tower, torch.zeros(4, 3 * 2 * 8 * 8, dtype=torch.float64), [[1, 2, 2]])

@@ -1,7 +1,7 @@
 """vision="split": a unit sharded across CP ranks gives the one-process tower's rows and gradients.
 
 The real Qwen2.5-VL (windowed blocks, window reordering) and Qwen3-VL (learned position table,
-deepstack) tiny towers in float64 on gloo ranks, through ``VisionDataParallel(mode="split")``:
+deepstack) tiny towers in float64 on gloo ranks, through ``EncoderDataParallel(mode="split")``:
 every rank gets the rows of the visual positions it owns (one document of all rows, head-tail),
 and the loss sum over ranks of <rows, fixed random weights> back-propagates through the routing,
 ``cp_attention`` and the local tower. Reference: the unwrapped tower on every unit in one call.
@@ -26,7 +26,7 @@ from cpvlm.options import (
     CPOptions,  # noqa: E402
 )
 from cpvlm.testing import rel_err, run_distributed  # noqa: E402
-from cpvlm.vision import VisionDataParallel, vision_units  # noqa: E402
+from cpvlm.vision import EncoderDataParallel, vision_units  # noqa: E402
 from cpvlm.vision.split import Piece, SplitAttention  # noqa: E402
 
 FAMILIES = ("qwen2.5-vl-tiny", "qwen3-vl-tiny")
@@ -84,7 +84,7 @@ def _split_rank(rank, world, name, grids, seed, attn="ring", local=False):
     model = copy.deepcopy(base)
     tower = adapter.vision_tower(model)
     grid, pixels, rows, gen = _inputs(adapter, grids, seed)
-    vdp = VisionDataParallel(
+    vdp = EncoderDataParallel(
         SplitTower(adapter, model),
         dist.group.WORLD,
         mode="split",
@@ -184,7 +184,7 @@ def _bad_inputs_rank(rank, world):
     adapter, base = _tower("qwen3-vl-tiny")
     model = copy.deepcopy(base)
     grid, pixels, rows, _ = _inputs(adapter, [(1, 8, 12)], 0)
-    vdp = VisionDataParallel(
+    vdp = EncoderDataParallel(
         SplitTower(adapter, model), dist.group.WORLD, mode="split", cost=adapter.vision_cost()
     )
     plan = ShardPlan(rows, world)

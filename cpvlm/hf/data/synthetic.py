@@ -24,24 +24,28 @@ VISION_KEYS = (
     "pixel_values_videos",
     "video_grid_thw",
     "second_per_grid_ts",
+    "audio_features",
+    "audio_lengths",
 )
 
 
 @dataclass(frozen=True)
 class SampleSpec:
     """One sample of a synthetic batch: ``text_len`` free text tokens spread around the images
-    (grids (h, w)) and then the videos (grids (t, h, w)), all in patch units."""
+    (grids (h, w)), then the videos (grids (t, h, w)), all in patch units, then the audio clips
+    (feature frames each; families with an audio encoder)."""
 
     images: tuple[tuple[int, int], ...] = ()
     videos: tuple[tuple[int, int, int], ...] = ()
     text_len: int = 16
+    audios: tuple[int, ...] = ()
 
 
-def _samples(samples, images, videos, text_len) -> list[SampleSpec]:
-    if samples is not None and (images or videos):
-        raise ValueError("pass images/videos inside samples, or samples=None; not both")
+def _samples(samples, images, videos, text_len, audios=()) -> list[SampleSpec]:
+    if samples is not None and (images or videos or audios):
+        raise ValueError("pass images/videos/audios inside samples, or samples=None; not both")
     if samples is None:
-        samples = [SampleSpec(tuple(images), tuple(videos), text_len)]
+        samples = [SampleSpec(tuple(images), tuple(videos), text_len, tuple(audios))]
     samples = [s if isinstance(s, SampleSpec) else SampleSpec(**s) for s in samples]
     if not samples:
         raise ValueError("samples is empty; pass at least one SampleSpec")
@@ -50,7 +54,8 @@ def _samples(samples, images, videos, text_len) -> list[SampleSpec]:
 
 def sample_items(sample: SampleSpec, i: int, adapter) -> list[tuple[str, tuple[int, int, int]]]:
     """``[(kind, (t, h, w)), ...]``: the sample's images, then its videos, checked, as the
-    family's processor makes items of them (the kit's ``synthetic_items``: tiles, crops)."""
+    family's processor makes items of them (the kit's ``synthetic_items``: tiles, crops), then
+    its audio clips as ``("audio", (1, 1, frames))``."""
     kit = adapter.kit(adapter)
     merge = adapter.merge_size
     items = [("image", (1, h, w)) for h, w in sample.images]
@@ -61,12 +66,17 @@ def sample_items(sample: SampleSpec, i: int, adapter) -> list[tuple[str, tuple[i
                 f"sample {i}: {kind} grid {(t, h, w)} must have t >= 1 and h, w positive "
                 f"multiples of the spatial merge size {merge}"
             )
-    if sample.text_len < 0 or (sample.text_len == 0 and not items):
+    if sample.text_len < 0 or (sample.text_len == 0 and not items and not sample.audios):
         raise ValueError(f"sample {i}: text_len must be >= 0 and the sample non-empty")
+    if sample.audios and adapter.audio_token_id is None:
+        raise ValueError(f"sample {i}: audio clips, but {adapter.family} has no audio encoder")
+    if any(n < 1 for n in sample.audios):
+        raise ValueError(f"sample {i}: audio clips need >= 1 feature frame, got {sample.audios}")
     n = len(sample.images)
-    return [
+    made = [
         made for kind, grid in items for made in kit.synthetic_items(kind, grid, images_in_sample=n)
     ]
+    return made + [("audio", (1, 1, int(n))) for n in sample.audios]
 
 
 def sample_tokens(adapter, items, text_len: int, text) -> list[int]:
@@ -100,6 +110,7 @@ def synthetic_batch(
     images: Sequence[tuple[int, int]] = (),
     videos: Sequence[tuple[int, int, int]] = (),
     text_len: int = 16,
+    audios: Sequence[int] = (),
     seed: int = 0,
     pad_token_id: int | None = None,
     pad_to_multiple_of: int = 1,
@@ -113,13 +124,13 @@ def synthetic_batch(
     ``pad_to_multiple_of``. Returns ``input_ids``, ``attention_mask``, ``mm_token_type_ids``
     (0 text, 1 image, 2 video), ``labels`` (unshifted, -100 on vision placeholders and padding),
     and when present ``pixel_values`` / ``image_grid_thw``, ``pixel_values_videos`` /
-    ``video_grid_thw`` (+ ``second_per_grid_ts`` for families that take it). Pixel rows are random,
-    ``t*h*w`` per grid.
+    ``video_grid_thw`` (+ ``second_per_grid_ts`` for families that take it), ``audio_features``
+    / ``audio_lengths``. Pixel rows and feature frames are random, ``t*h*w`` per grid.
     """
     adapter = adapter_for(config)
     if pad_to_multiple_of < 1:
         raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
-    samples = _samples(samples, images, videos, text_len)
+    samples = _samples(samples, images, videos, text_len, audios)
     text_config = config.text_config
     if pad_token_id is None:
         pad_token_id = getattr(text_config, "pad_token_id", None)
@@ -130,7 +141,7 @@ def synthetic_batch(
     def text(n: int) -> list:
         return torch.randint(1, text_hi, (n,), generator=gen).tolist()
 
-    rows, grids = [], {"image": [], "video": []}
+    rows, grids = [], {"image": [], "video": [], "audio": []}
     for i, sample in enumerate(samples):
         items = sample_items(sample, i, adapter)
         rows.append(sample_tokens(adapter, items, sample.text_len, text))
@@ -157,6 +168,12 @@ def _vision_inputs(adapter, grids: dict, gen: torch.Generator, dtype: torch.dtyp
         )
 
     out = {}
+    if grids["audio"]:
+        frames = [g[2] for g in grids["audio"]]
+        width = adapter.audio_feature_width
+        features = torch.randn(sum(frames), width, generator=gen, dtype=torch.float64)
+        out["audio_features"] = features.to(dtype)
+        out["audio_lengths"] = torch.tensor(frames, dtype=torch.long)
     if grids["image"]:
         out["pixel_values"] = pixels(grids["image"], "image")
         out["image_grid_thw"] = torch.tensor(grids["image"], dtype=torch.long)
@@ -197,7 +214,7 @@ def split_documents(
         ("image", 1, "pixel_values", "image_grid_thw"),
         ("video", 2, "pixel_values_videos", "video_grid_thw"),
     )
-    seen = {"image": 0, "video": 0}
+    seen = {"image": 0, "video": 0, "audio": 0}
     docs, start = [], 0
     for n in doc_lens:
         a, b = start, start + n
@@ -223,5 +240,18 @@ def split_documents(
             if kind == "video":
                 doc.update({k: batch[k][first:last] for k in adapter.video_keys if k in batch})
             seen[kind] = last
+        need = int((types[0, a:b] == 3).sum())
+        if need:
+            lengths, first = batch["audio_lengths"].tolist(), seen["audio"]
+            last, got = first, 0
+            while got < need:
+                got += adapter.audio_rows(lengths[last])
+                last += 1
+            before = sum(lengths[:first])
+            doc["audio_lengths"] = batch["audio_lengths"][first:last]
+            doc["audio_features"] = batch["audio_features"][
+                before : before + sum(lengths[first:last])
+            ]
+            seen["audio"] = last
         docs.append(doc)
     return docs
