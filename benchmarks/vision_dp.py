@@ -38,7 +38,17 @@
      with patches, balance is by cost: a rank of many small images holds more patches than one
      with a large image of the same cost, so the peak falls less than the time.
 
-    python benchmarks/vision_dp.py [--rounds 15] [--part all|split]   # about 6 minutes
+6. Audio beside vision (``--part audio`` alone: ``audio_dp.json``, seconds), the audio-heavy mix
+   (cpvlm/testing/vision_cases.py AUDIO_HEAVY_MIX: 18 recordings of 5 to 120 s beside the 12
+   images and the video) for Qwen3-Omni-30B-A3B's two encoders (its Qwen3-VL tower and its audio
+   encoder, cost models from the published config) at cp 2/4/8, modelled max/mean of the summed
+   encoder cost per rank: every item (image, video, recording) by count in contiguous blocks;
+   each encoder's units balanced by size (patches, frames); each encoder's units balanced by its
+   cost, separately; the clips balanced by cost around the vision units' per-rank cost (what
+   cpvlm does: one EncoderDataParallel per encoder, the audio one given the vision loads as
+   ``base_loads``); one joint cost balance over both; and the whole-unit bound.
+
+    python benchmarks/vision_dp.py [--rounds 15] [--part all|split|audio]   # about 6 minutes
     python benchmarks/vision_dp.py --rounds 1 --out-dir DIR  # a trial run
 """
 
@@ -54,7 +64,13 @@ from transformers import AutoConfig
 
 from cpvlm import ShardPlan
 from cpvlm.hf.vision_cost import vision_cost
-from cpvlm.testing.vision_cases import CURRENT_MIX, MIXES, PUBLISHED_TOWERS, SPLIT_MIXES
+from cpvlm.testing.vision_cases import (
+    AUDIO_HEAVY_MIX,
+    CURRENT_MIX,
+    MIXES,
+    PUBLISHED_TOWERS,
+    SPLIT_MIXES,
+)
 from cpvlm.vision import assign_vision_units, contiguous_assignment, route_plan, vision_units
 from cpvlm.vision.cost import VisionCost, block_linear_macs
 from cpvlm.vision.split_assign import split_assignment
@@ -531,12 +547,83 @@ def split_rows(target: VisionCost, rounds: int) -> dict:
     return {"mixes": SPLIT_MIXES, "balance": bal, "encoder": timing}
 
 
+def audio_rows() -> list[dict]:
+    """Item 6: the audio-heavy mix under Qwen3-Omni-30B-A3B's two encoders."""
+    from cpvlm.families.qwen3_omni_moe import qwen3_omni_30b_a3b_config, qwen3_omni_audio_cost
+    from cpvlm.families.qwen3_vl import qwen3_vl_vision_cost
+
+    config = qwen3_omni_30b_a3b_config()
+    vision_cost = qwen3_vl_vision_cost(config.vision_config)
+    audio_cost = qwen3_omni_audio_cost(config.audio_config)
+    units = vision_units(torch.tensor(AUDIO_HEAVY_MIX["vision"]), MERGE)
+    clips = AUDIO_HEAVY_MIX["audio"]
+    v_cost = vision_cost.unit_costs(units)
+    a_cost = [audio_cost.unit_cost((1, 1, n)) for n in clips]
+    cost = v_cost + a_cost  # vision units, then clips
+    nv = len(v_cost)
+
+    def both(v_per_rank, a_per_rank):
+        return [list(v) + [nv + a for a in c] for v, c in zip(v_per_rank, a_per_rank)]
+
+    rows = []
+    for cp in CPS:
+        items = [
+            *(("v", i) for i in range(units.num_items)),
+            *(("a", i) for i in range(len(clips))),
+        ]
+        blocks = contiguous_assignment(len(items), cp)
+        by_count = [
+            [u for u, item in enumerate(units.items) if ("v", item) in {items[i] for i in b}]
+            + [nv + a for a in range(len(clips)) if ("a", a) in {items[i] for i in b}]
+            for b in blocks
+        ]
+        by_size = both(assign_vision_units(units.pixel_counts, cp), assign_vision_units(clips, cp))
+        v_cp = assign_vision_units(v_cost, cp)
+        by_cost = both(v_cp, assign_vision_units(a_cost, cp))
+        v_loads = [sum(v_cost[u] for u in mine) for mine in v_cp]
+        around = both(v_cp, assign_vision_units(a_cost, cp, v_loads))
+        rows.append(
+            {
+                "cp": cp,
+                "units": len(cost),
+                "audio_share": round(sum(a_cost) / sum(cost), 3),
+                "count": balance(cost, by_count),
+                "size": balance(cost, by_size),
+                "cost_per_encoder": balance(cost, by_cost),
+                "cost_around_vision": balance(cost, around),
+                "cost_joint": balance(cost, assign_vision_units(cost, cp)),
+                "bound": max(1.0, max(cost) / (sum(cost) / cp)),
+            }
+        )
+    return rows
+
+
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds")
-    p.add_argument("--part", choices=("all", "split"), default="all", help="split: item 5 only")
+    p.add_argument(
+        "--part",
+        choices=("all", "split", "audio"),
+        default="all",
+        help="split: item 5 only; audio: item 6 only",
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
+    audio = audio_rows()
+    print_table(
+        audio,
+        list(audio[0]),
+        "Audio-heavy mix, Qwen3-Omni-30B-A3B encoders: modelled max/mean of the summed encoder "
+        "cost per rank",
+    )
+    print()
+    if args.part == "audio":
+        write_json(
+            args.out_dir,
+            "audio_dp",
+            {"mix": AUDIO_HEAVY_MIX, "balance": audio, "load_average": os.getloadavg()},
+        )
+        return
     costs = published_costs()
     split = split_rows(costs[TARGET], args.rounds)
     if args.part == "split":
@@ -604,6 +691,7 @@ def main() -> None:
             "features": FEATURES,
             "bytes_per_value": BYTES_PER_VALUE,
             "split": split,
+            "audio": audio,
         },
     )
 

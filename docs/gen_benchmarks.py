@@ -309,6 +309,21 @@ def vision_modelled() -> str:
     return _table(head + ["bound"], rows)
 
 
+def audio_balance() -> str:
+    data = sorted(_load("audio_dp")["balance"], key=lambda r: r["cp"])
+    keys = ("count", "size", "cost_per_encoder", "cost_around_vision", "cost_joint")
+    rows = [[str(r["cp"]), *(f"{r[k]:.3f}" for k in keys)] for r in data]
+    head = [
+        "cp",
+        "by count (contiguous)",
+        "by size (patches, frames)",
+        "by cost, each encoder alone",
+        "by cost, clips around vision (cpvlm)",
+        "by cost, jointly",
+    ]
+    return _table(head, rows)
+
+
 def vision_measured() -> str:
     d = _load("vision_dp")
     data = d["encoder_time"]
@@ -722,6 +737,7 @@ TABLES = {
     "attention_impls": attention_impls,
     "attention_window": attention_window,
     "vision_modelled": vision_modelled,
+    "audio_balance": audio_balance,
     "vision_measured": vision_measured,
     "vision_bytes": vision_bytes,
     "memory": memory,

@@ -68,6 +68,7 @@ from cpvlm.hf.chat_media import ChatMedia
 from cpvlm.hf.kit import FamilyKit, MoeKit
 from cpvlm.hf.registration import register
 from cpvlm.hf.tiny import VISION_TOKEN_IDS, split_overrides, with_overrides
+from cpvlm.vision.cost import VisionCost, block_linear_macs
 
 from .qwen3_vl import TINY_TEXT, Qwen3VLAdapter, Qwen3VLKit, tiny_vision
 
@@ -127,6 +128,41 @@ def tiny_qwen3_omni_moe_config(**overrides) -> Qwen3OmniMoeThinkerConfig:
     )
     return Qwen3OmniMoeThinkerConfig(
         text_config=text, vision_config=tiny_vision(vision), audio_config=audio, **top
+    )
+
+
+# ---- the audio encoder's cost ---------------------------------------------------------------------
+
+
+def qwen3_omni_audio_cost(ac) -> VisionCost:
+    """The audio encoder's forward MACs per clip of grid (1, 1, frames), per mel frame.
+
+    A chunk of ``2 * n_window`` frames (the last one padded to the batch's longest chunk) runs
+    three stride-2 3x3 convolutions (1 -> C, C -> C, C -> C channels over the mel x time grid,
+    halved each time), giving ``rows = 13`` tokens per 100 frames; each token then goes through
+    ``conv_out`` (C * F/8 -> d), the blocks (qkv/out projections and a two-matrix MLP) and the
+    output projections, and attends within windows of ``n_window_infer`` frames. Per frame:
+    the convolutions' MACs over a full chunk divided by its frames, plus ``rows/frame`` times
+    each token's linear MACs; attention pairs are counted in frames, with ``pair`` scaled by
+    ``(rows/frame)**2`` (rounded). Elementwise work is left out, as for the towers.
+    """
+    c, f, d = ac.downsample_hidden_size, ac.num_mel_bins, ac.d_model
+    chunk = 2 * ac.n_window
+    t1, t2, t3 = (chunk + 1) // 2, (chunk + 3) // 4, (chunk + 7) // 8
+    f1, f2, f3 = (f + 1) // 2, ((f + 1) // 2 + 1) // 2, (((f + 1) // 2 + 1) // 2 + 1) // 2
+    convs = 9 * c * (f1 * t1) + 9 * c * c * (f2 * t2) + 9 * c * c * (f3 * t3)
+    per_token = (
+        c * f3 * d
+        + ac.encoder_layers * block_linear_macs(d, ac.encoder_ffn_dim, gated=False)
+        + d * d
+        + d * ac.output_dim
+    )
+    tokens = t3  # rows of a full chunk (13 for 100 frames)
+    return VisionCost(
+        linear_per_patch=(convs + per_token * tokens) // chunk,
+        pair=max(1, round(2 * d * (tokens / chunk) ** 2)),
+        windowed_blocks=ac.encoder_layers,
+        window=ac.n_window_infer,
     )
 
 
@@ -277,6 +313,9 @@ class Qwen3OmniMoeAdapter(MoeRouter, Qwen3VLAdapter):
 
         n_window = self.config.audio_config.n_window
         return int(m._get_feat_extract_output_lengths(torch.tensor(frames), n_window))
+
+    def audio_cost(self):
+        return qwen3_omni_audio_cost(self.config.audio_config)
 
     def encode_audio(self, model, features, lengths, batch_lengths):
         """The tower on these clips, their chunks padded as in the forward batch (module

@@ -481,12 +481,18 @@ class ContextParallelVLM(nn.Module):
         empty = torch.zeros(0, dtype=torch.long)
         positions = prep.audio_row_positions if n else empty
         route = {"plan": prep.plan, "row_positions": positions} if routed else {}
+        base = None
+        if n and self.vision in ("route", "allgather") and len(prep.grid_thw):
+            # Clips balance around the vision units' modelled cost per rank (both in MACs), so
+            # that the two encoders' heaviest units do not meet on one rank.
+            base = self.vision_dp.rank_loads(self.vision_dp.units(prep.grid_thw, prep.kinds))
         rows, encoded = self.audio_dp(
             features,
             prep.audio_grid,
             kinds=("audio",) * n,
             with_unit_count=True,
             step=step,
+            base_loads=base,
             **route,
         )
         if self.flow == "scalable" and not routed and n:

@@ -31,6 +31,11 @@ HIGH_RES_VIDEO = [(12, 64, 96)]
 SPLIT_MIXES = {"3 x 1600 + small": SPLIT_MIX, "high-res video": HIGH_RES_VIDEO}
 
 
+# Audio-heavy: long recordings (2 x 120 s, 6 x 30 s, 10 x 5 s; mel frames at 100 per second)
+# beside the 12 images and the 16-frame video of CURRENT_MIX.
+AUDIO_HEAVY_MIX = {"vision": CURRENT_MIX, "audio": [12000] * 2 + [3000] * 6 + [500] * 10}
+
+
 def __getattr__(name: str):
     # PUBLISHED_TOWERS: from the family kits (importing them needs transformers, so lazily).
     if name == "PUBLISHED_TOWERS":

@@ -38,10 +38,12 @@ def _check_costs(costs: Sequence[int] | torch.Tensor) -> list[int]:
     return counts
 
 
-def lpt(counts: Sequence[int], cp_size: int) -> list[list[int]]:
-    """Longest processing time first: biggest unit to the least loaded rank (ties: lower rank);
-    each rank's units in the order dealt. (Also ``cpvlm.data.plan_split``'s deal.)"""
-    heap = [(0, r) for r in range(cp_size)]
+def lpt(counts: Sequence[int], cp_size: int, base: Sequence[int] | None = None) -> list[list[int]]:
+    """Longest processing time first: biggest unit to the least loaded rank (ties: lower rank),
+    each rank starting at its ``base`` load (default 0); each rank's units in the order dealt.
+    (Also ``cpvlm.data.plan_split``'s deal.)"""
+    heap = [(0 if base is None else base[r], r) for r in range(cp_size)]
+    heapq.heapify(heap)
     per_rank: list[list[int]] = [[] for _ in range(cp_size)]
     for u in sorted(range(len(counts)), key=lambda u: (-counts[u], u)):
         load, r = heapq.heappop(heap)
@@ -78,7 +80,9 @@ def _best_exchange(
     return best
 
 
-def assign_vision_units(costs: Sequence[int] | torch.Tensor, cp_size: int) -> list[list[int]]:
+def assign_vision_units(
+    costs: Sequence[int] | torch.Tensor, cp_size: int, base_loads: Sequence[int] | None = None
+) -> list[list[int]]:
     """One list of unit indices per rank, balanced by unit cost, each list ascending.
 
     ``costs[u]`` is unit u's cost: ``VisionCost.unit_costs(units)`` (modelled encoder work), or
@@ -86,13 +90,17 @@ def assign_vision_units(costs: Sequence[int] | torch.Tensor, cp_size: int) -> li
     and swaps from the most loaded rank to the least loaded rank that one improves, while any
     does. No rank can end below max(costs), so max/mean is bounded by max(costs)/mean.
     Deterministic; every rank gets the same answer. A rank may get no units (more ranks than
-    units); it must still join the collectives.
+    units); it must still join the collectives. ``base_loads``: each rank's work already given
+    (another encoder's units, in the same cost unit), which these units balance around.
     """
     if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
     counts = _check_costs(costs)
-    per_rank = lpt(counts, cp_size)
-    loads = [sum(counts[u] for u in units) for units in per_rank]
+    base = [0] * cp_size if base_loads is None else _check_costs(list(base_loads))
+    if len(base) != cp_size:
+        raise ValueError(f"base_loads must have one load per rank ({cp_size}), got {len(base)}")
+    per_rank = lpt(counts, cp_size, base)
+    loads = [b + sum(counts[u] for u in units) for b, units in zip(base, per_rank)]
     for _ in range(_MAX_REFINE_STEPS_PER_UNIT * len(counts)):
         hi = max(range(cp_size), key=lambda r: (loads[r], -r))
         exchange = None

@@ -194,9 +194,17 @@ class EncoderDataParallel(nn.Module):
             kinds=kinds,
         )
 
-    def assignment(self, units: VisionUnits) -> list[list[int]]:
-        """Whole units per rank (modes route and allgather)."""
-        return assign_vision_units(self.cost.unit_costs(units), dist.get_world_size(self.group))
+    def assignment(self, units: VisionUnits, base_loads=None) -> list[list[int]]:
+        """Whole units per rank (modes route and allgather), balanced around ``base_loads``
+        (each rank's cost already given to it by another encoder; default none)."""
+        world = dist.get_world_size(self.group)
+        return assign_vision_units(self.cost.unit_costs(units), world, base_loads)
+
+    def rank_loads(self, units: VisionUnits) -> list[int]:
+        """Each rank's modelled cost of its units (modes route and allgather): what another
+        encoder's units balance around (``base_loads``)."""
+        costs = self.cost.unit_costs(units)
+        return [sum(costs[u] for u in mine) for mine in self.assignment(units)]
 
     def split_assignment(self, units: VisionUnits) -> SplitAssignment:
         """Whole units per rank and the sharded units' cuts (mode split)."""
@@ -236,6 +244,7 @@ class EncoderDataParallel(nn.Module):
         local_pixels: bool = False,
         step: StepAgreement | None = None,
         with_unit_count: bool = False,
+        base_loads=None,
     ):
         """Encode this rank's units and return what the unwrapped tower would.
 
@@ -251,7 +260,8 @@ class EncoderDataParallel(nn.Module):
         the result holds this rank's visual rows sorted by local index in its ``[B, S_loc]`` shard.
         ``step``: the CP step this belongs to (see ``cpvlm.distributed.collectives.StepAgreement``).
         ``with_unit_count``: return ``(result, units this rank encoded)`` (split mode: whole units
-        plus pieces of sharded ones). split mode: as route mode (``plan``, ``row_positions``).
+        plus pieces of sharded ones). ``base_loads``: see ``assignment`` (modes route and
+        allgather). split mode: as route mode (``plan``, ``row_positions``).
 
         A problem found on one rank only (its tower returned the wrong number of rows) is raised
         on every rank, through the agreement that precedes the rows' collective.
@@ -265,7 +275,7 @@ class EncoderDataParallel(nn.Module):
             return (out, encoded) if with_unit_count else out
         try:
             units, assignment, rp, tensors, has_deepstack = self._encode_local(
-                pixel_values, grid_thw, kinds, plan, row_positions, local_pixels
+                pixel_values, grid_thw, kinds, plan, row_positions, local_pixels, base_loads
             )
         except ValueError as err:
             # Found by this rank alone (a tower that returned too few rows, inputs that differ
@@ -286,11 +296,13 @@ class EncoderDataParallel(nn.Module):
         out = _join_output(moved, has_deepstack)
         return (out, len(assignment[dist.get_rank(self.group)])) if with_unit_count else out
 
-    def _encode_local(self, pixel_values, grid_thw, kinds, plan, row_positions, local_pixels):
+    def _encode_local(
+        self, pixel_values, grid_thw, kinds, plan, row_positions, local_pixels, base_loads
+    ):
         """``(units, assignment, route plan or None, this rank's rows, has_deepstack)``."""
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         units = self.units(grid_thw, kinds)
-        assignment = self.assignment(units)
+        assignment = self.assignment(units, base_loads)
         self._check_pixels(pixel_values, units, assignment[rank] if local_pixels else None)
         rp = None
         if self.mode == "route":

@@ -217,3 +217,14 @@ def test_bad_grids_are_rejected(grid, message):
         vision_units(torch.tensor(grid), 2)
     with pytest.raises(ValueError, match="integer"):
         vision_units(torch.tensor([[1.0, 2.0, 2.0]]), 2)
+
+
+def test_units_balance_around_base_loads():
+    """Units of one encoder balance around the work another encoder already gave each rank:
+    the heaviest clip goes to the rank with the least vision work, and the totals end even."""
+    assert assign_vision_units([5, 5], 2, base_loads=[10, 0]) == [[], [0, 1]]
+    per_rank = assign_vision_units([7, 4, 3, 2], 3, base_loads=[0, 6, 3])
+    loads = [b + sum([7, 4, 3, 2][u] for u in mine) for b, mine in zip([0, 6, 3], per_rank)]
+    assert 0 in per_rank[0] and max(loads) == 9  # 25 over 3 ranks: 9 is the best
+    with pytest.raises(ValueError, match="one load per rank"):
+        assign_vision_units([1], 2, base_loads=[0])
