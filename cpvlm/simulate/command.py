@@ -37,6 +37,16 @@ def _video(text: str) -> tuple[int, ...]:
     return _size(text, 3)
 
 
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected seconds of audio > 0, e.g. 30")
+    return seconds
+
+
 @dataclass(frozen=True, kw_only=True)
 class PlanConfig:
     """The flags of ``cpvlm plan`` (``cpvlm.config_cli``): the row, the GPUs, and what to try."""
@@ -48,6 +58,9 @@ class PlanConfig:
     )
     videos: tuple[tuple[int, int, int], ...] = arg(
         (), type=_video, help="videos in the row, FRAMESxHxW each"
+    )
+    audios: tuple[float, ...] = arg(
+        (), type=_seconds, help="audio clips in the row, seconds each (models with audio)"
     )
     docs: int = arg(1, help="packed documents in the row")
     gpus: int = arg(help="GPUs (dp x cp ranks)")
@@ -105,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = from_args(PlanConfig, parsed)
         config = load_config(args.model)
-        spec = SequenceSpec(args.seq_len, args.images, args.videos, args.docs)
+        spec = SequenceSpec(args.seq_len, args.images, args.videos, args.docs, args.audios)
         from cpvlm.hf import adapter_for
 
         adapter_for(config)  # an unsupported family fails here, with the supported list

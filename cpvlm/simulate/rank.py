@@ -190,7 +190,7 @@ def simulate_step(
     backward each (two or three under ``depth_fit="affine"``: cpvlm.simulate.depth)."""
     t0 = time.perf_counter()
     cache = {} if cache is None else cache
-    has_vision = bool(spec.images or spec.videos)
+    has_vision = bool(spec.images or spec.videos)  # (audio runs its whole encoder: not reduced)
     if not setup.reduced_depth:
         memory, _, _ = _simulate(config, config, None, spec, setup, cache)
     else:

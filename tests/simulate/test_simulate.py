@@ -49,6 +49,29 @@ def test_simulated_rank_matches_real_run(name):
         assert abs(sim["peak"] - real[rank]["peak"]) <= 0.05 * real[rank]["peak"], (rank, sim, real)
 
 
+def test_a_row_with_audio_clips():
+    """``cpvlm plan --audios``: clips in seconds become mel frames (100 per second), dealt over
+    the documents; the simulated rank that encodes a clip saves the audio encoder's activations
+    besides what the same row without audio saves."""
+    from cpvlm.hf import adapter_for
+    from cpvlm.simulate.batch import build_batch
+
+    # (the router loss off: its bincount has no fake-tensor kernel; the published config's is off)
+    config = TINY_MODELS["qwen3-omni-moe-tiny"](text_config={"output_router_logits": False})
+    spec = SequenceSpec(512, images=((64, 64),), docs=2, audios=(1.3, 0.57))
+    batch, doc_lens = build_batch(config, spec)
+    adapter = adapter_for(config)
+    assert batch["input_ids"].shape[1] == 512 and len(doc_lens) == 2
+    assert batch["audio_lengths"].tolist() == [130, 57]
+    rows = adapter.audio_rows(130) + adapter.audio_rows(57)
+    assert int((batch["input_ids"] == adapter.audio_token_id).sum()) == rows
+    assert "2 audio clips (1.87 s)" in spec.describe()
+    setup = Setup(cp=2, rank=0, activation_checkpointing=False, optimizer=False)
+    with_audio = simulate_step(config, spec, setup)
+    without = simulate_step(config, replace(spec, audios=()), setup)
+    assert with_audio.saved > without.saved
+
+
 def test_meta_parameters_become_fake_not_real():
     # Module.to_empty under the fake mode feeds meta tensors to empty_like: they must come out
     # fake (HostIntegers once ran them for real: an 8B rank allocated 17.7 GB).
