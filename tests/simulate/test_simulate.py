@@ -56,7 +56,7 @@ def test_a_row_with_audio_clips():
     from cpvlm.hf import adapter_for
     from cpvlm.simulate.batch import build_batch
 
-    # (the router loss off: its bincount has no fake-tensor kernel; the published config's is off)
+    # (the router loss off: it reads data-dependent counts; the published config's is off)
     config = TINY_MODELS["qwen3-omni-moe-tiny"](text_config={"output_router_logits": False})
     spec = SequenceSpec(512, images=((64, 64),), docs=2, audios=(1.3, 0.57))
     batch, doc_lens = build_batch(config, spec)
