@@ -227,12 +227,12 @@ def _cp_audio(rank, world_size, batch, doc_lens, vision):
 
 
 def _one_clip_in_the_middle(model):
-    """One row: text, an image, text, one audio clip in the middle of the row, text: at cp 2
-    the clip's positions are rank 1's (head-tail: rank 0 holds the first and last quarters),
-    and the only clip is encoded by rank 0 (the balancer's first rank)."""
+    """One row: text, one audio clip in the middle of the row, text: at cp 2 the clip's
+    positions are rank 1's (head-tail: rank 0 holds the first and last quarters), and the only
+    clip is encoded by rank 0 (the balancer's first rank: no vision work to balance around)."""
     return synthetic_batch(
         model.config,
-        [SampleSpec(images=((4, 4),), text_len=48, audios=(57,))],
+        [SampleSpec(text_len=48, audios=(57,))],
         dtype=torch.float64,
         seed=5,
     )
@@ -267,6 +267,22 @@ def test_each_clip_is_encoded_once_and_exact(vision):
     errs = grad_errors(NAME, per_rank[0]["grads"], ref_grads)
     worst = max(errs, key=errs.get)
     assert rel_err(per_rank[0]["loss"], ref_loss) <= 1e-10 and errs[worst] <= 1e-10, worst
+
+
+def _cp_counts(rank, world_size, batch):
+    model = copy.deepcopy(cached_model(NAME))
+    out = ContextParallelVLM(model, dist.group.WORLD)(**batch)
+    return out.encoded_units, out.encoded_audio
+
+
+def test_clips_balance_around_the_vision_work():
+    """cp 2, one image and one clip: the image goes to rank 0, so the clip goes to rank 1 (the
+    audio units balance around the vision units' modelled cost per rank)."""
+    model = cached_model(NAME)
+    batch = synthetic_batch(
+        model.config, [SampleSpec(images=((8, 8),), text_len=20, audios=(57,))], seed=4
+    )
+    assert run_distributed(_cp_counts, 2, batch, timeout=TIMEOUT) == [(1, 0), (0, 1)]
 
 
 def _cp_wrong_clip(rank, world_size, batch):

@@ -18,10 +18,12 @@ def test_text_documents_get_the_positions_of_each_document_alone(mrope):
     model = SimpleNamespace(model=SimpleNamespace(get_rope_index=print) if mrope else None)
     ids = torch.zeros(2, sum(lens), dtype=torch.long)
     plan = ShardPlan(sum(lens), 2, doc_lens=lens)
-    fast = inputs._positions(ADAPTER, model, ids, ids, None, ([], []), {}, plan, lens)
+    fast = inputs._positions(ADAPTER, model, ids, ids, None, ([], [], []), {}, plan, lens)
     slow = torch.cat(
         [
-            inputs._document_positions(ADAPTER, model, ids[:, :n], ids[:, :n], None, ([], []), {})
+            inputs._document_positions(
+                ADAPTER, model, ids[:, :n], ids[:, :n], None, ([], [], []), {}
+            )
             for n in lens
         ],
         dim=-1,
