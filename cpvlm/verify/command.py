@@ -30,6 +30,7 @@ from cpvlm import options
 from cpvlm.config_cli import add_fields, arg, from_args, help_of, like
 from cpvlm.constants import ATTN_IMPLS, DTYPES
 from cpvlm.options import DEFAULTS, CPOptions
+from cpvlm.parallelize.expert_parallel import check_experts, expert_modules
 from cpvlm.train.config import ModelConfig
 from cpvlm.verify.batches import verify_batches
 from cpvlm.verify.compare import FLOAT32_IN_FLOAT64, compare, group_of, module_groups, tolerance
@@ -80,16 +81,22 @@ def default_cp_model(model, group, attn: str, vision: str, flow: str, **kwargs):
     return ContextParallelVLM(model, group, options=options)
 
 
-def _cp_rank_main(rank, world_size, model_spec, dtype, cases, factory):
+def _cp_rank_main(rank, world_size, model_spec, dtype, cases, factory, ep=1):
     from cpvlm.hf import build_model, kit_for
+    from cpvlm.parallelize import build_mesh, mesh_groups, parallelize_experts
 
     base = build_model(model_spec, dtype=dtype, seed=0)
     if dtype == torch.float64:
         kit_for(base).float64_islands(base)
     batches = verify_batches(base, dtype)
+    groups = None
+    if ep > 1:  # the EP groups: ep consecutive ranks of the CP group
+        groups = mesh_groups(build_mesh(dp_shard=1, cp=world_size, ep=ep), ep=ep)
     results = []
     for case in cases:
         model = copy.deepcopy(base)
+        if groups is not None:
+            parallelize_experts(model, groups.ep_mesh["ep"])
         extra = {"layout": case.layout}
         if case.ulysses_size is not None:
             extra["ulysses_size"] = case.ulysses_size
@@ -113,8 +120,12 @@ def run_verify(
     out=sys.stdout,
     ulysses_size: int | None = None,
     layouts: Sequence[str] = (DEFAULTS.layout,),
+    ep: int = 1,
 ) -> bool:
     """Run the checks and print the table; True when every error is within tolerance.
+
+    ``ep > 1``: the MoE experts are sharded over EP groups of ``ep`` ranks of each CP group
+    (``cpvlm.parallelize.expert_parallel``; ``ep`` must divide every CP size and the experts).
 
     ``factory(model, group, attn, vision, flow, layout=...)`` builds the CP module on each rank
     (with ``ulysses_size=`` too for "hybrid", see ``hybrid_size``); it must be importable (module
@@ -125,6 +136,7 @@ def run_verify(
 
     torch_dtype = getattr(torch, dtype)
     model = build_model(model_spec, dtype=torch_dtype, seed=0)
+    check_experts(ep, next((m.num_experts for m in expert_modules(model)), None), "--ep")
     kit = kit_for(model)
     if torch_dtype == torch.float64:
         kit.float64_islands(model)  # on the CP ranks' models too
@@ -154,7 +166,7 @@ def run_verify(
             for b in batches
         ]
         per_rank = run_distributed(
-            _cp_rank_main, cp, model_spec, torch_dtype, cases, factory, timeout=timeout
+            _cp_rank_main, cp, model_spec, torch_dtype, cases, factory, ep, timeout=timeout
         )
         for case, (loss, grads) in zip(cases, per_rank[0], strict=True):
             errors = compare(loss, grads, *refs[case.batch], groups, zero)
