@@ -74,19 +74,21 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     ]
 
 
-def check_experts(ep: int, num_experts: int | None, where: str = "ep") -> None:
-    """``ep`` must divide the experts of a MoE model (``num_experts``; None: not a MoE model)."""
+def check_experts(ep: int, num_experts: int | None, name: str = "ep", flag: str = "") -> None:
+    """``ep`` must divide the experts of a MoE model (``num_experts``; None: not a MoE model).
+    The message names ``name`` (and the command-line ``flag``, if any) and the fix."""
     if ep == 1:
         return
+    where = f"{name} = {ep}" + (f" ({flag})" if flag else "")
     if num_experts is None:
         raise ValueError(
-            f"{where} = {ep}: expert parallelism needs a MoE model (one with experts); this model "
-            "has none: use ep 1"
+            f"{where}: expert parallelism needs a MoE model (one with experts); this model has "
+            "none: use ep 1"
         )
     if num_experts % ep:
         divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
         raise ValueError(
-            f"{where} = {ep} must divide the model's {num_experts} experts (each rank holds "
+            f"{where}: must divide the model's {num_experts} experts (each rank holds "
             f"num_experts / ep of them); use one of {divisors}"
         )
 

@@ -31,7 +31,7 @@ from cpvlm.config_cli import add_fields, arg, from_args, help_of, like
 from cpvlm.constants import ATTN_IMPLS, DTYPES
 from cpvlm.options import DEFAULTS, CPOptions
 from cpvlm.parallelize.expert_parallel import check_experts, expert_modules
-from cpvlm.train.config import ModelConfig
+from cpvlm.train.config import ModelConfig, ParallelConfig
 from cpvlm.verify.batches import verify_batches
 from cpvlm.verify.compare import FLOAT32_IN_FLOAT64, compare, group_of, module_groups, tolerance
 from cpvlm.verify.reference import reference
@@ -136,7 +136,7 @@ def run_verify(
 
     torch_dtype = getattr(torch, dtype)
     model = build_model(model_spec, dtype=torch_dtype, seed=0)
-    check_experts(ep, next((m.num_experts for m in expert_modules(model)), None), "--ep")
+    check_experts(ep, next((m.num_experts for m in expert_modules(model)), None), "ep", "--ep")
     kit = kit_for(model)
     if torch_dtype == torch.float64:
         kit.float64_islands(model)  # on the CP ranks' models too
@@ -250,6 +250,12 @@ class VerifyConfig:
     tol: float | None = arg(
         None, help="relative error allowed, a finite number > 0 (default: the dtype's)"
     )
+    ep: int = like(
+        ParallelConfig,
+        "ep",
+        help="expert parallelism (MoE models): the experts sharded over EP groups of N ranks of "
+        "each CP group; N divides every --cp and the number of experts",
+    )
 
     def __post_init__(self):
         for name in ("cp", "attn", "vision", "flow", "layout"):
@@ -277,14 +283,22 @@ def _problem(c: VerifyConfig) -> str | None:
     pairs = [options.problem(vision=v, flow=f) for f in c.flow for v in c.vision]
     if all(pairs):
         return pairs[0]
+    if isinstance(c.ep, bool) or not isinstance(c.ep, int) or c.ep < 1:
+        return f"--ep must be an integer >= 1, got {c.ep!r}"
+    bad = [n for n in c.cp if n % c.ep]
+    if bad:
+        return (
+            f"--ep {c.ep} must divide every --cp size (the EP groups are ep ranks of a CP group); "
+            f"{bad[0]} is not a multiple of {c.ep}: use --ep 1 or CP sizes it divides"
+        )
     if c.tol is not None and not (math.isfinite(c.tol) and c.tol > 0):
         return f"--tol must be a finite number > 0, got {c.tol}"
     if c.dtype not in VERIFY_DTYPES:
         return f"--dtype must be one of {', '.join(VERIFY_DTYPES)}, got {c.dtype!r}"
     try:
-        from cpvlm.train.launcher import model_config
+        from cpvlm.train.launcher import model_config, num_experts
 
-        model_config(c.model)
+        check_experts(c.ep, num_experts(model_config(c.model)), "ep", "--ep")
     except ValueError as err:
         return str(err)
     return None
@@ -324,6 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config.tol,
         ulysses_size=config.ulysses_size,
         layouts=config.layout,
+        ep=config.ep,
     )
     return 0 if ok else 1
 
