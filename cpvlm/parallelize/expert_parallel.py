@@ -143,7 +143,7 @@ def _dispatch_and_combine(experts_fn, x_nD, index_nK, weights_nK, num_local: int
     out_mD = out_mD + recv_mD.sum(0) * 0
     back_pD = _exchange(out_mD.to(x_nD.dtype), send_splits, recv_splits, group)
     pairs_pD = torch.empty_like(back_pD).index_copy(0, order, back_pD)
-    pairs_nKD = pairs_pD.view(*index_nK.shape, -1)
+    pairs_nKD = pairs_pD.view(*index_nK.shape, x_nD.shape[-1])
     return (pairs_nKD * weights_nK.to(pairs_nKD.dtype)[..., None]).sum(1)
 
 

@@ -117,7 +117,7 @@ def run_verify(
     tol: float | None = None,
     factory: Callable = default_cp_model,
     timeout: float = 600.0,
-    out=sys.stdout,
+    out=None,
     ulysses_size: int | None = None,
     layouts: Sequence[str] = (DEFAULTS.layout,),
     ep: int = 1,
@@ -134,6 +134,7 @@ def run_verify(
     """
     from cpvlm.hf import build_model, kit_for
 
+    out = sys.stdout if out is None else out  # the stdout of the call, not of the import
     torch_dtype = getattr(torch, dtype)
     model = build_model(model_spec, dtype=torch_dtype, seed=0)
     check_experts(ep, next((m.num_experts for m in expert_modules(model)), None), "ep", "--ep")
