@@ -267,10 +267,8 @@ def _setup(config: TrainConfig, device: torch.device, resume_from: str | None) -
     groups = mesh_groups(mesh, ep=ep)
     model, cp_model, runner = _setup_model(config, device, groups, mesh)
     params = [p for p in cp_model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(  # a group per mesh: AdamW's foreach ops take one at a time
-        [{"params": group} for group in _by_mesh(params)],
-        lr=config.optim.lr,
-        weight_decay=config.optim.weight_decay,
+    optimizer = torch.optim.AdamW(
+        params, lr=config.optim.lr, weight_decay=config.optim.weight_decay
     )
     if config.parallel.vision == "replicate":  # every rank encodes every unit
         config = config.replace(data={"decode": "all"})
