@@ -6,9 +6,11 @@ Legend: W world size = dp * cp; a *row* is one packed sequence (one CP forward);
 Per step every rank: takes its DP replica's rows (the same on all CP ranks), counts the valid
 (shifted) labels of the whole step over DP, runs each row through ``ContextParallelVLM`` (its
 loss is this rank's share of the step's token mean) and backward; the gradient sync sums over the
-dp x cp ranks, so the summed gradients are the one-device gradients of the step. Then the global
-gradient norm, one all-reduce of the step's statistics (its loss among them), the non-finite
-guard, clipping and AdamW, and one small all-reduce (max) of memory and of a stop request.
+dp x cp ranks, so the summed gradients are the one-device gradients of the step (with ``--ep``,
+the sharded experts are summed over their replicas instead: ``sync_expert_gradients``). Then the
+global gradient norm, one all-reduce of the step's statistics (its loss among them), the
+non-finite guard, clipping and AdamW, and one small all-reduce (max) of memory and of a stop
+request.
 
 Every decision that ends or changes a step (a non-finite loss or gradient norm, SIGTERM/SIGINT
 received by any rank) is taken from values every rank holds after those all-reduces, so all
