@@ -41,6 +41,11 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from cpvlm.constants import DATA_PARALLEL
+from cpvlm.parallelize.expert_parallel import (
+    expert_parameters,
+    parallelize_experts,
+    sync_expert_gradients,
+)
 from cpvlm.parallelize.mesh import MeshGroups, mesh_groups, mesh_sizes
 from cpvlm.parallelize.precision import Autocast, fsdp_policy, param_dtype_of
 
@@ -150,7 +155,10 @@ def parallelize(
         fsdp_units: submodules to shard as their own FSDP2 units before the root (e.g. the decoder
             layers): an ``nn.ModuleList``, an iterable of modules, a module, or a callable
             ``model -> modules``; children before parents. Ignored without FSDP2.
-        groups: ``mesh_groups(mesh)`` if already built (it creates process groups).
+        groups: ``mesh_groups(mesh)`` if already built (it creates process groups); built with
+            ``ep > 1`` (``mesh_groups(mesh, ep=...)``), the MoE experts are first sharded over
+            its EP groups (``parallelize_experts``; FSDP2 or "none" only) and left out of FSDP2;
+            call ``sync_expert_gradients(model, groups)`` after the step's last backward.
         mp_policy: FSDP2 mixed precision, e.g. ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
             reduce_dtype=torch.float32)`` (compute in bf16, sum gradients in float32).
         compute_dtype: mixed precision for every mode (see ``cpvlm.parallelize.precision``):
@@ -174,12 +182,22 @@ def parallelize(
         groups = mesh_groups(mesh)
     elif groups.mesh is not mesh:
         raise ValueError("parallelize: groups were built for another mesh; pass mesh_groups(mesh)")
+    ignored: set[nn.Parameter] = set()
+    if groups.ep_mesh is not None:
+        if data_parallel == "ddp":
+            raise ValueError(
+                f"parallelize: expert parallelism (ep={groups.ep}) runs with data_parallel='fsdp', "
+                "'hsdp' or 'none', not 'ddp'"
+            )
+        ignored = set(parallelize_experts(model, groups.ep_mesh["ep"]))
 
     if data_parallel in ("fsdp", "hsdp"):
         kwargs: dict[str, Any] = {
             "mesh": groups.dp_cp_mesh if data_parallel == "fsdp" else groups.hsdp_mesh,
             "reshard_after_forward": reshard_after_forward,
         }
+        if ignored:
+            kwargs["ignored_params"] = ignored
         if compute_dtype is not None:
             mp_policy = fsdp_policy(compute_dtype, param_dtype)
         if mp_policy is not None:
@@ -208,15 +226,20 @@ def sync_gradients(model: nn.Module, groups: MeshGroups | dist.ProcessGroup) -> 
     """Sum every parameter gradient over the dp x cp ranks (for ``data_parallel="none"``).
 
     Call it once per step, after the last backward: the gradients must hold only this rank's
-    local sum (a second call would add the synced part W times).
+    local sum (a second call would add the synced part W times). Sharded experts (``groups`` with
+    ep > 1) are summed over their expert replicas instead (``sync_expert_gradients``).
     Every rank sends every trainable parameter, in ``model.parameters()`` order, one flat buffer
     per dtype and device; a missing gradient counts as zeros (and becomes a zero tensor), so that
     ranks whose graph did not reach a parameter still join.
     """
     group = groups.grad_sync_group if isinstance(groups, MeshGroups) else groups
+    experts = set()
+    if isinstance(groups, MeshGroups) and groups.ep_mesh is not None:
+        sync_expert_gradients(model, groups)
+        experts = set(expert_parameters(model))
     buckets: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
     for p in model.parameters():
-        if p.requires_grad:
+        if p.requires_grad and p not in experts:
             buckets.setdefault((p.dtype, p.device), []).append(p)
     for params in buckets.values():
         for p in params:

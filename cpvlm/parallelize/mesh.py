@@ -8,6 +8,11 @@ same batch, so the gradient sync runs over the flattened R x S x C group, and FS
 flattened S x C group (HSDP: replicate over R, shard over S x C). Only the batch and its valid-label
 count are split over data parallelism alone (R x S). The flattened groups are built with the public
 ``DeviceMesh`` constructor from the ranks of the mesh: no private mesh-flattening API.
+
+Expert parallelism (``ep``, torchtitan's way) borrows its ranks from S x C: an EP group is ep
+consecutive ranks of the flattened S x C (at cp 2, ep 2 the CP pair; at dp_shard 2, cp 2, ep 4
+all four), and the ranks that hold the same experts, one per EP group (R * S * C / ep of them),
+are the *expert replicas* (see ``cpvlm.parallelize.expert_parallel``).
 """
 
 from __future__ import annotations
@@ -39,21 +44,41 @@ class MeshSizes:
         return self.dp_replicate * self.dp_shard * self.cp
 
 
-def _check_size(name: str, value: object, *, allow_infer: bool = False) -> int:
+def _check_size(
+    name: str, value: object, *, allow_infer: bool = False, where: str = "build_mesh"
+) -> int:
     ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
     if not ok and not (allow_infer and value == -1):
         infer = " (or -1 to use the ranks the other dims leave)" if allow_infer else ""
-        raise ValueError(f"build_mesh: {name} must be a positive int{infer}, got {value!r}")
+        raise ValueError(f"{where}: {name} must be a positive int{infer}, got {value!r}")
     return value
 
 
+def check_ep(ep: object, dp_shard: int, cp: int, where: str = "build_mesh") -> int:
+    """``ep`` must be a positive int dividing dp_shard * cp (the ranks it borrows)."""
+    ep = _check_size("ep", ep, where=where)
+    if (dp_shard * cp) % ep:
+        divisors = [d for d in range(1, dp_shard * cp + 1) if (dp_shard * cp) % d == 0]
+        raise ValueError(
+            f"{where}: ep={ep} must divide dp_shard x cp = {dp_shard} x {cp} = {dp_shard * cp} "
+            f"(an EP group is ep of those ranks); use ep in {divisors}"
+        )
+    return ep
+
+
 def build_mesh(
-    *, dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, device_type: str = "cpu"
+    *,
+    dp_replicate: int = 1,
+    dp_shard: int = -1,
+    cp: int = 1,
+    ep: int = 1,
+    device_type: str = "cpu",
 ) -> DeviceMesh:
     """A 3-d ``DeviceMesh`` named ``("dp_replicate", "dp_shard", "cp")`` over the whole world.
 
-    ``dp_shard=-1`` takes the ranks left by the other two dims. Call it on every rank after
-    ``torch.distributed.init_process_group`` ("cpu" with gloo, "cuda" with NCCL).
+    ``dp_shard=-1`` takes the ranks left by the other two dims. ``ep`` is checked here (it must
+    divide dp_shard * cp) and its groups are built by ``mesh_groups(mesh, ep=ep)``. Call it on
+    every rank after ``torch.distributed.init_process_group`` ("cpu" with gloo, "cuda" with NCCL).
     """
     if not dist.is_initialized():
         raise ValueError(
@@ -77,6 +102,7 @@ def build_mesh(
             f"{dp_replicate * dp_shard * cp} ranks, but the world has {world}; choose sizes whose "
             f"product is {world}, or pass dp_shard=-1 to fill the rest"
         )
+    check_ep(ep, dp_shard, cp)
     return init_device_mesh(
         device_type, (dp_replicate, dp_shard, cp), mesh_dim_names=MESH_DIM_NAMES
     )
@@ -130,7 +156,10 @@ class MeshGroups:
     ``dp_group``: the replicas of the batch (R x S): count valid labels over it; ``dp_rank``
     says which part of the global batch this rank loads. ``dp_cp_mesh``: 1-d, every rank (R x S x C),
     the gradient sync group of DDP and of FSDP with R = 1. ``hsdp_mesh``: 2-d
-    ``(dp_replicate, dp_shard_cp)``, the mesh of HSDP.
+    ``(dp_replicate, dp_shard_cp)``, the mesh of HSDP. ``ep_mesh``: with ``ep > 1``, the 2-d
+    ``(ep_replica, ep)`` mesh of expert parallelism: ``ep_mesh["ep"]`` is this rank's EP group
+    (ep consecutive ranks of dp_shard x cp), ``ep_mesh["ep_replica"]`` the ranks that hold the
+    same experts; None without EP.
     """
 
     mesh: DeviceMesh
@@ -141,18 +170,25 @@ class MeshGroups:
     dp_rank: int
     dp_cp_mesh: DeviceMesh
     hsdp_mesh: DeviceMesh
+    ep_mesh: DeviceMesh | None = None
 
     @property
     def grad_sync_group(self) -> dist.ProcessGroup:
         return self.dp_cp_mesh.get_group()
 
+    @property
+    def ep(self) -> int:
+        return 1 if self.ep_mesh is None else self.ep_mesh["ep"].size()
 
-def mesh_groups(mesh: DeviceMesh) -> MeshGroups:
-    """Build the groups of ``mesh``. Collective: call it on every rank, in the same order.
+
+def mesh_groups(mesh: DeviceMesh, *, ep: int = 1) -> MeshGroups:
+    """Build the groups of ``mesh`` (and of expert parallelism over ``ep`` ranks of dp_shard x
+    cp). Collective: call it on every rank, in the same order.
 
     Each call creates process groups; build them once per mesh and pass them around.
     """
     sizes = mesh_sizes(mesh)
+    ep = check_ep(ep, sizes.dp_shard, sizes.cp, where="mesh_groups")
     r, s, c = sizes.dp_replicate, sizes.dp_shard, sizes.cp
     ranks_RSC = mesh.mesh.reshape(r, s, c)
     device = mesh.device_type
@@ -161,6 +197,9 @@ def mesh_groups(mesh: DeviceMesh) -> MeshGroups:
     hsdp = DeviceMesh(
         device, ranks_RSC.reshape(r, s * c), mesh_dim_names=("dp_replicate", "dp_shard_cp")
     )
+    ep_mesh = None
+    if ep > 1:  # cp innermost: ep consecutive ranks lie within one replica's dp_shard x cp
+        ep_mesh = DeviceMesh(device, ranks_RSC.reshape(-1, ep), mesh_dim_names=("ep_replica", "ep"))
     return MeshGroups(
         mesh=mesh,
         sizes=sizes,
@@ -170,4 +209,5 @@ def mesh_groups(mesh: DeviceMesh) -> MeshGroups:
         dp_rank=dp_x_cp.get_local_rank("dp"),
         dp_cp_mesh=dp_cp,
         hsdp_mesh=hsdp,
+        ep_mesh=ep_mesh,
     )

@@ -236,6 +236,12 @@ class ParallelConfig:
     data_parallel: Literal[TRAIN_DATA_PARALLEL] = arg(
         "fsdp", help="gradient sync over dp x cp (all sum)"
     )
+    ep: int = arg(
+        1,
+        help="expert parallelism (MoE models): each MoE layer's experts sharded over EP groups "
+        "of N ranks of dp x cp, tokens sent to their experts' ranks; N divides dp x cp and the "
+        "number of experts",
+    )
 
     def __post_init__(self):
         _ = self.options  # CPOptions checks the CP options (the same rules as the library)
@@ -244,6 +250,22 @@ class ParallelConfig:
         _choice(
             "parallel.data_parallel", "--data-parallel", self.data_parallel, TRAIN_DATA_PARALLEL
         )
+        _positive_int("parallel.ep", "--ep", self.ep)
+        if self.ep > 1 and self.data_parallel == "ddp":
+            _fail(
+                "parallel.ep",
+                "--ep",
+                self.ep,
+                "expert parallelism runs with --data-parallel fsdp or none, not ddp",
+            )
+        if self.ep > 1 and self.dp is not None and self.world_size % self.ep:
+            _fail(
+                "parallel.ep",
+                "--ep",
+                self.ep,
+                f"must divide the {self.world_size} ranks of --dp {self.dp} x --cp {self.cp} "
+                "(an EP group is ep of them); use a divisor of dp x cp, or --ep 1",
+            )
 
     @property
     def options(self) -> CPOptions:
@@ -496,6 +518,7 @@ RESUMABLE_CHANGES = (
     "run.on_save_error",
     "parallel.cp",
     "parallel.dp",
+    "parallel.ep",  # where the experts live, not what they are (DCP reshards them)
     "parallel.attn",
     "parallel.vision",
     "parallel.flow",
@@ -597,7 +620,7 @@ def resolve_world(config: TrainConfig, world_size: int | None) -> TrainConfig:
             f"--dp {dp} x --cp {cp} = {dp * cp} ranks, but the launcher started {world_size}; "
             f"use --dp {world_size // cp} or leave --dp out",
         )
-    return config.replace(parallel={"dp": world_size // cp})
+    return config.replace(parallel={"dp": world_size // cp})  # ParallelConfig checks ep again
 
 
 def resolve_batch(config: TrainConfig, saved: TrainConfig | None) -> TrainConfig:

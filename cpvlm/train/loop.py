@@ -6,9 +6,11 @@ Legend: W world size = dp * cp; a *row* is one packed sequence (one CP forward);
 Per step every rank: takes its DP replica's rows (the same on all CP ranks), counts the valid
 (shifted) labels of the whole step over DP, runs each row through ``ContextParallelVLM`` (its
 loss is this rank's share of the step's token mean) and backward; the gradient sync sums over the
-dp x cp ranks, so the summed gradients are the one-device gradients of the step. Then the global
-gradient norm, one all-reduce of the step's statistics (its loss among them), the non-finite
-guard, clipping and AdamW, and one small all-reduce (max) of memory and of a stop request.
+dp x cp ranks, so the summed gradients are the one-device gradients of the step (with ``--ep``,
+the sharded experts are summed over their replicas instead: ``sync_expert_gradients``). Then the
+global gradient norm, one all-reduce of the step's statistics (its loss among them), the
+non-finite guard, clipping and AdamW, and one small all-reduce (max) of memory and of a stop
+request.
 
 Every decision that ends or changes a step (a non-finite loss or gradient norm, SIGTERM/SIGINT
 received by any rank) is taken from values every rank holds after those all-reduces, so all
@@ -48,7 +50,14 @@ from cpvlm.distributed import compat
 from cpvlm.hf import ContextParallelVLM, adapter_for, build_model
 from cpvlm.hf.registry import kit_for
 from cpvlm.loss import count_valid_labels, shift_labels
-from cpvlm.parallelize import MeshGroups, build_mesh, mesh_groups, parallelize, sync_gradients
+from cpvlm.parallelize import (
+    MeshGroups,
+    build_mesh,
+    mesh_groups,
+    parallelize,
+    sync_expert_gradients,
+    sync_gradients,
+)
 from cpvlm.train import faults
 from cpvlm.train.checkpoint import (
     PendingSave,
@@ -142,13 +151,24 @@ def freeze_vision_encoder(model: nn.Module) -> None:
             p.requires_grad_(False)
 
 
+def _by_mesh(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """The parameters grouped by DTensor mesh (plain tensors together): FSDP2's shards, and
+    expert-parallel experts on the ep mesh; torch's foreach ops take one mesh at a time."""
+    groups: dict[object, list[nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault(getattr(p, "device_mesh", None), []).append(p)
+    return list(groups.values())
+
+
 def global_grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
-    """The 2-norm of all gradients of the model, whole (FSDP2 shards: a DTensor reduction)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return norm
+    """The 2-norm of all gradients of the model, whole (FSDP2 shards, sharded experts: a DTensor
+    reduction per mesh)."""
+    norms = []
+    for group in _by_mesh(params):
+        grads = [p.grad for p in group if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
 
 
 class _StopRequests:
@@ -244,9 +264,9 @@ def _setup(config: TrainConfig, device: torch.device, resume_from: str | None) -
     # random seeds: seeded, two runs save the same RNG states, so their checkpoints are identical.
     torch.manual_seed(config.run.seed + dist.get_rank())
     random.seed(config.run.seed + dist.get_rank())
-    dp, cp = config.parallel.dp, config.parallel.cp
-    mesh = build_mesh(dp_replicate=1, dp_shard=dp, cp=cp, device_type=device.type)
-    groups = mesh_groups(mesh)
+    dp, cp, ep = config.parallel.dp, config.parallel.cp, config.parallel.ep
+    mesh = build_mesh(dp_replicate=1, dp_shard=dp, cp=cp, ep=ep, device_type=device.type)
+    groups = mesh_groups(mesh, ep=ep)
     model, cp_model, runner = _setup_model(config, device, groups, mesh)
     params = [p for p in cp_model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
@@ -328,6 +348,8 @@ def _forward_backward(run: _Run, step: int, rows) -> tuple[torch.Tensor, int, in
         ran.update(out.attn_impl.split(","))
     if run.config.parallel.data_parallel == "none":
         sync_gradients(run.cp_model, run.groups)
+    elif run.groups.ep_mesh is not None:  # FSDP2 leaves the sharded experts to this sum
+        sync_expert_gradients(run.cp_model, run.groups)
     return loss_sum, num_valid, units, visual_tokens, ran
 
 
@@ -362,7 +384,8 @@ def _nonfinite(loss: float, grad_norm: float) -> str | None:
 def _optimizer_step(run: _Run, step: int, grad_norm: torch.Tensor, num_valid: int) -> float:
     optim = run.config.optim
     if optim.max_grad_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(run.params, optim.max_grad_norm, grad_norm)
+        for group in _by_mesh(run.params):
+            torch.nn.utils.clip_grads_with_norm_(group, optim.max_grad_norm, grad_norm)
     lr = optim.lr_at(step)
     for group in run.optimizer.param_groups:
         group["lr"] = lr

@@ -30,7 +30,8 @@ from cpvlm import options
 from cpvlm.config_cli import add_fields, arg, from_args, help_of, like
 from cpvlm.constants import ATTN_IMPLS, DTYPES
 from cpvlm.options import DEFAULTS, CPOptions
-from cpvlm.train.config import ModelConfig
+from cpvlm.parallelize.expert_parallel import check_experts, expert_modules
+from cpvlm.train.config import ModelConfig, ParallelConfig
 from cpvlm.verify.batches import verify_batches
 from cpvlm.verify.compare import FLOAT32_IN_FLOAT64, compare, group_of, module_groups, tolerance
 from cpvlm.verify.reference import reference
@@ -80,16 +81,22 @@ def default_cp_model(model, group, attn: str, vision: str, flow: str, **kwargs):
     return ContextParallelVLM(model, group, options=options)
 
 
-def _cp_rank_main(rank, world_size, model_spec, dtype, cases, factory):
+def _cp_rank_main(rank, world_size, model_spec, dtype, cases, factory, ep=1):
     from cpvlm.hf import build_model, kit_for
+    from cpvlm.parallelize import build_mesh, mesh_groups, parallelize_experts
 
     base = build_model(model_spec, dtype=dtype, seed=0)
     if dtype == torch.float64:
         kit_for(base).float64_islands(base)
     batches = verify_batches(base, dtype)
+    groups = None
+    if ep > 1:  # the EP groups: ep consecutive ranks of the CP group
+        groups = mesh_groups(build_mesh(dp_shard=1, cp=world_size, ep=ep), ep=ep)
     results = []
     for case in cases:
         model = copy.deepcopy(base)
+        if groups is not None:
+            parallelize_experts(model, groups.ep_mesh["ep"])
         extra = {"layout": case.layout}
         if case.ulysses_size is not None:
             extra["ulysses_size"] = case.ulysses_size
@@ -110,11 +117,15 @@ def run_verify(
     tol: float | None = None,
     factory: Callable = default_cp_model,
     timeout: float = 600.0,
-    out=sys.stdout,
+    out=None,
     ulysses_size: int | None = None,
     layouts: Sequence[str] = (DEFAULTS.layout,),
+    ep: int = 1,
 ) -> bool:
     """Run the checks and print the table; True when every error is within tolerance.
+
+    ``ep > 1``: the MoE experts are sharded over EP groups of ``ep`` ranks of each CP group
+    (``cpvlm.parallelize.expert_parallel``; ``ep`` must divide every CP size and the experts).
 
     ``factory(model, group, attn, vision, flow, layout=...)`` builds the CP module on each rank
     (with ``ulysses_size=`` too for "hybrid", see ``hybrid_size``); it must be importable (module
@@ -123,8 +134,10 @@ def run_verify(
     """
     from cpvlm.hf import build_model, kit_for
 
+    out = sys.stdout if out is None else out  # the stdout of the call, not of the import
     torch_dtype = getattr(torch, dtype)
     model = build_model(model_spec, dtype=torch_dtype, seed=0)
+    check_experts(ep, next((m.num_experts for m in expert_modules(model)), None), "ep", "--ep")
     kit = kit_for(model)
     if torch_dtype == torch.float64:
         kit.float64_islands(model)  # on the CP ranks' models too
@@ -154,7 +167,7 @@ def run_verify(
             for b in batches
         ]
         per_rank = run_distributed(
-            _cp_rank_main, cp, model_spec, torch_dtype, cases, factory, timeout=timeout
+            _cp_rank_main, cp, model_spec, torch_dtype, cases, factory, ep, timeout=timeout
         )
         for case, (loss, grads) in zip(cases, per_rank[0], strict=True):
             errors = compare(loss, grads, *refs[case.batch], groups, zero)
@@ -238,6 +251,12 @@ class VerifyConfig:
     tol: float | None = arg(
         None, help="relative error allowed, a finite number > 0 (default: the dtype's)"
     )
+    ep: int = like(
+        ParallelConfig,
+        "ep",
+        help="expert parallelism (MoE models): the experts sharded over EP groups of N ranks of "
+        "each CP group; N divides every --cp and the number of experts",
+    )
 
     def __post_init__(self):
         for name in ("cp", "attn", "vision", "flow", "layout"):
@@ -265,14 +284,22 @@ def _problem(c: VerifyConfig) -> str | None:
     pairs = [options.problem(vision=v, flow=f) for f in c.flow for v in c.vision]
     if all(pairs):
         return pairs[0]
+    if isinstance(c.ep, bool) or not isinstance(c.ep, int) or c.ep < 1:
+        return f"--ep must be an integer >= 1, got {c.ep!r}"
+    bad = [n for n in c.cp if n % c.ep]
+    if bad:
+        return (
+            f"--ep {c.ep} must divide every --cp size (the EP groups are ep ranks of a CP group); "
+            f"{bad[0]} is not a multiple of {c.ep}: use --ep 1 or CP sizes it divides"
+        )
     if c.tol is not None and not (math.isfinite(c.tol) and c.tol > 0):
         return f"--tol must be a finite number > 0, got {c.tol}"
     if c.dtype not in VERIFY_DTYPES:
         return f"--dtype must be one of {', '.join(VERIFY_DTYPES)}, got {c.dtype!r}"
     try:
-        from cpvlm.train.launcher import model_config
+        from cpvlm.train.launcher import model_config, num_experts
 
-        model_config(c.model)
+        check_experts(c.ep, num_experts(model_config(c.model)), "ep", "--ep")
     except ValueError as err:
         return str(err)
     return None
@@ -312,6 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config.tol,
         ulysses_size=config.ulysses_size,
         layouts=config.layout,
+        ep=config.ep,
     )
     return 0 if ok else 1
 
