@@ -145,7 +145,7 @@ def _cp(rank, world_size, batch, doc_lens, cases):
         model = copy.deepcopy(base)
         clips = []
         model.model.audio_tower.register_forward_hook(
-            lambda m, args, out: clips.append(int(args[0].shape[0]))
+            lambda m, args, out, clips=clips: clips.append(int(args[0].shape[0]))
         )
         options = CPOptions(attn=attn, vision=vision)
         cp_model = ContextParallelVLM(model, dist.group.WORLD, options=options)
