@@ -329,12 +329,17 @@ class Gemma4Kit(FamilyKit):
 
     def module_groups(self):
         v = r"model\.vision_tower\."
+        audio = ()
+        if self.config.audio_config is not None:
+            audio = (
+                ("audio tower", (r"model\.audio_tower\.",)),
+                ("audio embedder", (r"model\.embed_audio\.",)),
+            )
         return (
             ("vision patch embed", (v + r"patch_embedder\.",)),
             ("vision blocks", (v + r"encoder\.",)),
             ("vision projector", (r"model\.embed_vision\.",)),
-            ("audio tower", (r"model\.audio_tower\.",)),
-            ("audio embedder", (r"model\.embed_audio\.",)),
+            *audio,
             ("token embeddings", (r"model\.language_model\.embed_tokens(_per_layer)?\.",)),
             ("decoder layers", (r"model\.language_model\.",)),
             *untied_lm_head(self.config),
