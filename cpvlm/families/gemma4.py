@@ -53,7 +53,8 @@ frames (``from_model_batch`` / ``to_model_batch`` convert). Audio tokens are cau
 decoder (transformers' image blocks are types 1 and 2 only) and are embedded as the pad token
 for the per-layer embeddings. The audio tower has only an eager attention: a config's
 ``attn_implementation`` gives it ``"eager"``. Its attention computes in float32 whatever the
-model's dtype (``.float()``, a float32 softmax): a float32 island (the kit's).
+model's dtype (``.float()``, a float32 softmax): a float32 island (the kit's). The data path
+(``Gemma4Media``) takes no audio yet: audio batches come in the processor's or the core's keys.
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ BOA_TOKEN_ID = 507
 EOA_TOKEN_ID = 508
 AUDIO_KEYS = ("input_features", "input_features_mask")
 """The model's audio inputs (padded mel features of its clips and their frame mask)."""
-SUBSAMPLING = 4
-"""Feature frames per audio row: the tower's two stride-2 convolutions (transformers' constant)."""
+SUBSAMPLING_CONVS = 2
+"""The audio tower's stride-2 convolutions (transformers' constant): a row per 4 feature frames."""
 TIMESTAMP_TOKENS = 3
 """Text tokens of the ``mm:ss`` timestamp the processor writes before every video frame."""
 
@@ -197,7 +198,7 @@ def gemma4_vision_cost(vc) -> VisionCost:
 def gemma4_audio_cost(ac, text_width: int) -> VisionCost:
     """A clip of grid (1, 1, frames), in forward MACs per feature frame: the two subsampling
     convolutions (3 x 3 kernels; c0 and c0 x c1 per output, at F/2 x T/2 and F/4 x T/4 outputs),
-    and per output row (one per ``SUBSAMPLING`` frames) the input projection, each block's
+    and per output row (one per 4 frames) the input projection, each block's
     matrices (two feed-forward modules of 4w, q, k, v, output, the light convolution's 3 w^2 and
     its depthwise kernel) and attention (each row attends a fixed context of chunk + left - 1 +
     right rows: q.k and the weighted sum of v, 2 w per key, and the relative-position logits, w
@@ -212,7 +213,7 @@ def gemma4_audio_cost(ac, text_width: int) -> VisionCost:
     per_row = (f // 4) * c1 * w + ac.num_hidden_layers * block
     per_row += w * ac.output_proj_dims + ac.output_proj_dims * text_width
     convs = 9 * c0 * (f // 2) / 2 + 9 * c0 * c1 * (f // 4) / 4
-    return VisionCost(linear_per_patch=math.ceil(convs + per_row / SUBSAMPLING))
+    return VisionCost(linear_per_patch=math.ceil(convs + per_row / 2**SUBSAMPLING_CONVS))
 
 
 def _mel_bins(ac) -> int:
@@ -255,6 +256,8 @@ def _config_ids(tokenizer) -> dict:
         "image_token_id": t(_SPECIAL["image_token"]),
         "video_token_id": t(_VIDEO_TOKEN),
         "audio_token_id": t(_SPECIAL["audio_token"]),
+        "boa_token_id": t(_SPECIAL["boa_token"]),
+        "eoa_token_index": t(_SPECIAL["eoa_token"]),
         "text_config": {
             "pad_token_id": t("<pad>"),
             "bos_token_id": t("<bos>"),
@@ -583,13 +586,13 @@ class Gemma4Adapter(VLMAdapter):
         return _mel_bins(self.config.audio_config)
 
     def audio_rows(self, frames):
-        for _ in range(SUBSAMPLING // 2):  # each stride-2 convolution keeps mask[::2]
+        for _ in range(SUBSAMPLING_CONVS):  # each keeps mask[::2] (replace_audio_token's rule)
             frames = (frames + 1) // 2
         return int(frames)
 
     def encode_audio(self, model, features, lengths, batch_lengths):
-        """``get_audio_features`` on these clips (padding changes no clip's rows), the rows its
-        mask keeps, as the forward keeps them."""
+        """``get_audio_features`` on these clips, the rows its mask keeps, as the forward keeps
+        them (padding changes no clip's rows: ``batch_lengths`` is not needed)."""
         audio = _model_audio(features, lengths)
         out = model.model.get_audio_features(*(audio[k] for k in AUDIO_KEYS), return_dict=True)
         return out.pooler_output[out.attention_mask]
