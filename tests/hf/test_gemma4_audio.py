@@ -204,3 +204,19 @@ def test_audio_cost_counts_the_towers_macs():
             model.model.get_audio_features(features, torch.ones(1, n, dtype=torch.bool))
         ratio = cost.unit_cost((1, 1, n)) / (counter.get_total_flops() / 2)
         assert 0.95 <= ratio <= 1.0, (n, ratio)
+
+
+def test_a_checkpoint_with_audio_loads(tmp_path):
+    """``build_model`` on a Gemma 4 checkpoint with an audio tower: transformers refuses "sdpa"
+    for a model whose audio tower has only an eager attention, so the tower loads eager and the
+    rest with the asked attention."""
+    from cpvlm.hf import build_model
+
+    model = cached_model(NAME, torch.float32)
+    model.save_pretrained(tmp_path)
+    loaded = build_model(tmp_path)
+    assert loaded.model.audio_tower.config._attn_implementation == "eager"
+    assert loaded.model.language_model.config._attn_implementation == "sdpa"
+    assert loaded.model.vision_tower.config._attn_implementation == "sdpa"
+    for (n, a), (_, b) in zip(model.named_parameters(), loaded.named_parameters(), strict=True):
+        assert torch.equal(a, b), n
