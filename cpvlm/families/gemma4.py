@@ -34,9 +34,32 @@ writes ``<boi>``, h*w/k**2 image tokens, ``<eoi>``. A video's frames are resized
 processor's own ``max_soft_tokens``), and written as ``mm:ss <boi> video tokens <eoi>`` per frame.
 Planned grids: ``(1, h, w)`` per image, ``(F, h, w)`` per video; pixel rows are the real patches
 (the adapter's layout; padding dropped by its ``from_model_batch``), each frame a unit.
+
+Audio (a config with ``audio_config``; ``gemma4-audio-tiny``). The processor writes a clip as
+``<boa>``, one audio token per output row, ``<eoa>`` (``boa_token_id``, ``eoa_token_index``), and
+gives its mel features as ``input_features`` [clips, T, F] zero-padded with
+``input_features_mask`` [clips, T] (True: a real frame). The tower (``model.audio_tower``,
+``Gemma4AudioModel``) subsamples by two stride-2 convolutions over the masked frames, so a clip of
+n frames has ``audio_rows`` ceil(ceil(n / 2) / 2) rows (the processor's ``replace_audio_token``
+counts them so), then runs conformer blocks (chunked local attention over a fixed left context,
+a causal depthwise convolution); ``model.embed_audio`` (an RMSNorm without scale and a linear
+map) projects the rows to the text width. A clip's rows depend on that clip alone (the mask
+zeroes its padding before each convolution and hides it from the attention; the convolution is
+causal), so each clip is a unit of the audio ``EncoderDataParallel``: ``encode_audio`` calls
+``get_audio_features`` on this rank's clips, padded to the longest, and keeps the rows of the
+mask it returns, as the forward does. The core's ``audio_features`` [frames, F] are the valid
+frames of the processor's ``input_features``, clip after clip, and ``audio_lengths`` each clip's
+frames (``from_model_batch`` / ``to_model_batch`` convert). Audio tokens are causal in the
+decoder (transformers' image blocks are types 1 and 2 only) and are embedded as the pad token
+for the per-layer embeddings. The audio tower has only an eager attention: a config's
+``attn_implementation`` gives it ``"eager"``. Its attention computes in float32 whatever the
+model's dtype (``.float()``, a float32 softmax): a float32 island (the kit's). The data path
+(``Gemma4Media``) takes no audio yet: audio batches come in the processor's or the core's keys.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from transformers import Gemma4Config
@@ -59,6 +82,12 @@ from .gemma3 import untied_lm_head
 BOI_TOKEN_ID = 500
 EOI_TOKEN_ID = 501
 AUDIO_TOKEN_ID = 506
+BOA_TOKEN_ID = 507
+EOA_TOKEN_ID = 508
+AUDIO_KEYS = ("input_features", "input_features_mask")
+"""The model's audio inputs (padded mel features of its clips and their frame mask)."""
+SUBSAMPLING_CONVS = 2
+"""The audio tower's stride-2 convolutions (transformers' constant): a row per 4 feature frames."""
 TIMESTAMP_TOKENS = 3
 """Text tokens of the ``mm:ss`` timestamp the processor writes before every video frame."""
 
@@ -112,6 +141,8 @@ def tiny_gemma4_config(**overrides) -> Gemma4Config:
             "image_token_id": IMAGE_TOKEN_ID,
             "video_token_id": VIDEO_TOKEN_ID,
             "audio_token_id": AUDIO_TOKEN_ID,
+            "boa_token_id": BOA_TOKEN_ID,
+            "eoa_token_index": EOA_TOKEN_ID,
             "audio_config": None,
             "attn_implementation": "sdpa",
         },
@@ -122,6 +153,32 @@ def tiny_gemma4_config(**overrides) -> Gemma4Config:
         vision_config=with_overrides(_VISION, vision),
         **top,
     )
+
+
+TINY_AUDIO = {
+    "hidden_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    # 16 mel bins: transformers sizes the subsampling's input projection for F = channels[0]
+    "subsampling_conv_channels": [16, 4],
+    "conv_kernel_size": 3,
+    "attention_chunk_size": 4,  # rows: a clip of 150 frames (38 rows) crosses ten chunks
+    "attention_context_left": 5,
+    "attention_context_right": 0,
+    "output_proj_dims": 24,
+}
+"""A two-block audio tower: chunks of 4 rows (16 frames) attending 4 rows back."""
+
+
+def tiny_gemma4_audio_config(**overrides) -> Gemma4Config:
+    """``tiny_gemma4_config`` with a tiny audio tower (``TINY_AUDIO``; ``audio_config`` overrides
+    merge into it). The tower has only an eager attention, so ``attn_implementation`` (the text
+    and vision towers') gives it ``"eager"``."""
+    audio = with_overrides(TINY_AUDIO, overrides.pop("audio_config", None))
+    attn = overrides.pop("attn_implementation", "sdpa")
+    if isinstance(attn, str):
+        attn = {"": attn, "text_config": attn, "vision_config": attn, "audio_config": "eager"}
+    return tiny_gemma4_config(audio_config=audio, attn_implementation=attn, **overrides)
 
 
 def gemma4_vision_cost(vc) -> VisionCost:
@@ -136,6 +193,33 @@ def gemma4_vision_cost(vc) -> VisionCost:
         pair=2 * vc.num_attention_heads * d,
         full_blocks=vc.num_hidden_layers,
     )
+
+
+def gemma4_audio_cost(ac, text_width: int) -> VisionCost:
+    """A clip of grid (1, 1, frames), in forward MACs per feature frame: the two subsampling
+    convolutions (3 x 3 kernels; c0 and c0 x c1 per output, at F/2 x T/2 and F/4 x T/4 outputs),
+    and per output row (one per 4 frames) the input projection, each block's
+    matrices (two feed-forward modules of 4w, q, k, v, output, the light convolution's 3 w^2 and
+    its depthwise kernel) and attention (each row attends a fixed context of chunk + left - 1 +
+    right rows: q.k and the weighted sum of v, 2 w per key, and the relative-position logits, w
+    per relative position), the output projection and ``embed_audio``. The attention is local
+    with a fixed context per row, so it is linear in frames too: all of it is ``linear_per_patch``
+    (VisionCost's windowed blocks are square windows attending themselves, which these chunks are
+    not), rounded up to whole MACs per frame."""
+    w, (c0, c1), f = ac.hidden_size, ac.subsampling_conv_channels, _mel_bins(ac)
+    context = ac.attention_chunk_size + ac.attention_context_left - 1 + ac.attention_context_right
+    block = (2 * 8 + 4 + 3) * w * w + ac.conv_kernel_size * w
+    block += 2 * w * context + w * (context // 2 + 1)
+    per_row = (f // 4) * c1 * w + ac.num_hidden_layers * block
+    per_row += w * ac.output_proj_dims + ac.output_proj_dims * text_width
+    convs = 9 * c0 * (f // 2) / 2 + 9 * c0 * c1 * (f // 4) / 4
+    return VisionCost(linear_per_patch=math.ceil(convs + per_row / 2**SUBSAMPLING_CONVS))
+
+
+def _mel_bins(ac) -> int:
+    """Mel bins the tower takes: transformers sizes its input projection for ``channels[0]``
+    (128 in the published configs, the feature extractor's)."""
+    return int(ac.subsampling_conv_channels[0])
 
 
 # ---- a tiny processor (Gemma 4's tokens, a reduced template, its patch image processor) ----------
@@ -172,6 +256,8 @@ def _config_ids(tokenizer) -> dict:
         "image_token_id": t(_SPECIAL["image_token"]),
         "video_token_id": t(_VIDEO_TOKEN),
         "audio_token_id": t(_SPECIAL["audio_token"]),
+        "boa_token_id": t(_SPECIAL["boa_token"]),
+        "eoa_token_index": t(_SPECIAL["eoa_token"]),
         "text_config": {
             "pad_token_id": t("<pad>"),
             "bos_token_id": t("<bos>"),
@@ -203,7 +289,10 @@ def _video_processor(config) -> dict:
 
 
 class Gemma4Kit(FamilyKit):
-    tiny_configs = {"gemma4-tiny": tiny_gemma4_config}
+    tiny_configs = {
+        "gemma4-tiny": tiny_gemma4_config,
+        "gemma4-audio-tiny": tiny_gemma4_audio_config,
+    }
     traits = frozenset({"image_spans"})
     tiny_processor = TinyProcessor(
         special_tokens=("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>")
@@ -224,9 +313,14 @@ class Gemma4Kit(FamilyKit):
         frame_size=(96, 160),  # 12 x 20 patches of 8, at most TINY_SOFT_TOKENS pooled
     )
 
+    audio_clips = (150, 37)  # 38 rows (ten chunks of 4, the last part) and 10 rows
+
     def item_tokens(self, kind, grid, text):
         t, h, w = grid
         c = self.config
+        if kind == "audio":
+            pads = [c.audio_token_id] * self.adapter.audio_rows(w)
+            return [c.boa_token_id, *pads, c.eoa_token_index]
         pad = c.image_token_id if kind == "image" else c.video_token_id
         frame = [c.boi_token_id] + [pad] * (h * w // self.adapter.merge_size**2) + [c.eoi_token_id]
         if kind == "image":
@@ -238,10 +332,17 @@ class Gemma4Kit(FamilyKit):
 
     def module_groups(self):
         v = r"model\.vision_tower\."
+        audio = ()
+        if self.config.audio_config is not None:
+            audio = (
+                ("audio tower", (r"model\.audio_tower\.",)),
+                ("audio embedder", (r"model\.embed_audio\.",)),
+            )
         return (
             ("vision patch embed", (v + r"patch_embedder\.",)),
             ("vision blocks", (v + r"encoder\.",)),
             ("vision projector", (r"model\.embed_vision\.",)),
+            *audio,
             ("token embeddings", (r"model\.language_model\.embed_tokens(_per_layer)?\.",)),
             ("decoder layers", (r"model\.language_model\.",)),
             *untied_lm_head(self.config),
@@ -253,9 +354,10 @@ class Gemma4Kit(FamilyKit):
             table = model.model.vision_tower.patch_embedder.position_embedding_table
             table.normal_(0.0, 0.1)
 
-    # Gemma4RMSNorm and the vision pooler compute in float32 whatever the model dtype; the norm
-    # weights' gradients are float32 sums over the tokens of one call.
-    float32_islands = ("Gemma4RMSNorm", "Gemma4VisionPooler")
+    # Gemma4RMSNorm, the vision pooler and the audio attention compute in float32 whatever the
+    # model dtype; the norm weights' gradients are float32 sums over the tokens of one call (the
+    # audio attention fails outright in a float64 model: float32 keys, float64 queries).
+    float32_islands = ("Gemma4RMSNorm", "Gemma4VisionPooler", "Gemma4AudioAttention")
 
 
 # ---- the data path (the processor) --------------------------------------------------------------
@@ -364,13 +466,14 @@ class Gemma4Adapter(VLMAdapter):
     family = "gemma4"
     model_classes = ("Gemma4ForConditionalGeneration",)
     model_types = ("gemma4",)
-    modules = ModulePaths(vision_tower="model.vision_tower")
+    modules = ModulePaths(vision_tower="model.vision_tower", audio_tower="model.audio_tower")
     kit = Gemma4Kit
     chat_media = Gemma4Media  # the data path's processor hooks
     model_batch_keys = (
         "image_position_ids",
         "video_position_ids",
         "num_frames_per_video",
+        *AUDIO_KEYS,
     )
     span_layers = "sliding"
 
@@ -395,7 +498,7 @@ class Gemma4Adapter(VLMAdapter):
     def special_token_ids(self):
         c = self.config
         ids = (c.image_token_id, c.video_token_id, c.boi_token_id, c.eoi_token_id)
-        return (*ids, c.audio_token_id)
+        return (*ids, c.audio_token_id, c.boa_token_id, c.eoa_token_index)
 
     @property
     def pixel_width(self) -> int:
@@ -405,6 +508,9 @@ class Gemma4Adapter(VLMAdapter):
 
     def from_model_batch(self, batch):
         batch = dict(batch)
+        features, mask = (batch.pop(k, None) for k in AUDIO_KEYS)
+        if features is not None or mask is not None:
+            batch.update(_core_audio(features, mask))
         for kind, pix, pos, grid in (
             ("image", "pixel_values", "image_position_ids", "image_grid_thw"),
             ("video", "pixel_values_videos", "video_position_ids", "video_grid_thw"),
@@ -428,6 +534,9 @@ class Gemma4Adapter(VLMAdapter):
 
     def to_model_batch(self, batch):
         batch = dict(batch)
+        features, lengths = batch.pop("audio_features", None), batch.pop("audio_lengths", None)
+        if features is not None:
+            batch.update(_model_audio(features, lengths))
         for pix, pos, grid in (
             ("pixel_values", "image_position_ids", "image_grid_thw"),
             ("pixel_values_videos", "video_position_ids", "video_grid_thw"),
@@ -466,6 +575,31 @@ class Gemma4Adapter(VLMAdapter):
     def vision_cost(self) -> VisionCost:
         return gemma4_vision_cost(self.config.vision_config)
 
+    # ---- audio (module docstring, "Audio") ---------------------------------------------------
+
+    @property
+    def audio_token_id(self):
+        return None if self.config.audio_config is None else self.config.audio_token_id
+
+    @property
+    def audio_feature_width(self):
+        return _mel_bins(self.config.audio_config)
+
+    def audio_rows(self, frames):
+        for _ in range(SUBSAMPLING_CONVS):  # each keeps mask[::2] (replace_audio_token's rule)
+            frames = (frames + 1) // 2
+        return int(frames)
+
+    def encode_audio(self, model, features, lengths, batch_lengths):
+        """``get_audio_features`` on these clips, the rows its mask keeps, as the forward keeps
+        them (padding changes no clip's rows: ``batch_lengths`` is not needed)."""
+        audio = _model_audio(features, lengths)
+        out = model.model.get_audio_features(*(audio[k] for k in AUDIO_KEYS), return_dict=True)
+        return out.pooler_output[out.attention_mask]
+
+    def audio_cost(self) -> VisionCost:
+        return gemma4_audio_cost(self.config.audio_config, self.config.text_config.hidden_size)
+
     # ---- positions, decoder, loss ------------------------------------------------------------
 
     def decoder_inputs(self, model, input_ids, visual_mask, deepstack):
@@ -485,3 +619,32 @@ class Gemma4Adapter(VLMAdapter):
     @property
     def logit_softcap(self) -> float | None:
         return self.config.text_config.final_logit_softcapping
+
+
+def _core_audio(features, mask) -> dict:
+    """The processor's ``input_features`` [clips, T, F] and ``input_features_mask`` [clips, T] as
+    the core's ``audio_features`` [frames, F] (each clip's valid frames, in order) and
+    ``audio_lengths``."""
+    if features is None or mask is None or features.dim() != 3 or mask.shape != features.shape[:2]:
+        raise ValueError(
+            "gemma4: audio needs input_features [clips, frames, mel bins] with its "
+            "input_features_mask [clips, frames] (the processor's output)"
+        )
+    keep = mask.bool()
+    lengths = keep.sum(1)
+    if not torch.equal(keep, torch.arange(keep.shape[1], device=keep.device) < lengths[:, None]):
+        raise ValueError(
+            "gemma4: input_features_mask must mark each clip's leading frames (right padding, "
+            "as the processor pads); a clip's rows are counted from its leading frames"
+        )
+    return {"audio_features": features[keep], "audio_lengths": lengths}
+
+
+def _model_audio(features, lengths) -> dict:
+    """The core's audio as the model's ``input_features`` (zero-padded to the longest clip, as
+    the feature extractor pads) and boolean ``input_features_mask``; ``_core_audio``'s inverse."""
+    lengths = torch.as_tensor(lengths).to(features.device)
+    mask = torch.arange(int(lengths.max()), device=features.device) < lengths[:, None]
+    padded = features.new_zeros(*mask.shape, features.shape[1])
+    padded[mask] = features
+    return {"input_features": padded, "input_features_mask": mask}

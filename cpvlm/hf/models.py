@@ -60,7 +60,7 @@ def build_model(
             path,
             dtype=dtype,
             local_files_only=True,
-            attn_implementation=attn_implementation,
+            attn_implementation=_attn_implementation(config, attn_implementation),
             **_dtype_kwargs(config, dtype),
         )
     adapter_for(model)
@@ -76,6 +76,24 @@ def _record_dtype(config, dtype: torch.dtype) -> None:
         sub = getattr(config, key, None)
         if sub is not None:
             sub.dtype = dtype
+
+
+def _attn_implementation(config, impl: str) -> str | dict[str, str]:
+    """``impl``, or per sub-config where a sub-model has no SDPA attention (Gemma 4's audio
+    tower: eager only), "eager" for it: transformers refuses "sdpa" for the whole model then."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    subs = {k: getattr(config, k, None) for k in getattr(config, "sub_configs", {})}
+    eager = {
+        k
+        for k, sub in subs.items()
+        if sub is not None
+        and type(sub) in MODEL_MAPPING
+        and not MODEL_MAPPING[type(sub)]._supports_sdpa
+    }
+    if impl != "sdpa" or not eager:
+        return impl
+    return {"": impl, **{k: "eager" if k in eager else impl for k in subs}}
 
 
 def _dtype_kwargs(config, dtype: torch.dtype) -> dict:

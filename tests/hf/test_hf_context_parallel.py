@@ -24,6 +24,7 @@ pytest.importorskip("transformers")
 
 from hf_families import (  # noqa: E402
     FAMILIES,
+    FAMILY_OF,
     FLOAT32_IN_FLOAT64,
     FLOAT32_TOL,
     GEMMA,
@@ -272,8 +273,9 @@ def test_float32_within_1e_5(name):
     # float32: different summation orders (blockwise softmax, summed shares) give ~1e-7 relative
     # differences per value; 1e-5 leaves room for the accumulation over layers. Gemma 4's vision
     # tower (scores without a 1/sqrt(d) scale, q/k RMSNorm) amplifies them: measured 1.07e-5 on
-    # its weights' gradients, which are exact to 1e-13 in float64; held to 3e-5.
-    tol = 3e-5 if name == "gemma4-tiny" else 1e-5
+    # its weights' gradients, and 1.2e-5 on its audio tower's first LayerNorm weight (a sum over
+    # every frame and channel), which are exact to 1e-13 in float64; held to 3e-5.
+    tol = 3e-5 if FAMILY_OF[name] == "gemma4" else 1e-5
     for result in per_rank[0]:
         _assert_close(name, result, ref_loss, ref_grads, tol)
 
