@@ -18,7 +18,10 @@ rank plans every sample (one process that plays several ranks). That planning ru
 process, as the DataLoader's sampler (every DP rank advances it alike, so the exchanges pair up);
 the decoding runs in DataLoader workers (``num_workers``, ``prefetch`` rows ahead each): a worker
 decodes and processes only the images and video frames of this rank's units. ``decode="all"``
-decodes every unit on every rank (the baseline, and what ``vision="replicate"`` needs).
+decodes every unit on every rank (the baseline, and what ``vision="replicate"`` needs). Audio
+clips come with their plans (feature frames made while planning): every rank's row holds every
+clip's ``audio_features`` / ``audio_lengths``, and the audio encoder's own data parallelism picks
+the clips each rank encodes.
 
 A unit that fails to decode does not raise in the worker (nor a sample of a source with metas
 that fails to plan): the row comes back with ``error`` set, and the trainer agrees on it with
@@ -90,7 +93,8 @@ class LocalRow:
     labels: torch.Tensor  # [S] unshifted
     doc_lens: list[int]
     ids: TokenIds
-    vision: dict[str, torch.Tensor]  # grids (all items), pixel rows (this rank's units), seconds
+    vision: dict[str, torch.Tensor]  # grids (all items), pixel rows (this rank's units), seconds,
+    # audio_features / audio_lengths (every clip)
     local: bool  # pixel rows are this rank's units only (else every unit's)
     units: list[int]
     state_after: dict
@@ -214,6 +218,10 @@ def decode_row(job: RowJob, decode: Decoder, temporal_patch: int = 2) -> LocalRo
         seconds = [it.second_per_grid for _, it in videos]
         if any(s is not None for s in seconds):
             vision["second_per_grid_ts"] = torch.tensor([s or 0.0 for s in seconds])
+    if row.audios:
+        clips = [a for _, a in row.audios]
+        vision["audio_features"] = torch.cat([a.features for a in clips])
+        vision["audio_lengths"] = torch.tensor([a.frames for a in clips], dtype=torch.long)
     units = vision_units(grids, job.ids.merge, **_unit_layout(job.ids, row))
     mine = list(range(units.num_units)) if job.units is None else job.units
     out = LocalRow(

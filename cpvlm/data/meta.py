@@ -21,7 +21,13 @@ class SampleMeta:
     tokens: int  # L
     image_grids: tuple[tuple[int, int, int], ...] = ()  # (t, h, w) per image, in order
     video_grids: tuple[tuple[int, int, int], ...] = ()  # (t, h, w) per video, in order
+    audio_frames: tuple[int, ...] = ()  # feature frames per audio clip, in order
 
     @property
     def has_vision(self) -> bool:
         return bool(self.image_grids or self.video_grids)
+
+    @property
+    def has_media(self) -> bool:
+        """Images, videos or audio clips: the sample is never cut to ``seq_len``."""
+        return self.has_vision or bool(self.audio_frames)

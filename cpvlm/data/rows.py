@@ -15,7 +15,7 @@ exactly the next row, at any DP x CP size.
 
 Bad samples (``DataError`` while planning) are dropped from their window and handed, with the
 next emitted row, to whoever reports them; a text-only sample longer than ``seq_len`` is cut to
-``seq_len`` tokens, one with images or videos is dropped as ``too_long``.
+``seq_len`` tokens, one with images, videos or audio is dropped as ``too_long``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from cpvlm.data.errors import DataError
 from cpvlm.data.meta import SampleMeta
 from cpvlm.data.order import SampleOrder
 from cpvlm.data.packing import pack_window
-from cpvlm.data.sample import SamplePlan, VisionItem
+from cpvlm.data.sample import AudioItem, SamplePlan, VisionItem
 
 
 @dataclass
@@ -61,6 +61,10 @@ class PackedPlan:
     @property
     def videos(self) -> list[tuple[SamplePlan, VisionItem]]:
         return [(d, it) for d in self.docs for it in d.videos]
+
+    @property
+    def audios(self) -> list[tuple[SamplePlan, AudioItem]]:
+        return [(d, a) for d in self.docs for a in d.audios]
 
     def grid_thw(self) -> torch.Tensor:
         """``[items, 3]``: the images, then the videos (the order of the model's tower)."""
@@ -104,13 +108,15 @@ def meta_of(sample: SamplePlan) -> SampleMeta:
         len(sample),
         tuple(tuple(it.grid) for it in sample.images),
         tuple(tuple(it.grid) for it in sample.videos),
+        tuple(a.frames for a in sample.audios),
     )
 
 
 def _same(a: SampleMeta, b: SampleMeta) -> bool:
     def key(m):
         grids = (m.image_grids, m.video_grids)
-        return int(m.tokens), tuple(tuple(tuple(int(v) for v in g) for g in gs) for gs in grids)
+        grids = tuple(tuple(tuple(int(v) for v in g) for g in gs) for gs in grids)
+        return int(m.tokens), grids, tuple(int(n) for n in m.audio_frames)
 
     return key(a) == key(b)
 
@@ -136,11 +142,11 @@ class RowStream:
         self.plan_calls = 0  # samples this stream planned (what DP splitting divides)
 
     def _fits(self, meta: SampleMeta, where: str) -> SampleMeta:
-        if meta.tokens > self.seq_len and meta.has_vision:
+        if meta.tokens > self.seq_len and meta.has_media:
             raise DataError(
                 "too_long",
-                f"{meta.tokens} tokens with images or videos, more than --seq-len "
-                f"{self.seq_len} (an image is never cut); raise --seq-len or lower "
+                f"{meta.tokens} tokens with images, videos or audio, more than --seq-len "
+                f"{self.seq_len} (an image or a clip is never cut); raise --seq-len or lower "
                 "--max-pixels",
                 where,
             )

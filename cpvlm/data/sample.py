@@ -1,4 +1,4 @@
-"""One planned sample: its token ids and labels, and its images and videos as grids.
+"""One planned sample: its token ids and labels, its images and videos as grids, its audio clips.
 
 Legend: L tokens of the sample, a grid (t, h, w) in patches, m spatial merge size, C the width of
 a pixel row (channels * temporal patch * patch**2).
@@ -6,7 +6,8 @@ a pixel row (channels * temporal patch * patch**2).
 A ``SamplePlan`` holds everything every rank needs (ids, labels, grids) and, per vision item,
 how to get its pixels: a reference to decode (conversations) or the pixel rows themselves
 (tokenized samples). It is built identically on every rank; pixels are made later, only for the
-units a rank encodes.
+units a rank encodes. An audio clip's feature frames are made while planning (its token count
+needs its length) and travel with the plan; every rank passes every clip's frames.
 
 Tokenized samples are dicts laid out as a processor of the base layout writes one sample (the
 adapter's defaults, ``cpvlm.hf.adapter``; a leading batch dim of 1 is dropped): ``input_ids``
@@ -63,6 +64,9 @@ class TokenIds:
     split_frames: bool = True
     """A video's temporal frames (a tiled image's tiles) are vision units of their own; else
     every item is one unit (the tower needs all of it at once)."""
+    audio: int | None = None  # the audio placeholder id (None: the model takes no audio)
+    audio_rows: Callable[[int], int] | None = field(default=None, compare=False, repr=False)
+    """Placeholders of an audio clip of so many feature frames (the adapter's ``audio_rows``)."""
 
     def item_sizes(self, grid: tuple[int, int, int], kind: str) -> tuple[int, int]:
         if self.sizes is not None:
@@ -135,6 +139,19 @@ class VisionItem:
         return self.grid[1] * self.grid[2]
 
 
+@dataclass(frozen=True)
+class AudioItem:
+    """One audio clip of a sample: its feature frames, as the model's feature extractor made them
+    for the clip alone (only its valid frames)."""
+
+    features: torch.Tensor  # [frames, F]
+    name: str = ""  # the file, for reports
+
+    @property
+    def frames(self) -> int:
+        return int(self.features.shape[0])
+
+
 @dataclass
 class SamplePlan:
     """A sample as every rank plans it; ``len`` is its token count."""
@@ -146,6 +163,7 @@ class SamplePlan:
     images: tuple[VisionItem, ...] = ()
     videos: tuple[VisionItem, ...] = ()
     truncated: bool = False
+    audios: tuple[AudioItem, ...] = ()
     extra: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -155,9 +173,13 @@ class SamplePlan:
     def has_vision(self) -> bool:
         return bool(self.images or self.videos)
 
+    @property
+    def has_media(self) -> bool:
+        return self.has_vision or bool(self.audios)
+
     def truncate(self, n: int) -> SamplePlan:
-        """The first ``n`` tokens (text-only samples only: an image is never cut)."""
-        assert not self.has_vision
+        """The first ``n`` tokens (text-only samples only: an image or a clip is never cut)."""
+        assert not self.has_media
         return SamplePlan(
             self.index, self.where, self.input_ids[:n], self.labels[:n], truncated=True
         )
@@ -179,6 +201,16 @@ def check_tokens(plan: SamplePlan, ids: TokenIds) -> None:
                 "vision_token_mismatch",
                 f"{have} {kind} tokens (id {token}) but the {kind} grids {grids} need {need} "
                 f"({rule})",
+            )
+    if plan.audios or ids.audio is not None:
+        have = int((plan.input_ids == ids.audio).sum()) if ids.audio is not None else 0
+        need = sum(ids.audio_rows(a.frames) for a in plan.audios) if plan.audios else 0
+        if have != need:
+            frames = [a.frames for a in plan.audios]
+            raise DataError(
+                "vision_token_mismatch",
+                f"{have} audio tokens (id {ids.audio}) but audio clips of {frames} feature frames "
+                f"need {need}",
             )
     if ids.vocab_size is not None and len(plan):
         lo, hi = int(plan.input_ids.min()), int(plan.input_ids.max())

@@ -47,10 +47,15 @@ frames, as ``get_audio_features`` takes them) and ``audio_lengths``; ``from_mode
 ``to_model_batch`` convert. ``get_rope_index`` takes the clips' frames as ``audio_seqlens``;
 an audio clip inside a video (``use_audio_in_video``) is not supported.
 
-Data path: no ``chat_media`` yet. The processor's placeholder layout is not Qwen3-VL's (no
-timestamps between video frames; Qwen2.5-VL's layout with ``video_second_per_grid``), and its
-processor (an omni processor with an audio feature extractor) is not yet wired into cpvlm's data
-path; the kit declares no tiny processor.
+Data path (``OmniMedia``): images and videos as Qwen2.5-VL's processor lays them out (no
+timestamps between video frames; seconds per temporal patch ``tp / fps``), audio clips decoded
+to mono at the feature extractor's rate (``cpvlm.data.audio``), each clip's feature frames from
+the checkpoint's ``WhisperFeatureExtractor`` on the clip alone (its valid frames), the
+placeholder expanded by the processor's own ``replace_audio_token`` (``<audio_start> pads
+<audio_end>``, pads by the processor's ``_get_feat_extract_output_lengths``). The processor
+class is ``Qwen3OmniMoeProcessor`` around the PIL image processor, a video processor stand-in and
+the feature extractor (its video processor needs torchvision); the tiny checkpoint writes them
+all (``tiny_omni_processor``).
 
 Precision (``float32_islands``): the router ``Qwen3OmniMoeThinkerTextTopKRouter`` takes its
 softmax in float32 whatever the model's dtype; the checks compute it in float64. The MoE experts'
@@ -60,16 +65,22 @@ the router load-balancing loss is cpvlm's, exact under CP (``MoeRouter``).
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from transformers import Qwen3OmniMoeThinkerConfig
 
+from cpvlm.data.audio import load_audio
+from cpvlm.data.errors import DataError
+from cpvlm.data.sample import AudioItem
 from cpvlm.hf.adapter import ModulePaths, MoeRouter
-from cpvlm.hf.chat_media import ChatMedia
-from cpvlm.hf.kit import FamilyKit, MoeKit
+from cpvlm.hf.chat_media import clip_features
+from cpvlm.hf.kit import FamilyKit, MoeKit, TinyProcessor
 from cpvlm.hf.registration import register
 from cpvlm.hf.tiny import VISION_TOKEN_IDS, split_overrides, with_overrides
 from cpvlm.vision.cost import VisionCost, block_linear_macs
 
+from .qwen2_vl import _TEMPLATE, SPECIAL_TOKENS, QwenVLMedia, _config_ids, _image_processor
 from .qwen3_vl import TINY_TEXT, Qwen3VLAdapter, Qwen3VLKit, tiny_vision
 
 AUDIO_TOKEN_ID = 506
@@ -238,6 +249,115 @@ def qwen3_omni_30b_a3b_config() -> Qwen3OmniMoeThinkerConfig:
     )
 
 
+# ---- the data path -------------------------------------------------------------------------------
+
+
+class OmniMedia(QwenVLMedia):
+    """Qwen3-Omni's processor on the data path (module docstring, "Data path"): Qwen2.5-VL's
+    images and videos, and audio clips through the checkpoint's feature extractor."""
+
+    video_processor = "Qwen2VLVideoProcessor"
+
+    def processor_kwargs(self, settings):
+        if self.feature_extractor is None:
+            raise ValueError("qwen3_omni_moe: the checkpoint has no audio feature extractor")
+        return {
+            "video_processor": self.video_stand_in(),
+            "feature_extractor": self.feature_extractor,
+        }
+
+    def bind(self, processor):
+        super().bind(processor)
+        self.seconds = True  # the thinker's video positions need seconds per temporal patch
+        # the processor reads this from the call's keywords (audio taken from videos: unsupported)
+        processor.replace_video_token = partial(
+            processor.replace_video_token, load_audio_from_video=False
+        )
+
+    def audio_item(self, ref):
+        fe = self.feature_extractor
+        features = clip_features(fe, load_audio(ref, fe.sampling_rate))
+        if not len(features):
+            raise DataError(
+                "unreadable_media",
+                f"{ref.name}: shorter than one feature frame ({fe.hop_length} samples)",
+            )
+        return AudioItem(features, ref.name)
+
+    def audio_inputs(self, items, i):
+        from transformers.models.qwen3_omni_moe import processing_qwen3_omni_moe as p
+
+        frames = torch.tensor([it.frames for it in items], dtype=torch.long)
+        return {
+            "num_audio_tokens": p._get_feat_extract_output_lengths(frames, self.processor.n_window)
+        }, i
+
+
+OMNI_SPECIAL_TOKENS = (*SPECIAL_TOKENS, "<|audio_start|>", "<|audio_end|>", "<|audio_pad|>")
+OMNI_TOKENS = {
+    "image_token": "<|image_pad|>",
+    "video_token": "<|video_pad|>",
+    "audio_token": "<|audio_pad|>",
+    "vision_bos_token": "<|vision_start|>",
+    "vision_eos_token": "<|vision_end|>",
+    "audio_bos_token": "<|audio_start|>",
+    "audio_eos_token": "<|audio_end|>",
+}
+"""The tokenizer's named multimodal tokens the processor reads (as Qwen3-Omni's tokenizer_config)."""
+_AUDIO_ITEM = (
+    "{% elif content['type'] == 'audio' or 'audio' in content %}"
+    "<|audio_start|><|audio_pad|><|audio_end|>"
+)
+
+
+def _omni_ids(tokenizer) -> dict:
+    t = tokenizer.convert_tokens_to_ids
+    return {
+        **_config_ids(tokenizer),
+        "audio_token_id": t("<|audio_pad|>"),
+        "audio_start_token_id": t("<|audio_start|>"),
+        "audio_end_token_id": t("<|audio_end|>"),
+    }
+
+
+def _feature_extractor(config):
+    from transformers import WhisperFeatureExtractor
+
+    return WhisperFeatureExtractor(feature_size=config.audio_config.num_mel_bins)
+
+
+def _omni_video(config) -> dict:
+    from .qwen2_vl import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS
+
+    v = config.vision_config
+    return {
+        "video_processor_type": "Qwen2VLVideoProcessor",
+        "patch_size": v.patch_size,
+        "merge_size": v.spatial_merge_size,
+        "temporal_patch_size": v.temporal_patch_size,
+        "size": {"shortest_edge": VIDEO_MIN_PIXELS, "longest_edge": VIDEO_MAX_PIXELS},
+    }
+
+
+tiny_omni_processor = TinyProcessor(
+    special_tokens=OMNI_SPECIAL_TOKENS,
+    tokenizer_kwargs={
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "extra_special_tokens": OMNI_TOKENS,
+    },
+    chat_template=_TEMPLATE.replace("{SYSTEM}", "").replace(
+        "{% elif 'text' in content %}", _AUDIO_ITEM + "{% elif 'text' in content %}"
+    ),
+    processor_class="Qwen3OmniMoeProcessor",
+    config_ids=_omni_ids,
+    image_processor=_image_processor,
+    video_processor=_omni_video,
+    feature_extractor=_feature_extractor,
+)
+"""Qwen3-Omni's processor at toy size: the Qwen-VL template with audio items, the PIL image
+processor, Qwen2-VL's video processor, Whisper's feature extractor at the model's mel bins."""
+
 # ---- the kit -------------------------------------------------------------------------------------
 
 
@@ -246,7 +366,7 @@ class Qwen3OmniMoeKit(MoeKit, Qwen3VLKit):
     published_configs = {"qwen3-omni-30b-a3b": qwen3_omni_30b_a3b_config}
     published_towers = {"Qwen3-Omni-30B-A3B": OMNI_TOWER}
     traits = frozenset({"deepstack"})  # not frame_timestamps: a video is one group
-    tiny_processor = None  # no chat_media yet (module docstring)
+    tiny_processor = tiny_omni_processor
     zero_gradients = (r"model\.audio_tower\.layers\.\d+\.self_attn\.k_proj\.bias$",)
     """The audio blocks' key bias (softmax cancels it: its gradient is round-off)."""
     audio_clips = (230, 57)  # two full chunks of 100 frames and a part; less than one chunk
@@ -281,7 +401,7 @@ class Qwen3OmniMoeAdapter(MoeRouter, Qwen3VLAdapter):
     model_classes = ("Qwen3OmniMoeThinkerForConditionalGeneration",)
     model_types = ("qwen3_omni_moe_thinker",)
     kit = Qwen3OmniMoeKit
-    chat_media = ChatMedia  # none of its own yet (module docstring)
+    chat_media = OmniMedia  # the data path's processor hooks
     modules = ModulePaths(projector=("merger", "merger_list"), audio_tower="model.audio_tower")
     video_keys = ("second_per_grid_ts",)
     model_batch_keys = (SECONDS_KEY, *AUDIO_KEYS)  # the processor's seconds and audio

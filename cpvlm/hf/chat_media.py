@@ -15,7 +15,10 @@ for the replacement code, the image processor itself for pixels, no videos. Imag
 the checkpoint's image processor itself; video processors need torchvision, so
 ``frame_pixels`` writes out what transformers 5's ``BaseVideoProcessor`` does to frames (resize
 bicubic with antialias on uint8, as torchvision's ``resize``, then rescale and normalise in one
-step in float32).
+step in float32). Audio (a family with an audio encoder): ``ChatEncoder`` sets the checkpoint's
+feature extractor as ``feature_extractor`` before the processor is built; ``audio_item`` makes a
+clip's feature frames (default: no audio) and ``audio_inputs`` is what ``replace_audio_token``
+reads.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch.nn.functional as F
 
 from cpvlm.data.errors import DataError
 from cpvlm.data.media import load_frames
-from cpvlm.data.sample import VisionItem
+from cpvlm.data.sample import AudioItem, VisionItem
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -43,6 +46,9 @@ class ChatMedia:
     """Frames per temporal unit of a video (the loader names the frames a unit decodes)."""
     processor_parts: dict = {}
     """Further parts the processor class requires (``feature_extractor=None``)."""
+    feature_extractor = None
+    """The checkpoint's audio feature extractor (set by ``ChatEncoder`` where the model takes
+    audio; None: none)."""
 
     def __init__(
         self,
@@ -105,6 +111,15 @@ class ChatMedia:
         Default: none (a family that takes videos and keeps this default has no data path: the
         media refuses to be built)."""
         raise DataError("bad_record", f"cpvlm takes no videos for {self.adapter.family}")
+
+    def audio_item(self, ref) -> AudioItem:
+        """The planned item of the audio clip ``ref`` (an ``AudioRef``): its feature frames.
+        Default: none (the family's data path takes no audio)."""
+        raise DataError("bad_record", f"cpvlm takes no audio for {self.adapter.family}")
+
+    def audio_inputs(self, items, i) -> tuple[dict, int]:
+        """``(audio_inputs, audio_idx)`` for ``replace_audio_token`` of ``items[i]``."""
+        raise NotImplementedError
 
     def image_inputs(self, items, i) -> tuple[dict, int]:
         """``(image_inputs, image_idx)`` for ``replace_image_token`` of ``items[i]``. Default:
@@ -183,3 +198,20 @@ def frame_pixels(frames_THWC: torch.Tensor, size_hw, config: dict, defaults: dic
             mean, std = mean * (1.0 / factor), std * (1.0 / factor)
         return x.sub(mean.view(-1, 1, 1)).div(std.view(-1, 1, 1))
     return x * factor if rescale else x
+
+
+def clip_features(feature_extractor, samples) -> torch.Tensor:
+    """``[frames, F]`` float32: the feature extractor on one clip's ``samples`` (mono, at its
+    sampling rate), its valid frames (the attention mask). One clip per call: Whisper's
+    extractor pads a batch to its longest clip, which changes a shorter clip's last frame and
+    even its frame count."""
+    out = feature_extractor(
+        samples,
+        sampling_rate=feature_extractor.sampling_rate,
+        padding=True,
+        truncation=False,
+        return_attention_mask=True,
+        return_tensors="pt",
+    )
+    features, mask = out["input_features"][0], out["attention_mask"][0].bool()
+    return features.transpose(0, 1)[mask].contiguous()

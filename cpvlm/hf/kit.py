@@ -46,6 +46,8 @@ class TinyProcessor:
     config_ids: Callable[[Any], dict]  # tokenizer -> the tiny config's token-id overrides
     image_processor: Callable[[Any], Any]  # model config -> the image processor
     video_processor: Callable[[Any], dict] | None = None  # model config -> its config (or none)
+    feature_extractor: Callable[[Any], Any] | None = None
+    """Model config -> the audio feature extractor (None: the processor takes no audio)."""
     processor_settings: Callable[[Any], dict] = field(default=lambda config: {})
     """Extra entries of ``processor_config.json`` from the model config."""
     end_of_turn: str | None = None

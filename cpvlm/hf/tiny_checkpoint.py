@@ -3,10 +3,11 @@
 ``make_tiny_checkpoint(dir, family)`` writes what a downloaded checkpoint of the family holds, at
 toy size: the model (``save_pretrained`` of a tiny config whose special token ids are the
 tokenizer's), a byte-level BPE tokenizer trained here with the ``tokenizers`` library, and the
-family's chat template, image processor and video processor config (its kit's
-``tiny_processor``). ``layout="v5"`` writes transformers 5's ``processor_config.json`` (nested
+family's chat template, image processor, video processor config and audio feature extractor
+(its kit's ``tiny_processor``). ``layout="v5"`` writes transformers 5's ``processor_config.json`` (nested
 processors) and ``chat_template.jinja``; ``layout="legacy"`` writes ``preprocessor_config.json``,
-``video_preprocessor_config.json`` and ``chat_template.json``.
+``video_preprocessor_config.json`` and ``chat_template.json`` (a feature extractor's entries
+join the image processor's in ``preprocessor_config.json``, as in published omni checkpoints).
 
 ``write_images`` and ``write_frames`` make PNG files of given sizes from a seed.
 """
@@ -91,6 +92,9 @@ def make_tiny_checkpoint(
         "image_processor": image_processor.to_dict(),
         **tiny.processor_settings(config),
     }
+    extractor = tiny.feature_extractor(config).to_dict() if tiny.feature_extractor else None
+    if extractor is not None:
+        processor["feature_extractor"] = extractor
     if tiny.video_processor is None:  # no video processor: the v5 layout, whatever is asked
         tokenizer.chat_template = template
         tokenizer.save_pretrained(path)
@@ -105,6 +109,10 @@ def make_tiny_checkpoint(
     else:
         tokenizer.save_pretrained(path)
         image_processor.save_pretrained(path)  # preprocessor_config.json
+        if extractor is not None:
+            pre = json.loads((path / "preprocessor_config.json").read_text())
+            pre = {**extractor, **pre}
+            (path / "preprocessor_config.json").write_text(json.dumps(pre, indent=1))
         (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=1))
         (path / "chat_template.json").write_text(json.dumps({"chat_template": template}))
         settings = tiny.processor_settings(config)

@@ -312,7 +312,7 @@ def test_tokens_spliced_from_the_placeholders_equal_the_expanded_text_tokenized(
     for messages in _conversations(media):
         plan = encoder.plan(Record(0, "test", {"messages": messages}, None))
         raw = encoder._render(messages)
-        full = Rendering(raw, *encoder._expand(raw, list(plan.images), []))
+        full = Rendering(raw, *encoder._expand(raw, (list(plan.images), [], [])))
         cases = [full]
         if full.expansion:  # the same text with a replacement that begins with text
             r = dict(full.expansion[0], replacement="x y" + full.expansion[0]["replacement"])

@@ -11,7 +11,9 @@ of a checkpoint directory (either layout: ``preprocessor_config.json`` + a templ
   without pixels: the template rendered, each image/video placeholder expanded by the processor's
   own ``replace_image_token`` / ``replace_video_token`` for grids computed from the image headers
   (the family's ``chat_media``), tokenized; labels on the assistant turns only (or on every
-  text token with ``train_on="all"``), image/video tokens never labelled.
+  text token with ``train_on="all"``), image/video/audio tokens never labelled. An audio item
+  is decoded here (``cpvlm.data.audio``) and its feature frames made by the checkpoint's feature
+  extractor (the family's ``chat_media``): its token count needs its length.
 - ``decode(item, temporal)``: the pixel rows of one image (the image processor itself) or of some
   temporal patches of a video (the family's ``chat_media``), checked against the planned grid.
 
@@ -39,6 +41,7 @@ from pathlib import Path
 import torch
 
 from cpvlm.constants import IGNORE_INDEX, TRAIN_ON
+from cpvlm.data.audio import audio_ref
 from cpvlm.data.errors import DataError
 from cpvlm.data.media import image_ref, video_frames
 from cpvlm.data.record import Record
@@ -60,7 +63,13 @@ def adapter_token_ids(model_config) -> TokenIds:
         types=adapter.mm_token_type_ids,
         sizes=adapter.item_sizes,
         split_frames=adapter.split_frames,
+        audio=adapter.audio_token_id,
+        audio_rows=adapter.audio_rows if adapter.audio_token_id is not None else None,
     )
+
+
+MEDIA = ("image", "video", "audio")
+"""The kinds of a conversation's media items (content items ``{"type": kind, kind: value}``)."""
 
 
 def _read_json(path: Path) -> dict:
@@ -120,7 +129,13 @@ def video_config(model_dir: Path) -> dict:
 
 def processor_settings(model_dir: Path) -> dict:
     """The processor's own settings in ``processor_config.json`` (``image_seq_length``, ...)."""
-    parts = ("processor_class", "image_processor", "video_processor", "chat_template")
+    parts = (
+        "processor_class",
+        "image_processor",
+        "video_processor",
+        "feature_extractor",
+        "chat_template",
+    )
     config = _read_json(model_dir / "processor_config.json")
     return {k: v for k, v in config.items() if k not in parts}
 
@@ -179,6 +194,12 @@ class ChatEncoder:
             video_min_pixels=video_min_pixels,
             video_max_pixels=video_max_pixels,
         )
+        if self.adapter.audio_token_id is not None:  # the processor's audio part
+            from transformers import AutoFeatureExtractor
+
+            self.media.feature_extractor = AutoFeatureExtractor.from_pretrained(
+                self.model_dir, local_files_only=True
+            )
         template = load_chat_template(self.model_dir, self.tokenizer)
         self.processor = build_processor(
             self.model_dir,
@@ -212,15 +233,15 @@ class ChatEncoder:
         messages = data.get("messages")
         if not isinstance(messages, list) or not messages:
             raise DataError("bad_record", "no 'messages' list (or 'input_ids') in the record")
-        messages, images, videos = self._vision_items(_clean(messages), data, record.base_dir)
+        messages, items = self._media_items(_clean(messages), data, record.base_dir)
         rendered = self._render(messages)
-        full = Rendering(rendered, *self._expand(rendered, images, videos))
+        full = Rendering(rendered, *self._expand(rendered, items))
         ids, offsets = self._tokenize(
             full, not self._starts_with_bos(full.text), self.train_on == "assistant"
         )
         input_ids = torch.tensor(ids, dtype=torch.long)
         if self.train_on == "assistant":
-            spans = self._assistant_spans(messages, images, videos, full)
+            spans = self._assistant_spans(messages, items, full)
             labels = self._labels_in_spans(input_ids, offsets, spans)
             if not spans or bool((labels == IGNORE_INDEX).all()):
                 raise DataError(
@@ -229,7 +250,9 @@ class ChatEncoder:
         else:
             labels = input_ids.clone()
         vision = (input_ids == self.ids.image) | (input_ids == self.ids.video)
-        images, videos = self.media.model_items(images, videos, rendered)
+        if self.ids.audio is not None:
+            vision |= input_ids == self.ids.audio
+        images, videos = self.media.model_items(items[0], items[1], rendered)
         plan = SamplePlan(
             record.index,
             record.where,
@@ -237,14 +260,16 @@ class ChatEncoder:
             labels.masked_fill(vision, IGNORE_INDEX),
             images=tuple(images),
             videos=tuple(videos),
+            audios=tuple(items[2]),
         )
         check_tokens(plan, self.ids)
         return plan
 
-    def _vision_items(self, messages, data, base_dir):
-        """Messages with every image/video item resolved; the items in order, with grids."""
-        pools = {kind: list(data.get(kind + "s") or []) for kind in ("image", "video")}
-        images, videos = [], []  # image refs (sized together below), video items
+    def _media_items(self, messages, data, base_dir):
+        """Messages with every image/video/audio item resolved; ``(images, videos, audios)``,
+        the items of each kind in order (with grids; audio with its feature frames)."""
+        pools = {kind: list(data.get(kind + "s") or []) for kind in MEDIA}
+        images, videos, audios = [], [], []  # image refs (sized together below), items
         for message in messages:
             if not isinstance(message, Mapping) or "role" not in message:
                 raise DataError("bad_record", f"a message must have a role, got {message!r}")
@@ -252,8 +277,8 @@ class ChatEncoder:
             if not isinstance(content, list):
                 continue
             for item in content:
-                kind = item.get("type") or next((k for k in ("image", "video") if k in item), None)
-                if kind not in ("image", "video"):
+                kind = item.get("type") or next((k for k in MEDIA if k in item), None)
+                if kind not in MEDIA:
                     continue
                 value = item.get(kind)
                 if value is None:  # refers to the record's "images" / "videos" list, in order
@@ -263,9 +288,11 @@ class ChatEncoder:
                     item[kind] = "<from column>"
                 if kind == "image":
                     images.append(image_ref(value, base_dir))
-                else:
+                elif kind == "video":
                     videos.append(self._video_item(value, item.get("fps"), base_dir))
-        return messages, self.media.image_items(images), videos
+                else:
+                    audios.append(self.media.audio_item(audio_ref(value, base_dir)))
+        return messages, (self.media.image_items(images), videos, audios)
 
     def _video_item(self, value, fps, base_dir) -> VisionItem:
         fps = float(fps) if fps is not None else None
@@ -283,67 +310,75 @@ class ChatEncoder:
         )
         return prompts[0]
 
-    def _expand(self, text: str, images, videos) -> tuple[str, list[dict]]:
-        """The processor's own placeholder expansion, for the planned grids; with the offsets of
-        each replacement (``get_text_with_replacements``' ``span`` / ``new_span``)."""
+    def _expand(self, text: str, items) -> tuple[str, list[dict]]:
+        """The processor's own placeholder expansion, for the planned grids (``items``: the
+        images, videos and audio clips); with the offsets of each replacement
+        (``get_text_with_replacements``' ``span`` / ``new_span``)."""
         p, m = self.processor, self.media
-        image_repl = [p.replace_image_token(*m.image_inputs(images, i)) for i in range(len(images))]
-        video_repl = [p.replace_video_token(*m.video_inputs(videos, i)) for i in range(len(videos))]
-        return self._replace(text, images, videos, image_repl, video_repl)
-
-    def _placeholders(self, text: str) -> tuple[int, int]:
-        p = self.processor
-        n_video = text.count(p.video_token) if getattr(p, "video_token", None) else 0
-        return text.count(p.image_token), n_video
-
-    def _replace(self, text: str, images, videos, image_repl, video_repl):
-        p = self.processor
-        n_image, n_video = self._placeholders(text)
-        if (n_image, n_video) != (len(images), len(videos)):
+        images, videos, audios = items
+        counts = self._placeholders(text)
+        if counts != tuple(len(x) for x in items):
+            wrote = ", ".join(f"{n} {k}" for n, k in zip(counts, MEDIA, strict=True))
+            have = ", ".join(f"{len(x)} {k}" for x, k in zip(items, MEDIA, strict=True))
             raise DataError(
                 "vision_token_mismatch",
-                f"the chat template wrote {n_image} image and {n_video} video placeholders for "
-                f"{len(images)} images and {len(videos)} videos",
+                f"the chat template wrote placeholders of {wrote} items for {have}",
             )
-        expanded, offsets = p.get_text_with_replacements([text], image_repl, video_repl)
+        repl = (
+            [p.replace_image_token(*m.image_inputs(images, i)) for i in range(len(images))],
+            [p.replace_video_token(*m.video_inputs(videos, i)) for i in range(len(videos))],
+        )
+        if audios:
+            repl += (
+                [p.replace_audio_token(*m.audio_inputs(audios, i)) for i in range(len(audios))],
+            )
+        expanded, offsets = p.get_text_with_replacements([text], *repl)
         return expanded[0], (offsets[0] if offsets else [])
 
-    def _expanded_prefix(self, raw: str, images, videos, full: Rendering) -> str:
-        """``raw`` (a rendering of a prefix of the conversation, with the first ``len(images)``
-        images and ``len(videos)`` videos) expanded: cut from the expanded whole where ``raw``
-        is a prefix of the whole's rendering (replacement i depends on item i alone), else
-        expanded on its own (which also reports a placeholder count that does not match)."""
+    def _placeholders(self, text: str) -> tuple[int, int, int]:
+        """The image, video and audio placeholders in ``text``."""
+        p = self.processor
+        tokens = (p.image_token, getattr(p, "video_token", None), getattr(p, "audio_token", None))
+        return tuple(text.count(t) if t else 0 for t in tokens)
+
+    def _expanded_prefix(self, raw: str, items, full: Rendering) -> str:
+        """``raw`` (a rendering of a prefix of the conversation, with the first items of each
+        kind, ``items``) expanded: cut from the expanded whole where ``raw`` is a prefix of the
+        whole's rendering (replacement i depends on item i alone), else expanded on its own
+        (which also reports a placeholder count that does not match)."""
         cut = full.expanded_offset(len(raw))
         if (
             cut is not None
             and full.raw.startswith(raw)
-            and self._placeholders(raw) == (len(images), len(videos))
+            and self._placeholders(raw) == tuple(len(x) for x in items)
         ):
             return full.text[:cut]
-        return self._expand(raw, images, videos)[0]
+        return self._expand(raw, items)[0]
 
     def _starts_with_bos(self, text: str) -> bool:
         bos = self.tokenizer.bos_token
         return bos is not None and text.startswith(bos)
 
-    def _assistant_spans(self, messages, images, videos, full: Rendering) -> list[tuple[int, int]]:
+    def _assistant_spans(self, messages, items, full: Rendering) -> list[tuple[int, int]]:
         """Character spans of the assistant turns in the expanded text ``full.text``."""
         spans = []
-        n_img = n_vid = 0
+        seen = (0, 0, 0)  # items of each kind before this message
         for i, message in enumerate(messages):
             content = message.get("content")
             if isinstance(content, list):
                 kinds = [c.get("type") or ("image" if "image" in c else "") for c in content]
-                counts = (kinds.count("image"), kinds.count("video"))
+                counts = tuple(kinds.count(k) for k in MEDIA)
             else:
-                counts = (0, 0)
+                counts = (0, 0, 0)
+            after = tuple(a + b for a, b in zip(seen, counts, strict=True))
             if message["role"] == "assistant":
                 prefix = self._render(messages[:i], generation_prompt=True)
                 # the last turn's conversation is the whole: rendered already
                 upto = full.raw if i + 1 == len(messages) else self._render(messages[: i + 1])
-                start = len(self._expanded_prefix(prefix, images[:n_img], videos[:n_vid], full))
+                before = tuple(x[:n] for x, n in zip(items, seen, strict=True))
+                start = len(self._expanded_prefix(prefix, before, full))
                 upto = self._expanded_prefix(
-                    upto, images[: n_img + counts[0]], videos[: n_vid + counts[1]], full
+                    upto, tuple(x[:n] for x, n in zip(items, after, strict=True)), full
                 )
                 end = len(upto.rstrip())
                 if not (
@@ -357,7 +392,7 @@ class ChatEncoder:
                         "turn as a prefix of the whole (cannot find the turn); use --train-on all",
                     )
                 spans.append((start, end))
-            n_img, n_vid = n_img + counts[0], n_vid + counts[1]
+            seen = after
         return spans
 
     @staticmethod
