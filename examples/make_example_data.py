@@ -3,7 +3,8 @@
     python examples/make_example_data.py runs/example [--model internvl-tiny]
     cpvlm train --model runs/example/ckpt --data runs/example/data/train.jsonl --cp 2 --steps 20
 
-``runs/example/data/`` gets PNG images of several sizes, frame folders for videos, and
+``runs/example/data/`` gets PNG images of several sizes, frame folders for videos, WAV clips
+where the family takes audio (``--model qwen3-omni-moe-tiny``: tones under noise), and
 ``train.jsonl``: one conversation a line, in the messages format transformers processors take,
 with paths relative to the file:
 
@@ -25,6 +26,7 @@ from cpvlm.hf.registry import default_model, tiny_adapters
 from cpvlm.hf.tiny_checkpoint import (
     example_records,
     make_tiny_checkpoint,
+    takes_example_audio,
     takes_example_videos,
     write_jsonl,
 )
@@ -42,7 +44,12 @@ def main():
     out = Path(args.out)
     family = tiny_adapters()[args.model].family
     ckpt = make_tiny_checkpoint(out / "ckpt", family)
-    records = example_records(out / "data", args.samples, videos=takes_example_videos(family))
+    records = example_records(
+        out / "data",
+        args.samples,
+        videos=takes_example_videos(family),
+        audio=takes_example_audio(family),
+    )
     jsonl = write_jsonl(out / "data" / "train.jsonl", records)
     print(f"checkpoint: {ckpt}\ndata:       {jsonl}")
     print(f"train:      cpvlm train --model {ckpt} --data {jsonl} --cp 2 --steps 20")

@@ -9,7 +9,8 @@ processors) and ``chat_template.jinja``; ``layout="legacy"`` writes ``preprocess
 ``video_preprocessor_config.json`` and ``chat_template.json`` (a feature extractor's entries
 join the image processor's in ``preprocessor_config.json``, as in published omni checkpoints).
 
-``write_images`` and ``write_frames`` make PNG files of given sizes from a seed.
+``write_images`` and ``write_frames`` make PNG files of given sizes from a seed; ``write_wav``
+a WAV file of given samples (the stdlib ``wave`` module, 16-bit PCM).
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ def tiny_tokenizer(family: str, vocab_size: int = 320):
 def takes_example_videos(family: str) -> bool:
     """Whether the family's tiny checkpoint has a video processor (its example data videos)."""
     return _kit_class(family).tiny_processor.video_processor is not None
+
+
+def takes_example_audio(family: str) -> bool:
+    """Whether the family's tiny checkpoint has an audio feature extractor (example audio)."""
+    return _kit_class(family).tiny_processor.feature_extractor is not None
 
 
 def tiny_model_config(family: str, tokenizer):
@@ -169,13 +175,41 @@ def write_video(path: str | Path, frames: int, height: int, width: int, *, fps: 
     return path
 
 
+def write_wav(path: str | Path, samples, rate: int) -> Path:
+    """A 16-bit PCM WAV file of ``samples`` ``[n]`` (mono) or ``[n, channels]`` in [-1, 1]."""
+    import wave
+
+    x = np.asarray(samples, dtype=np.float64)
+    x = x[:, None] if x.ndim == 1 else x
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(x.shape[1])
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(np.round(np.clip(x, -1, 1) * 32767).astype("<i2").tobytes())
+    return path
+
+
+def example_clip(rng, seconds: float, rate: int, channels: int) -> np.ndarray:
+    """``[n, channels]``: a tone of a random pitch under a little noise."""
+    t = np.arange(int(seconds * rate)) / rate
+    pitch = rng.uniform(150, 900, channels)
+    tone = 0.4 * np.sin(2 * np.pi * t[:, None] * pitch)
+    return tone + 0.05 * rng.standard_normal((len(t), channels))
+
+
 _WORDS = ("a red square", "two cats", "a blue field", "one, two, three", "yes", "no", "a ball")
 
 
-def example_records(folder: str | Path, num_samples: int, *, seed: int = 0, videos: bool = True):
+def example_records(
+    folder: str | Path, num_samples: int, *, seed: int = 0, videos: bool = True, audio: bool = False
+):
     """Write images (and frame folders) under ``folder`` and return ``num_samples`` conversation
     records referring to them by relative paths: text-only, one or two images of several sizes,
-    and (with ``videos``) a video of 3 to 5 frames; one or two turns."""
+    and (with ``videos``) a video of 3 to 5 frames; one or two turns. With ``audio``, every
+    other sample also starts with a WAV clip of 0.5 to 2.5 s (a tone under noise, mono or
+    stereo, at 16, 22.05 or 8 kHz), from a generator of its own: the rest is as without."""
     rng = np.random.default_rng(seed)
     folder = Path(folder)
     records = []
@@ -205,7 +239,20 @@ def example_records(folder: str | Path, num_samples: int, *, seed: int = 0, vide
                 {"role": "assistant", "content": [{"type": "text", "text": _WORDS[i % 7]}]},
             ]
         records.append({"messages": messages})
+    if audio:
+        _add_audio(folder, records, np.random.default_rng([seed, 1]))
     return records
+
+
+def _add_audio(folder: Path, records, rng) -> None:
+    for i, record in enumerate(records):
+        if i % 2 == 0:
+            continue
+        rate = (16000, 22050, 8000)[i % 3]
+        clip = example_clip(rng, rng.uniform(0.5, 2.5), rate, 1 + (i % 4 == 3))
+        name = f"aud/s{i}.wav"
+        write_wav(folder / name, clip, rate)
+        record["messages"][0]["content"].insert(0, {"type": "audio", "audio": name})
 
 
 def write_jsonl(path: str | Path, records) -> Path:
