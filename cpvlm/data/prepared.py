@@ -138,6 +138,11 @@ def plan_row(index: int, where: str, result: SamplePlan | DataError, vision_macs
     )
     if isinstance(result, DataError):
         return {**row, "error_reason": result.reason, "error_detail": result.detail}
+    if result.audios:
+        raise ValueError(
+            f"{where}: a sample with audio clips cannot be prepared (the cache keeps no audio "
+            "references); train from the source itself"
+        )
     for item in (*result.images, *result.videos):
         if item.pixels is not None:
             raise ValueError(

@@ -7,7 +7,8 @@ family's chat template, image processor, video processor config and audio featur
 (its kit's ``tiny_processor``). ``layout="v5"`` writes transformers 5's ``processor_config.json`` (nested
 processors) and ``chat_template.jinja``; ``layout="legacy"`` writes ``preprocessor_config.json``,
 ``video_preprocessor_config.json`` and ``chat_template.json`` (a feature extractor's entries
-join the image processor's in ``preprocessor_config.json``, as in published omni checkpoints).
+join the image processor's in ``preprocessor_config.json``, with the processor class, as in
+published omni checkpoints).
 
 ``write_images`` and ``write_frames`` make PNG files of given sizes from a seed; ``write_wav``
 a WAV file of given samples (the stdlib ``wave`` module, 16-bit PCM).
@@ -117,7 +118,7 @@ def make_tiny_checkpoint(
         image_processor.save_pretrained(path)  # preprocessor_config.json
         if extractor is not None:
             pre = json.loads((path / "preprocessor_config.json").read_text())
-            pre = {**extractor, **pre}
+            pre = {**extractor, **pre, "processor_class": tiny.processor_class}
             (path / "preprocessor_config.json").write_text(json.dumps(pre, indent=1))
         (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=1))
         (path / "chat_template.json").write_text(json.dumps({"chat_template": template}))

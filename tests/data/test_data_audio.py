@@ -183,3 +183,19 @@ def test_the_checkpoint_holds_the_feature_extractor(encoder):
     assert config["feature_extractor"]["feature_extractor_type"] == "WhisperFeatureExtractor"
     assert config["feature_extractor"]["feature_size"] == enc.adapter.audio_feature_width
     assert type(enc.media.feature_extractor).__name__ == "WhisperFeatureExtractor"
+
+
+def test_the_legacy_layout_plans_the_same(encoder, tmp_path):
+    """The older layout (the feature extractor's entries beside the image processor's in
+    ``preprocessor_config.json``, as published omni checkpoints have them) plans alike."""
+    path, enc = encoder
+    legacy = make_tiny_checkpoint(tmp_path / "legacy", "qwen3_omni_moe", layout="legacy")
+    other = ChatEncoder(legacy, AutoConfig.from_pretrained(legacy))
+    write_wav(tmp_path / "a.wav", example_clip(np.random.default_rng(5), 0.9, 8000, 1), 8000)
+    messages = [
+        {"role": "user", "content": [{"type": "audio", "audio": "a.wav"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "yes"}]},
+    ]
+    a, b = (e.plan(Record(0, "t", {"messages": messages}, tmp_path)) for e in (enc, other))
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
+    assert torch.equal(a.audios[0].features, b.audios[0].features)
