@@ -8,6 +8,7 @@ DP split), balance.py (the deal by cost), rows.py (the global row stream), loade
 rows, decoding in DataLoader workers), exchange.py (planning split over DP), errors.py.
 """
 
+from cpvlm.data.audio import AudioRef, load_audio
 from cpvlm.data.balance import RowCost, deal_bound, dp_deal, plan_split
 from cpvlm.data.errors import ERRORS_FILE, REASONS, DataError, ErrorLog
 from cpvlm.data.exchange import DPExchange
@@ -25,6 +26,7 @@ from cpvlm.data.packing import dp_split, pack_window
 from cpvlm.data.record import Record
 from cpvlm.data.rows import PackedPlan, RowSlot, RowStream
 from cpvlm.data.sample import (
+    AudioItem,
     LazyPixels,
     SamplePlan,
     TokenIds,
@@ -36,6 +38,8 @@ from cpvlm.data.sources import open_source, parse_data_args, source_kind
 
 __all__ = [
     "DECODE_MODES",
+    "AudioItem",
+    "AudioRef",
     "ERRORS_FILE",
     "REASONS",
     "DPExchange",
@@ -60,6 +64,7 @@ __all__ = [
     "decode_row",
     "dp_deal",
     "dp_split",
+    "load_audio",
     "open_source",
     "pack_window",
     "parse_data_args",
