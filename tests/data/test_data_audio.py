@@ -199,3 +199,34 @@ def test_the_legacy_layout_plans_the_same(encoder, tmp_path):
     a, b = (e.plan(Record(0, "t", {"messages": messages}, tmp_path)) for e in (enc, other))
     assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
     assert torch.equal(a.audios[0].features, b.audios[0].features)
+
+
+def test_an_item_without_a_path_takes_the_records_audios(encoder, tmp_path):
+    """As images from ``images``: an audio item without a value takes the next entry of the
+    record's ``audios`` list (here encoded bytes), and plans as the file does."""
+    path, enc = encoder
+    write_wav(tmp_path / "a.wav", example_clip(np.random.default_rng(7), 0.8, RATE, 1), RATE)
+    answer = {"role": "assistant", "content": [{"type": "text", "text": "yes"}]}
+
+    def plan(item, **extra):
+        messages = [{"role": "user", "content": [item, {"type": "text", "text": "Hm?"}]}, answer]
+        return enc.plan(Record(0, "t", {"messages": messages, **extra}, tmp_path))
+
+    a = plan({"type": "audio", "audio": "a.wav"})
+    b = plan({"type": "audio"}, audios=[{"bytes": (tmp_path / "a.wav").read_bytes()}])
+    assert torch.equal(a.input_ids, b.input_ids)
+    assert torch.equal(a.audios[0].features, b.audios[0].features)
+    with pytest.raises(DataError, match="bad_record"):
+        plan({"type": "audio"})  # nothing to take
+
+
+def test_a_family_without_audio_reports_the_sample(tmp_path):
+    path = make_tiny_checkpoint(tmp_path / "vl", "qwen3_vl")
+    enc = ChatEncoder(path, AutoConfig.from_pretrained(path))
+    write_wav(tmp_path / "a.wav", np.zeros(RATE), RATE)
+    messages = [
+        {"role": "user", "content": [{"type": "audio", "audio": "a.wav"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "yes"}]},
+    ]
+    with pytest.raises(DataError, match="bad_record: cpvlm takes no audio for qwen3_vl"):
+        enc.plan(Record(0, "t", {"messages": messages}, tmp_path))
