@@ -127,6 +127,12 @@ def video_config(model_dir: Path) -> dict:
     return config or _read_json(model_dir / "processor_config.json").get("video_processor", {})
 
 
+def has_feature_extractor(model_dir: Path) -> bool:
+    """Whether the checkpoint has an audio feature extractor (either layout)."""
+    nested = "feature_extractor" in _read_json(model_dir / "processor_config.json")
+    return nested or "feature_extractor_type" in _read_json(model_dir / "preprocessor_config.json")
+
+
 def processor_settings(model_dir: Path) -> dict:
     """The processor's own settings in ``processor_config.json`` (``image_seq_length``, ...)."""
     parts = (
@@ -194,7 +200,7 @@ class ChatEncoder:
             video_min_pixels=video_min_pixels,
             video_max_pixels=video_max_pixels,
         )
-        if self.adapter.audio_token_id is not None:  # the processor's audio part
+        if self.adapter.audio_token_id is not None and has_feature_extractor(self.model_dir):
             from transformers import AutoFeatureExtractor
 
             self.media.feature_extractor = AutoFeatureExtractor.from_pretrained(
