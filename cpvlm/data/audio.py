@@ -61,7 +61,7 @@ def load_audio(ref: AudioRef, rate: int) -> np.ndarray:
         import av
     except ImportError:
         raise DataError(
-            "unreadable_media", f"{ref.name}: audio needs PyAV (pip install 'cpvlm[video]')"
+            "unreadable_media", f"{ref.name}: audio needs PyAV (pip install 'cpvlm[audio]')"
         ) from None
     if ref.data is None and not Path(ref.path).is_file():
         raise DataError("missing_media", f"no such audio file {ref.path}")
