@@ -36,54 +36,56 @@ the root (and trainable under ``freeze_vision_encoder``, like the projector).
 
 Audio. ``audio_tower`` is a ``ParakeetEncoder`` (subsampling convolutions by 8, then Conformer
 blocks: relative-position attention over the whole clip and a convolution module with
-BatchNorm1d), ``embed_audio`` its projector (RMSNorm, Linear, relu^2, Linear). The processor
-writes ``<so_start>``, f(n + 1) ``<so_embedding>`` (``audio_token_id``), ``<so_end>`` per clip,
-and its ``input_features`` [clips, T, F] hold n + 1 frames per clip (the extractor's n = L // 160
-valid ones, marked in ``input_features_mask``, and one more, zero), zero-padded to T = the longest
-clip's n + 1. ``get_audio_features`` keeps f(n + 1) rows of each clip (the mask's count plus one).
+BatchNorm1d), ``embed_audio`` its projector (RMSNorm, Linear, relu^2, Linear); the tower is an FSDP
+unit (``modules.audio_tower``), the projector one of its own. The processor writes ``<so_start>``,
+f(n + 1) ``<so_embedding>`` (``audio_token_id``), ``<so_end>`` per clip, and its
+``input_features`` [clips, T, F] hold n + 1 frames per clip (the extractor's n = L // 160 valid
+ones, marked in ``input_features_mask``, and one more, zero), zero-padded to T = the longest
+clip's n + 1; ``get_audio_features`` keeps f(n + 1) rows of each clip (the mask's count plus one).
 A clip's frames in the core (``audio_features`` [frames, F], ``audio_lengths``) are its n valid
-ones: ``from_model_batch`` takes them (and refuses a batch whose masked frames are not the
-extractor's zeros or whose T is not the longest n + 1: the core could not give the model the same
-batch back), ``to_model_batch`` writes the processor's layout back, and ``audio_rows(n)`` is
-f(n + 1), the model's rule. Each clip is a unit of the audio ``EncoderDataParallel``; ``encode_audio``
-calls the model's own ``get_audio_features`` on this rank's clips, laid out as
-``to_model_batch`` lays out the forward batch. Two things make a clip's rows depend on more than
-its own frames, and the adapter fixes both:
+ones: ``from_model_batch`` takes them (and refuses a batch whose masked frames are not zeros, or
+whose T is not the longest n + 1: the core could not give the model that batch back),
+``to_model_batch`` writes the processor's layout back, and ``audio_rows(n)`` is f(n + 1), the
+model's rule. Each clip is a unit of the audio ``EncoderDataParallel``; ``encode_audio`` calls the
+model's own ``get_audio_features`` on this rank's clips, laid out as ``to_model_batch`` lays out
+the forward batch. Two things make a clip's rows depend on more than its own frames:
 
 - BatchNorm. In train mode ``BatchNorm1d`` normalises by statistics over every clip of the call,
-  padding included, so no per-clip encoding equals the batched forward. The audio tower's
-  BatchNorm layers normalise by their running statistics in train mode too (and leave them as they
-  are): ``freeze_audio_batch_norm`` gives each the class ``RunningStatsBatchNorm1d`` (a subclass:
-  the same parameters, buffers and state_dict keys), as fine-tuning with a pretrained audio
-  encoder does. ``install_context_parallel`` applies it on the CP side; the kit applies it to the
-  models of checks (``init_tiny`` for tiny models, ``float64_islands`` for float64 checks), so
-  that the reference computes the same model. A one-process run outside cpvlm's checks that
-  keeps transformers' train-mode BatchNorm computes another function of the batch.
+  padding included, so no per-clip encoding equals transformers' batched train-mode forward.
+  cpvlm's choice: the audio tower's BatchNorm layers normalise by their running statistics in
+  train mode too, and leave them as they are (as fine-tuning with a pretrained audio encoder
+  does): ``freeze_audio_batch_norm`` gives each the class ``RunningStatsBatchNorm1d`` (a subclass:
+  the same parameters, buffers and state_dict keys). ``install_context_parallel`` applies it on
+  the CP side, and the kit to the models of checks (``init_tiny`` for tiny models,
+  ``float64_islands`` for float64 checks of any checkpoint), so that the reference is the same
+  function. A one-process run that keeps transformers' train-mode BatchNorm computes another one.
 - The "+1" row. When n % 8 == 0, f(n + 1) = f(n) + 1: the extra row is outside the encoder's
   subsampled mask, its query fully masked, so it attends uniformly over all f(T) rows of the
-  padded clip (padding included), and its value depends on the batch's T. ``encode_audio`` pads
-  this rank's clips to the forward batch's longest (``batch_lengths``), with the mask of their own
-  n, as the model's batched call does. Valid rows attend to valid rows only and the convolution
-  module zeroes padded rows, so they do not depend on T. A packed document alone is the model's
-  call on that document's clips: the same rows where its +1-row clips share their document with
-  the batch's longest clip (or no clip has n % 8 == 0).
+  padded clip, padding included: its value depends on the batch's T. ``encode_audio`` pads this
+  rank's clips to the forward batch's longest (``batch_lengths``), with the mask of their own n, as
+  the model's batched call does. Valid rows attend to valid rows only, and the convolution module
+  zeroes the padded rows before its depthwise convolution, so they do not depend on T. A packed
+  document alone (the reference of a packed row) is the model's call on that document's clips: the
+  same rows where its clips with n % 8 == 0 share their document with the batch's longest clip.
 
-The audio cost (``parakeet_audio_cost``) counts a clip's own frames; ``encode_audio`` pads every
-clip of a call to the batch's longest, so a short clip's real work is the longest's (its share of
-the padded call): balancing by own frames is exact for clips of similar length.
+Cost (``parakeet_audio_cost``): a clip's own frames, as an encoder without padding spends them.
+``encode_audio`` pads every clip of its call to the batch's longest, so a rank's real work is its
+clip count times the longest clip's; the cost model balances the clips' own work. A rank without
+clips encodes a dummy clip of one frame (``audio_dummy_frames``) and keeps none of its rows.
 
-Not in this step: videos (tubelets of 2 frames through the video patch projection, with
-Efficient Video Sampling): ``takes_videos`` is False. The data path has no ``chat_media`` for this family yet: transformers' image processor
-for it needs torchvision (``TorchvisionBackend``), which cpvlm's data path does not require; the kit
-declares no tiny processor.
+Not in this step: videos (tubelets of 2 frames through the video patch projection, with Efficient
+Video Sampling): ``takes_videos`` is False. The data path has no ``chat_media`` for this family
+yet: transformers' image processor for it needs torchvision (``TorchvisionBackend``), which
+cpvlm's data path does not require; the kit declares no tiny processor.
 
 Precision (``float32_islands``): transformers computes in float32 whatever the model's dtype in
 the Mamba-2 scan (``A_log.float()``, x/B/C/dt ``.float()``), its gated norm
 ``NemotronHRMSNormGated``, ``NemotronHRMSNorm`` (weight times the normalised input in float32: the
 weight gradient is summed in float32), the router ``NemotronHTopkRouter`` (logits and sigmoid scores
-in float32), the projector's ``NemotronH_Omni_RMSNorm``, RADIO's position-table interpolation
-(``RadioPatchEmbeddings``), Parakeet's relative position table (``ParakeetEncoderRelPositionalEncoding``,
-sin and cos in float32) and the logits (``NemotronHForCausalLM`` returns ``lm_head(h).float()``).
+in float32), the projectors' ``NemotronH_Omni_RMSNorm``, RADIO's position-table interpolation
+(``RadioPatchEmbeddings``), Parakeet's relative position table
+(``ParakeetEncoderRelPositionalEncoding``: sin and cos in float32) and the logits
+(``NemotronHForCausalLM`` returns ``lm_head(h).float()``).
 Under CP a float64 model runs the mixer in float64 (``cp_mamba2_mixer``); the checks run
 transformers' own code for the rest with its float32 casts kept in float64 (``KeepFloat64``).
 """
@@ -412,7 +414,8 @@ class NemotronHOmniKit(FamilyKit):
         # The audio tower's matrices at std 1/sqrt(fan in), not transformers' 0.02: at 0.02 the
         # subsampling convolutions shrink the mel features to ~1e-8 and the attention of the tiny
         # blocks is uniform, its q/k gradients round-off. Running statistics away from (0, 1), so
-        # that the BatchNorm is no identity; the BatchNorm the CP side computes (docstring, "Audio").
+        # that the BatchNorm is no identity; and the BatchNorm the CP side computes (module
+        # docstring, "Audio").
         freeze_audio_batch_norm(model)
         tower = getattr(model, "audio_tower", None)
         with torch.no_grad():
