@@ -322,7 +322,8 @@ def nemotron_3_nano_omni_config() -> NemotronH_Omni_Reasoning_V3_Config:
     ``projector_hidden_size`` 20480 as a published config.json copy gives them, the tower
     C-RADIOv4-H with ``RadioConfig``'s defaults for the rest. Not yet checked against the
     checkpoint's own config.json (no download here); ``num_nextn_predict_layers`` is left at 0.
-    Its Parakeet audio encoder is left out (no audio in this step)."""
+    Its Parakeet audio encoder is left out: its dimensions are not written out here yet (no copy
+    of the checkpoint's sound_config at hand), so this config has no audio tower."""
     pattern = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
     kinds = {"M": "linear_attention", "E": "moe", "*": "full_attention"}
     return NemotronH_Omni_Reasoning_V3_Config(
