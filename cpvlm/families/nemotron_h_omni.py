@@ -61,16 +61,18 @@ the forward batch. Two things make a clip's rows depend on more than its own fra
   function. A one-process run that keeps transformers' train-mode BatchNorm computes another one.
 - The "+1" row. When n % 8 == 0, f(n + 1) = f(n) + 1: the extra row is outside the encoder's
   subsampled mask, its query fully masked, so it attends uniformly over all f(T) rows of the
-  padded clip, padding included: its value depends on the batch's T. ``encode_audio`` pads this
-  rank's clips to the forward batch's longest (``batch_lengths``), with the mask of their own n, as
-  the model's batched call does. Valid rows attend to valid rows only, and the convolution module
-  zeroes the padded rows before its depthwise convolution, so they do not depend on T. A packed
+  padded clip, padding included: its value depends on the batch's T. Where one of this rank's
+  clips has such a row, ``encode_audio`` pads them to the forward batch's longest
+  (``batch_lengths``), with the mask of their own n, as the model's batched call does; else to
+  their own longest. Valid rows attend to valid rows only, and the convolution module zeroes the
+  padded rows before its depthwise convolution, so they do not depend on T. A packed
   document alone (the reference of a packed row) is the model's call on that document's clips: the
   same rows where its clips with n % 8 == 0 share their document with the batch's longest clip.
 
 Cost (``parakeet_audio_cost``): a clip's own frames, as an encoder without padding spends them.
-``encode_audio`` pads every clip of its call to the batch's longest, so a rank's real work is its
-clip count times the longest clip's; the cost model balances the clips' own work. A rank without
+``encode_audio`` pads every clip of its call to its longest, or to the batch's longest where one
+has a "+1" row, so a rank's real work is its clip count times that length's; the cost model
+balances the clips' own work. A rank without
 clips encodes a dummy clip of one frame (``audio_dummy_frames``) and keeps none of its rows.
 
 Not in this step: videos (tubelets of 2 frames through the video patch projection, with Efficient
@@ -592,10 +594,12 @@ class NemotronHOmniAdapter(VLMAdapter):
 
     def encode_audio(self, model, features, lengths, batch_lengths):
         """The model's own ``get_audio_features`` (tower and projector) on these clips, padded
-        to the forward batch's longest clip as ``to_model_batch`` pads it (module docstring,
-        "Audio": the "+1" row)."""
+        as ``to_model_batch`` pads the forward batch where one of them has a "+1" row, else to
+        their own longest (module docstring, "Audio")."""
         lengths = torch.as_tensor(lengths).tolist()
-        longest = max([*lengths, *map(int, batch_lengths)])
+        sub = self.config.audio_config
+        plus_one = any(self.audio_rows(n) > subsampled_length(sub, n) for n in lengths)
+        longest = max([*lengths, *map(int, batch_lengths)] if plus_one else lengths)
         inputs = _model_audio(features, lengths, longest)
         return model.get_audio_features(**inputs, return_dict=True).pooler_output
 

@@ -373,23 +373,24 @@ def test_the_plus_one_row_is_padded_as_in_its_batch():
     """A clip of n % 8 == 0 frames has one row more than its subsampled mask (f(n + 1) rows):
     that row attends over all rows of the padded clip, so it depends on the batch's longest clip.
     ``encode_audio`` with the batch's lengths gives the model's rows of the batched call; padded
-    to itself alone, the last row (only) differs. A clip of n % 8 != 0 frames has no such row."""
+    to itself alone, the last row (only) differs. A clip of n % 8 != 0 frames has no such row:
+    ``encode_audio`` pads it to its own longest (here 26 frames, the batch's 78), and its rows are
+    the batched call's all the same."""
     model = cached_model(NAME)
     adapter = adapter_for(model)
-    features, mask = _extracted((12345, 7680))
+    features, mask = _extracted((12345, 7680, 4000))  # n = 77, 48, 25
     core = adapter.from_model_batch({"input_features": features, "input_features_mask": mask})
-    short, lengths = core["audio_features"][77:], torch.tensor([48])
+    clips, batch = torch.split(core["audio_features"], [77, 48, 25]), (77, 48, 25)
     with torch.no_grad():
-        whole = model.get_audio_features(features, mask).pooler_output[10:]
-        in_batch = adapter.encode_audio(model, short, lengths, (77, 48))
-        alone = adapter.encode_audio(model, short, lengths, (48,))
-        long_alone = adapter.encode_audio(model, core["audio_features"][:77], [77], (77,))
-        long_whole = model.get_audio_features(features, mask).pooler_output[:10]
-    assert adapter.audio_rows(48) == 7 and len(whole) == 7
-    assert rel_err(in_batch, whole) <= 1e-13  # other matmul shapes
-    assert rel_err(alone[:-1], whole[:-1]) <= 1e-13
-    assert rel_err(alone[-1], whole[-1]) > 1e-8, rel_err(alone[-1], whole[-1])
-    assert rel_err(long_alone, long_whole) <= 1e-13
+        whole = torch.split(model.get_audio_features(features, mask).pooler_output, [10, 7, 4])
+        in_batch = adapter.encode_audio(model, clips[1], [48], batch)
+        alone = adapter.encode_audio(model, clips[1], [48], (48,))
+        short = adapter.encode_audio(model, clips[2], [25], batch)
+    assert [adapter.audio_rows(n) for n in batch] == [10, 7, 4]
+    assert rel_err(in_batch, whole[1]) <= 1e-13  # other matmul shapes
+    assert rel_err(alone[:-1], whole[1][:-1]) <= 1e-13
+    assert rel_err(alone[-1], whole[1][-1]) > 1e-8, rel_err(alone[-1], whole[1][-1])
+    assert rel_err(short, whole[2]) <= 1e-13
 
 
 def _padded_to_own_longest(adapter):
