@@ -1,8 +1,10 @@
 """Nemotron 3 Nano Omni (``NemotronH_Omni_Reasoning_V3``): a NemotronH decoder of Mamba-2, attention
-and MoE blocks, a RADIO tower with pixel shuffle and an MLP projector beside it; images and text.
+and MoE blocks, a RADIO tower with pixel shuffle and an MLP projector beside it, a Parakeet audio
+encoder with its own projector; images, audio and text.
 
 Legend: B batch, L local length, D hidden size, w tower width, m = 1 / downsample_ratio, p patch
-side, P the tower's prefix tokens (cls + registers) per image.
+side, P the tower's prefix tokens (cls + registers) per image; n a clip's valid mel frames, F mel
+bins, f(x) the encoder's subsampled length (three rounds of (x - 1) // 2 + 1, i.e. ceil(x / 8)).
 
 The model is not a ``*ForConditionalGeneration`` with a ``.model``: its ``language_model`` is a
 ``NemotronHForCausalLM`` (decoder ``language_model.model``, head ``language_model.lm_head``), its
@@ -32,26 +34,71 @@ rows. Positions are 1D (no ``get_rope_index``); the decoder ignores them anyway.
 FSDP unit ``vision_model`` and the projector one of its own; ``vision_final_layernorm`` stays with
 the root (and trainable under ``freeze_vision_encoder``, like the projector).
 
-Not in this step: videos (tubelets of 2 frames through the video patch projection, with
-Efficient Video Sampling) and audio (the Parakeet encoder): ``takes_videos`` is False, and a batch
-with audio inputs, or a model with an audio tower given audio, raises a ValueError naming the
-limitation. The data path has no ``chat_media`` for this family yet: transformers' image processor
-for it needs torchvision (``TorchvisionBackend``), which cpvlm's data path does not require; the kit
-declares no tiny processor.
+Audio. ``audio_tower`` is a ``ParakeetEncoder`` (subsampling convolutions by 8, then Conformer
+blocks: relative-position attention over the whole clip and a convolution module with
+BatchNorm1d), ``embed_audio`` its projector (RMSNorm, Linear, relu^2, Linear); the tower is an FSDP
+unit (``modules.audio_tower``), the projector one of its own. The processor writes ``<so_start>``,
+f(n + 1) ``<so_embedding>`` (``audio_token_id``), ``<so_end>`` per clip, and its
+``input_features`` [clips, T, F] hold n + 1 frames per clip (the extractor's n = L // 160 valid
+ones, marked in ``input_features_mask``, and one more, zero), zero-padded to T = the longest
+clip's n + 1; ``get_audio_features`` keeps f(n + 1) rows of each clip (the mask's count plus one).
+A clip's frames in the core (``audio_features`` [frames, F], ``audio_lengths``) are its n valid
+ones: ``from_model_batch`` takes them (and refuses a batch whose masked frames are not zeros, or
+whose T is not the longest n + 1: the core could not give the model that batch back),
+``to_model_batch`` writes the processor's layout back, and ``audio_rows(n)`` is f(n + 1), the
+model's rule. Each clip is a unit of the audio ``EncoderDataParallel``; ``encode_audio`` calls the
+model's own ``get_audio_features`` on this rank's clips, laid out as ``to_model_batch`` lays out
+the forward batch. Two things make a clip's rows depend on more than its own frames:
+
+- BatchNorm. In train mode ``BatchNorm1d`` normalises by statistics over every clip of the call,
+  padding included, so no per-clip encoding equals transformers' batched train-mode forward.
+  cpvlm's choice: the audio tower's BatchNorm layers normalise by their running statistics in
+  train mode too, and leave them as they are (as fine-tuning with a pretrained audio encoder
+  does): ``freeze_audio_batch_norm`` gives each the class ``RunningStatsBatchNorm1d`` (a subclass:
+  the same parameters, buffers and state_dict keys). ``install_context_parallel`` applies it on
+  the CP side, and the kit to the models of checks (``init_tiny`` for tiny models,
+  ``float64_islands`` for float64 checks of any checkpoint), so that the reference is the same
+  function. A one-process run that keeps transformers' train-mode BatchNorm computes another one.
+- The "+1" row. When n % 8 == 0, f(n + 1) = f(n) + 1: the extra row is outside the encoder's
+  subsampled mask, its query fully masked, so it attends uniformly over all f(T) rows of the
+  padded clip, padding included: its value depends on the batch's T. Where one of this rank's
+  clips has such a row, ``encode_audio`` pads them to the forward batch's longest
+  (``batch_lengths``), with the mask of their own n, as the model's batched call does; else to
+  their own longest. Valid rows attend to valid rows only, and the convolution module zeroes the
+  padded rows before its depthwise convolution, so they do not depend on T. A packed
+  document alone (the reference of a packed row) is the model's call on that document's clips: the
+  same rows where its clips with n % 8 == 0 share their document with the batch's longest clip.
+
+Cost (``parakeet_audio_cost``): a clip's own frames, as an encoder without padding spends them.
+``encode_audio`` pads every clip of its call to its longest, or to the batch's longest where one
+has a "+1" row, so a rank's real work is its clip count times that length's; the cost model
+balances the clips' own work. A rank without
+clips encodes a dummy clip of one frame (``audio_dummy_frames``) and keeps none of its rows.
+
+Not in this step: videos (tubelets of 2 frames through the video patch projection, with Efficient
+Video Sampling): ``takes_videos`` is False. The data path has no ``chat_media`` for this family
+yet: transformers' image processor for it needs torchvision (``TorchvisionBackend``), which
+cpvlm's data path does not require; the kit declares no tiny processor.
 
 Precision (``float32_islands``): transformers computes in float32 whatever the model's dtype in
 the Mamba-2 scan (``A_log.float()``, x/B/C/dt ``.float()``), its gated norm
 ``NemotronHRMSNormGated``, ``NemotronHRMSNorm`` (weight times the normalised input in float32: the
 weight gradient is summed in float32), the router ``NemotronHTopkRouter`` (logits and sigmoid scores
-in float32), the projector's ``NemotronH_Omni_RMSNorm``, RADIO's position-table interpolation
-(``RadioPatchEmbeddings``) and the logits (``NemotronHForCausalLM`` returns ``lm_head(h).float()``).
+in float32), the projectors' ``NemotronH_Omni_RMSNorm``, RADIO's position-table interpolation
+(``RadioPatchEmbeddings``), Parakeet's relative position table
+(``ParakeetEncoderRelPositionalEncoding``: sin and cos in float32) and the logits
+(``NemotronHForCausalLM`` returns ``lm_head(h).float()``).
 Under CP a float64 model runs the mixer in float64 (``cp_mamba2_mixer``); the checks run
 transformers' own code for the rest with its float32 casts kept in float64 (``KeepFloat64``).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
+from torch import nn
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
 from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3_Config
 
@@ -71,7 +118,11 @@ from cpvlm.hf.tiny import (
 from cpvlm.vision.cost import VisionCost, block_linear_macs
 
 AUDIO_KEYS = ("input_features", "input_features_mask")
-"""The model's audio inputs (mel features of the Parakeet encoder), refused in this step."""
+"""The model's audio inputs: the clips' mel features [clips, T, F] and their valid frames."""
+
+AUDIO_TOKEN_ID = 506  # <so_embedding>; the tiny vocab's ids beside the vision ones
+AUDIO_START_TOKEN_ID = 507  # <so_start>
+AUDIO_END_TOKEN_ID = 508  # <so_end>
 
 # ---- the CP Mamba-2 layer ------------------------------------------------------------------------
 
@@ -92,6 +143,38 @@ class ContextParallelNemotronHMamba2Mixer(NemotronHMamba2Mixer):
         # The plan's documents and padding replace attention_mask (ContextParallelVLM passes
         # None): the CP mixer restarts its conv and state at every document start, 0 at padding.
         return cp_mamba2_mixer(self, hidden_states, plan=cpvlm_cp.plan, group=cpvlm_cp.group)
+
+
+# ---- the audio tower's BatchNorm -----------------------------------------------------------------
+
+
+class RunningStatsBatchNorm1d(nn.BatchNorm1d):
+    """``BatchNorm1d`` that normalises by its running statistics in train mode too and never
+    updates them: a function of each row alone (module docstring, "Audio")."""
+
+    def forward(self, x):
+        return F.batch_norm(
+            x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps
+        )
+
+
+def freeze_audio_batch_norm(model) -> None:
+    """Give every ``BatchNorm1d`` of the audio tower (``model.audio_tower``) the class
+    ``RunningStatsBatchNorm1d``, in place; idempotent; nothing without an audio tower."""
+    tower = getattr(model, "audio_tower", None)
+    for module in () if tower is None else tower.modules():
+        if type(module) is nn.BatchNorm1d:
+            module.__class__ = RunningStatsBatchNorm1d
+
+
+def subsampled_length(audio_config, frames: int) -> int:
+    """Rows of ``frames`` mel frames after Parakeet's subsampling convolutions (the model's
+    ``_get_subsampling_output_length``, in integers): ceil(frames / 8) for the real encoder."""
+    kernel, stride = audio_config.subsampling_conv_kernel_size, audio_config.subsampling_conv_stride
+    add_pad = (kernel - 1) // 2 * 2 - kernel
+    for _ in range(int(math.log2(audio_config.subsampling_factor))):
+        frames = (frames + add_pad) // stride + 1
+    return frames
 
 
 # ---- tiny config ---------------------------------------------------------------------------------
@@ -133,16 +216,41 @@ TINY_VISION = {
     "num_registers": 2,
     "video_temporal_patch_size": 2,
 }
+TINY_AUDIO = {
+    "hidden_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "intermediate_size": 32,
+    "num_mel_bins": 16,
+    "subsampling_conv_channels": 4,
+    "conv_kernel_size": 9,  # the real kernel: a row's convolution reaches 4 rows each way
+    "projection_hidden_size": 24,
+    "projection_bias": False,
+    # no dropout (a check compares two runs), no layer drop (it skips layers at random)
+    "dropout": 0.0,
+    "dropout_positions": 0.0,
+    "layerdrop": 0.0,
+    "activation_dropout": 0.0,
+    "attention_dropout": 0.0,
+}
+"""A Parakeet encoder of 2 Conformer blocks of width 16 over 16 mel bins (the real: 24 blocks of
+1024 over 128), its subsampling by 8 as the real one's."""
 
 
 def tiny_nemotron_h_omni_config(**overrides) -> NemotronH_Omni_Reasoning_V3_Config:
     """A Nemotron 3 Nano Omni config small enough for float64 CPU tests: Mamba-2, MoE and
-    attention layers ("ME*ME"), a RADIO tower of 2 layers, no audio tower."""
+    attention layers ("ME*ME"), a RADIO tower of 2 layers, a Parakeet audio encoder of 2 blocks
+    (``audio_config`` overrides merge into it; ``audio_config=None``: no audio tower)."""
     vision, text, top = split_overrides(overrides)
     vision = with_overrides(TINY_VISION, vision)
+    audio = top.pop("audio_config", {})
     top = with_overrides(
         {
-            "audio_config": None,
+            "audio_config": None if audio is None else with_overrides(TINY_AUDIO, audio),
+            "audio_token_id": AUDIO_TOKEN_ID,
+            # <so_start> and <so_end>: the tokenizer's ids, kept in the config for the adapter
+            "audio_start_token_id": AUDIO_START_TOKEN_ID,
+            "audio_end_token_id": AUDIO_END_TOKEN_ID,
             "vision_hidden_size": vision["hidden_size"],
             "projector_hidden_size": 48,
             "downsample_ratio": 0.5,
@@ -178,6 +286,35 @@ def radio_vision_cost(config) -> VisionCost:
     return VisionCost(linear_per_patch=linear, pair=2 * w, full_blocks=vc.num_hidden_layers)
 
 
+def parakeet_audio_cost(config) -> VisionCost:
+    """Per clip of n mel frames (grid (1, 1, n)), in 1/64 MAC (costs only rank audio clips against
+    each other), with r = n / 8 subsampled rows of width a, C conv channels, M mel bins, I the FFN
+    width, k the conv kernel, H the projector width: the subsampling (a 3x3 conv to C channels at
+    stride 2, then twice a depthwise 3x3 at stride 2 and a pointwise C x C, then the linear map of
+    C M / 8 values per row to a), each block's matrices per row (two FFNs 4 a I, q/k/v/o 4 a^2, the
+    relative-position keys of 2r - 1 offsets 2 a^2, the conv module's pointwise maps 3 a^2 and
+    depthwise k a) and the projector (a H + H D); attention over the whole clip per block: q.k,
+    the weighted sum of v and q against the 2r - 1 relative keys, 4a per pair of rows, i.e.
+    4a / 64 per pair of frames. Elementwise work, and the padding of a call to its longest clip
+    (module docstring, "Audio"), are left out."""
+    ac, d = config.audio_config, config.text_config.hidden_size
+    a, c, mel, ffn = (
+        ac.hidden_size,
+        ac.subsampling_conv_channels,
+        ac.num_mel_bins,
+        ac.intermediate_size,
+    )
+    convs = (
+        189 * mel * c + 5 * mel * c * c
+    )  # 64 x (9C M/4 + 9C M/16 + C^2 M/16 + 9C M/64 + C^2 M/64)
+    block = 4 * a * ffn + 9 * a * a + ac.conv_kernel_size * a
+    per_row = c * mel // 8 * a + ac.num_hidden_layers * block + a * ac.projection_hidden_size
+    per_row += ac.projection_hidden_size * d
+    return VisionCost(
+        linear_per_patch=convs + 8 * per_row, pair=4 * a, full_blocks=ac.num_hidden_layers
+    )
+
+
 # ---- published configs ---------------------------------------------------------------------------
 
 
@@ -187,7 +324,8 @@ def nemotron_3_nano_omni_config() -> NemotronH_Omni_Reasoning_V3_Config:
     ``projector_hidden_size`` 20480 as a published config.json copy gives them, the tower
     C-RADIOv4-H with ``RadioConfig``'s defaults for the rest. Not yet checked against the
     checkpoint's own config.json (no download here); ``num_nextn_predict_layers`` is left at 0.
-    Its Parakeet audio encoder is left out (no audio in this step)."""
+    Its Parakeet audio encoder is left out: its dimensions are not written out here yet (no copy
+    of the checkpoint's sound_config at hand), so this config has no audio tower."""
     pattern = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
     kinds = {"M": "linear_attention", "E": "moe", "*": "full_attention"}
     return NemotronH_Omni_Reasoning_V3_Config(
@@ -250,6 +388,9 @@ class NemotronHOmniKit(FamilyKit):
     # RADIO's key bias adds q.b to every logit of a query, which softmax cancels
     zero_gradients = (r"vision_model\.encoder\.layer\.\d+\.attention\.k_proj\.bias",)
     tiny_processor = None  # the image processor needs torchvision (module docstring)
+    audio_clips = (75, 48)
+    """Valid mel frames: 75 (odd: its last row reads the extractor's zero frame) and 48 (48 % 8 ==
+    0: the "+1" row, which sees the padding to the longer clip; module docstring, "Audio")."""
 
     float32_islands = (
         "NemotronHMamba2Mixer",
@@ -259,11 +400,35 @@ class NemotronHOmniKit(FamilyKit):
         "NemotronHForCausalLM",
         "NemotronH_Omni_RMSNorm",
         "RadioPatchEmbeddings",
+        "ParakeetEncoderRelPositionalEncoding",
     )
     """Where a float64 Nemotron Omni rounds to float32 (the module docstring, "Precision"):
     the Mamba-2 scan and its gated norm, the RMSNorms' weight product, the router's logits and
-    scores, the projector's norm, RADIO's position-table interpolation, and the float32 logits of
-    ``NemotronHForCausalLM``."""
+    scores, the projectors' norm, RADIO's position-table interpolation, Parakeet's relative position
+    table, and the float32 logits of ``NemotronHForCausalLM``."""
+
+    def float64_islands(self, model):
+        """The float32 islands in float64, and the audio tower's BatchNorm on its running
+        statistics, as the CP side has it (module docstring, "Audio")."""
+        super().float64_islands(model)
+        freeze_audio_batch_norm(model)
+
+    def init_tiny(self, model):
+        # The audio tower's matrices at std 1/sqrt(fan in), not transformers' 0.02: at 0.02 the
+        # subsampling convolutions shrink the mel features to ~1e-8 and the attention of the tiny
+        # blocks is uniform, its q/k gradients round-off. Running statistics away from (0, 1), so
+        # that the BatchNorm is no identity; and the BatchNorm the CP side computes (module
+        # docstring, "Audio").
+        freeze_audio_batch_norm(model)
+        tower = getattr(model, "audio_tower", None)
+        with torch.no_grad():
+            for module in () if tower is None else tower.modules():
+                if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d)):
+                    fan_in = module.weight[0].numel()
+                    module.weight.normal_(0.0, fan_in**-0.5)
+                elif isinstance(module, nn.BatchNorm1d):
+                    module.running_mean.normal_(0.0, 0.3)
+                    module.running_var.uniform_(0.5, 2.0)
 
     def module_groups(self):
         v, layer = r"vision_model\.", r"language_model\.model\.layers\.\d+\.mixer\."
@@ -271,6 +436,8 @@ class NemotronHOmniKit(FamilyKit):
             ("vision patch embed", (v + r"embeddings\.",)),
             ("vision blocks", (v + r"encoder\.",)),
             ("vision merger", (r"vision_final_layernorm\.", r"multi_modal_projector\.")),
+            ("audio tower", (r"audio_tower\.",)),
+            ("audio projector", (r"embed_audio\.",)),
             ("token embeddings", (r"language_model\.model\.embeddings\.",)),
             ("router", (layer + r"gate\.",)),
             ("experts", (layer + r"experts\.",)),
@@ -280,9 +447,12 @@ class NemotronHOmniKit(FamilyKit):
         )
 
     def item_tokens(self, kind, grid, text):
-        if kind != "image":
-            raise ValueError("nemotron_h_omni: videos are not supported yet (images and text)")
         a = self.adapter
+        if kind == "audio":  # <so_start> f(n + 1) <so_embedding> <so_end>
+            rows = a.audio_rows(grid[2])
+            return [a.audio_start_token_id, *[a.audio_token_id] * rows, a.audio_end_token_id]
+        if kind != "image":
+            raise ValueError("nemotron_h_omni: videos are not supported yet (images and audio)")
         rows = a.item_sizes(grid, kind)[1]
         return [a.image_start_token_id] + [a.image_token_id] * rows + [a.image_end_token_id]
 
@@ -302,10 +472,11 @@ class NemotronHOmniAdapter(VLMAdapter):
         vision_tower="vision_model",
         projector=(),
         tower_units=("",),
-        extra_units=("multi_modal_projector",),
+        extra_units=("multi_modal_projector", "embed_audio"),
+        audio_tower="audio_tower",
     )  # no get_rope_index: 1D positions (which the decoder, without rotary, does not read)
     takes_videos = False
-    # image_grid_hw: the processor's grids; the audio keys are accepted to be refused by name
+    # the processor's grids and audio (from_model_batch makes the core's of them)
     model_batch_keys = ("image_grid_hw", *AUDIO_KEYS)
 
     def __init__(self, config):
@@ -333,8 +504,18 @@ class NemotronHOmniAdapter(VLMAdapter):
         return getattr(self.config, "image_end_token_id", None)
 
     @property
+    def audio_start_token_id(self) -> int | None:
+        return getattr(self.config, "audio_start_token_id", None)
+
+    @property
+    def audio_end_token_id(self) -> int | None:
+        return getattr(self.config, "audio_end_token_id", None)
+
+    @property
     def special_token_ids(self):
         ids = (self.image_token_id, self.image_start_token_id, self.image_end_token_id)
+        if self.audio_token_id is not None:
+            ids += (self.audio_token_id, self.audio_start_token_id, self.audio_end_token_id)
         return tuple(i for i in ids if i is not None)
 
     @property
@@ -342,30 +523,34 @@ class NemotronHOmniAdapter(VLMAdapter):
         v = self.config.vision_config
         return v.num_channels * v.patch_size**2
 
-    def mm_token_type_ids(self, input_ids, attention_mask=None):
-        types = (input_ids == self.image_token_id).long()
-        return types if attention_mask is None else types * attention_mask.bool()
-
     def from_model_batch(self, batch):
-        """The processor's ``image_grid_hw`` [images, 2] as ``image_grid_thw`` (t = 1); its
-        ``pixel_values`` are already pixel rows. Audio inputs are refused."""
-        _refuse_audio(batch)
-        if batch.get("image_grid_hw") is None:
+        """The processor's ``image_grid_hw`` [images, 2] as ``image_grid_thw`` (t = 1) (its
+        ``pixel_values`` are already pixel rows), its ``input_features`` and
+        ``input_features_mask`` as the core's ``audio_features`` and ``audio_lengths``."""
+        own_audio = any(batch.get(k) is not None for k in AUDIO_KEYS)
+        if batch.get("image_grid_hw") is None and not own_audio:
             return batch
         batch = dict(batch)
-        hw = batch.pop("image_grid_hw")
-        if batch.get("image_grid_thw") is None:
+        if own_audio:
+            batch.update(
+                _core_audio(batch.pop("input_features", None), batch.pop(AUDIO_KEYS[1], None))
+            )
+        hw = batch.pop("image_grid_hw", None)
+        if hw is not None and batch.get("image_grid_thw") is None:
             batch["image_grid_thw"] = torch.cat([torch.ones_like(hw[:, :1]), hw], dim=1)
         return batch
 
     def to_model_batch(self, batch):
-        _refuse_audio(batch)
-        out = {k: v for k, v in batch.items() if k not in ("image_grid_thw", "mm_token_type_ids")}
+        core = ("image_grid_thw", "mm_token_type_ids", "audio_features", "audio_lengths")
+        out = {k: v for k, v in batch.items() if k not in core}
         grids = batch.get("image_grid_thw")
         if grids is not None:
             if bool((grids[:, 0] != 1).any()):
                 raise ValueError(f"nemotron_h_omni: image grids {grids.tolist()} have t != 1")
             out["image_grid_hw"] = grids[:, 1:]
+        if batch.get("audio_features") is not None:
+            lengths = torch.as_tensor(batch["audio_lengths"]).tolist()
+            out.update(_model_audio(batch["audio_features"], lengths, max(lengths)))
         return out
 
     # ---- decoder --------------------------------------------------------------------------------
@@ -374,6 +559,7 @@ class NemotronHOmniAdapter(VLMAdapter):
         for module in self.text_model(model).modules():
             if type(module) is NemotronHMamba2Mixer:
                 module.__class__ = ContextParallelNemotronHMamba2Mixer
+        freeze_audio_batch_norm(model)  # a clip's rows a function of the clip (docstring, "Audio")
 
     # ---- vision ---------------------------------------------------------------------------------
 
@@ -390,11 +576,69 @@ class NemotronHOmniAdapter(VLMAdapter):
     def vision_cost(self) -> VisionCost:
         return radio_vision_cost(self.config)
 
+    # ---- audio ----------------------------------------------------------------------------------
 
-def _refuse_audio(batch) -> None:
-    given = [k for k in AUDIO_KEYS if batch.get(k) is not None]
-    if given:
+    @property
+    def audio_token_id(self) -> int | None:
+        if getattr(self.config, "audio_config", None) is None:
+            return None
+        return self.config.audio_token_id
+
+    @property
+    def audio_feature_width(self) -> int:
+        return self.config.audio_config.num_mel_bins
+
+    def audio_rows(self, frames: int) -> int:
+        # get_audio_features keeps f(mask.sum + 1) rows (the extractor's extra zero frame)
+        return subsampled_length(self.config.audio_config, int(frames) + 1)
+
+    def encode_audio(self, model, features, lengths, batch_lengths):
+        """The model's own ``get_audio_features`` (tower and projector) on these clips, padded
+        as ``to_model_batch`` pads the forward batch where one of them has a "+1" row, else to
+        their own longest (module docstring, "Audio")."""
+        lengths = torch.as_tensor(lengths).tolist()
+        sub = self.config.audio_config
+        plus_one = any(self.audio_rows(n) > subsampled_length(sub, n) for n in lengths)
+        longest = max([*lengths, *map(int, batch_lengths)] if plus_one else lengths)
+        inputs = _model_audio(features, lengths, longest)
+        return model.get_audio_features(**inputs, return_dict=True).pooler_output
+
+    def audio_cost(self) -> VisionCost:
+        return parakeet_audio_cost(self.config)
+
+
+def _model_audio(features, lengths: list[int], longest: int) -> dict:
+    """The core's clips (``features`` [frames, F], n = ``lengths`` each) as the processor lays them
+    out: ``input_features`` [clips, longest + 1, F], each clip's n frames then zeros, and
+    ``input_features_mask`` [clips, longest + 1] marking the n."""
+    padded = features.new_zeros(len(lengths), longest + 1, features.shape[-1])
+    mask = torch.zeros(len(lengths), longest + 1, dtype=torch.bool, device=features.device)
+    for i, clip in enumerate(torch.split(features, lengths)):
+        padded[i, : len(clip)] = clip
+        mask[i, : len(clip)] = True
+    return {"input_features": padded, "input_features_mask": mask}
+
+
+def _core_audio(features, mask) -> dict:
+    """The processor's ``input_features`` [clips, T, F] and ``input_features_mask`` [clips, T]
+    as the core's ``audio_features`` (each clip's n valid frames, in order) and ``audio_lengths``
+    (``_model_audio``'s inverse); refuses what ``_model_audio`` would not give back."""
+    if features is None or mask is None or features.dim() != 3 or mask.shape != features.shape[:2]:
         raise ValueError(
-            f"nemotron_h_omni: audio inputs ({', '.join(given)}) are not supported yet: cpvlm "
-            "trains this family on images and text (the Parakeet audio encoder comes later)"
+            "nemotron_h_omni: audio needs input_features [clips, frames, mel bins] with its "
+            "input_features_mask [clips, frames] (the processor's output)"
         )
+    lengths = mask.long().sum(1)
+    prefix = torch.arange(mask.shape[1], device=mask.device) < lengths[:, None]
+    if not torch.equal(mask.bool(), prefix) or features.shape[1] != int(lengths.max()) + 1:
+        raise ValueError(
+            f"nemotron_h_omni: input_features_mask must mark each clip's first n frames and "
+            f"input_features hold the longest n + 1 frames (the Parakeet extractor's layout); got "
+            f"{features.shape[1]} frames for valid lengths {lengths.tolist()}"
+        )
+    if bool(features[~prefix].any()):
+        raise ValueError(
+            "nemotron_h_omni: input_features beyond each clip's valid frames must be 0 (the "
+            "extractor's); the encoder reads them, and the core keeps only the valid frames"
+        )
+    return {"audio_features": features[prefix], "audio_lengths": lengths}

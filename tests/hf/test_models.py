@@ -80,7 +80,9 @@ def samples(name, which, audio=False):
         which = [first, *which[1:]]
     if mixes(name):
         return which
-    return [SampleSpec(s.images + ((4, 4),) * len(s.videos), (), s.text_len) for s in which]
+    return [
+        SampleSpec(s.images + ((4, 4),) * len(s.videos), (), s.text_len, s.audios) for s in which
+    ]
 
 
 @pytest.fixture(autouse=True, scope="module")
