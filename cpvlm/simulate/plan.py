@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from cpvlm.simulate.batch import SequenceSpec
 from cpvlm.simulate.rank import GiB, RankMemory, Setup, simulate_step
 
@@ -45,17 +43,27 @@ class Candidate:
         }
 
 
-def step_seconds(config, spec: SequenceSpec, setup: Setup) -> float:
-    """Modelled seconds of one step on one rank: the decoder's attention from the cost model,
-    the dense matmuls of every parameter at ``ACHIEVED_FLOPS``."""
+def step_seconds(config, spec: SequenceSpec, setup: Setup, ep: int = 1, tp: int = 1) -> float:
+    """Modelled seconds of one step on one rank (``step_parts`` summed)."""
+    return sum(step_parts(config, spec, setup, ep, tp).values())
+
+
+def step_parts(config, spec: SequenceSpec, setup: Setup, ep: int = 1, tp: int = 1) -> dict:
+    """Modelled seconds of one step on one rank: the decoder's attention from the cost model (on
+    H / tp heads), the matmuls of the parameters a token multiplies (a MoE layer's experts at
+    K / E; the TP-split projections / tp) at ``ACHIEVED_FLOPS``, and the exposed EP and TP
+    communication (``cpvlm.simulate.parallel_cost``). FSDP2's collectives are taken as hidden."""
     from cpvlm import ShardPlan
     from cpvlm.attention.cost import Shapes, estimate_seconds
+    from cpvlm.simulate.parallel_cost import comm_seconds, model_facts
 
     text = config.text_config
     plan = ShardPlan(spec.seq_len, setup.cp)
     heads, kv = text.num_attention_heads, text.num_key_value_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    shapes = Shapes(1, heads, kv, head_dim, setup.compute_dtype or setup.master_dtype)
+    shapes = Shapes(
+        1, heads // tp, max(1, kv // tp), head_dim, setup.compute_dtype or setup.master_dtype
+    )
     impl = setup.attn if setup.cp > 1 else "ring"
     u = None
     if impl == "hybrid":
@@ -66,24 +74,14 @@ def step_seconds(config, spec: SequenceSpec, setup: Setup) -> float:
     attn_s = attn_layers * estimate_seconds(impl, plan, True, shapes, u, "cuda")
     if window and "sliding_attention" in types:  # each query sees at most a window of keys
         per_layer = (
-            4 * plan.local_len * min(window, spec.seq_len) * heads * head_dim / ACHIEVED_FLOPS
+            4 * plan.local_len * min(window, spec.seq_len) * heads // tp * head_dim / ACHIEVED_FLOPS
         )
         attn_s += sum(t == "sliding_attention" for t in types) * per_layer * 3.5
-    params = sum(p.numel() for n, p in _meta(config).named_parameters() if "embed_tokens" not in n)
-    flops = (8 if setup.activation_checkpointing else 6) * params * plan.local_len
-    return attn_s + flops / ACHIEVED_FLOPS
-
-
-_META = {}
-
-
-def _meta(config):
-    from cpvlm.simulate.depth import meta_model
-
-    key = id(config)
-    if key not in _META:
-        _META[key] = meta_model(config, torch.float32)
-    return _META[key]
+    facts = model_facts(config)
+    multiplied = facts.active_params - facts.tp_params * (1 - 1 / tp)
+    flops = (8 if setup.activation_checkpointing else 6) * multiplied * plan.local_len
+    comm = comm_seconds(facts, plan.local_len, setup.cp, ep, tp, setup.activation_checkpointing)
+    return {"attention_s": attn_s, "matmul_s": flops / ACHIEVED_FLOPS, **comm}
 
 
 def candidates(gpus: int, cps, attns, checkpointing, chunks) -> list[Setup]:
