@@ -115,6 +115,89 @@ def modelled_rows() -> list[dict]:
     return rows
 
 
+# Per-rank memory at EP/TP (the scale table's rows): (model, seq, dp, cp, ep, tp) on 80 GB GPUs,
+# the ep = tp = 1 rank of dp x cp simulated, EP/TP modelled on it; and the published points.
+MEMORY_GRID = [
+    ("qwen3-vl-235b-a22b", 131072, 4, 32, 8, 1),
+    ("qwen3-vl-235b-a22b", 131072, 4, 32, 32, 1),
+    ("qwen3-vl-235b-a22b", 131072, 1, 128, 128, 1),
+    ("qwen2.5-vl-72b", 131072, 1, 8, 1, 1),
+    ("qwen2.5-vl-72b", 131072, 1, 4, 1, 2),
+    ("qwen2.5-vl-72b", 131072, 1, 2, 1, 4),
+]
+PUBLISHED = [
+    {
+        "who": "NeMo Automodel",
+        "model": "Qwen3.5-122B-A10B",
+        "seq": 131072,
+        "gpus": 128,
+        "layout": "EP 8 x CP 32, 128 x H100",
+        "peak": "60.55 GiB per GPU",
+        "source": "NVIDIA-NeMo/Automodel PR #3186, its published config (as quoted by issue 46)",
+    },
+    {
+        "who": "TRL",
+        "model": "Qwen3-8B (text)",
+        "seq": 1048576,
+        "gpus": 8,
+        "layout": "CP over 8 x H100",
+        "peak": "56.2 GB per GPU",
+        "source": "TRL's context-parallelism documentation: 56.2 GB per GPU (as quoted by issue 46)",
+    },
+]
+
+
+def memory_rows() -> list[dict]:
+    from cpvlm.simulate import SequenceSpec, Setup, load_config, simulate_step
+    from cpvlm.simulate.parallel_cost import model_facts, modelled_memory
+    from cpvlm.simulate.plan import step_seconds
+
+    G, budget = 2**30, 80e9
+    rows, configs, cache = [], {}, {}
+    for model, seq, dp, cp, ep, tp in MEMORY_GRID:
+        config = configs.setdefault(model, load_config(model))
+        setup = Setup(dp=dp, cp=cp, activation_checkpointing=True, loss_chunk=1024)
+        clock = Clock()
+        memory = simulate_step(config, SequenceSpec(seq), setup, cache.setdefault(model, {}))
+        m = modelled_memory(memory, model_facts(config), dp * cp, ep, tp, memory.local_len)
+        rows.append(
+            {
+                "model": model,
+                "seq": seq,
+                "gpus": dp * cp * tp,
+                "dp": dp,
+                "cp": cp,
+                "ep": ep,
+                "tp": tp,
+                "simulated_peak_GiB": memory.steady_peak / G,
+                "modelled_peak_GiB": m["peak"] / G,
+                "weights_GiB": m["weights"] / G,
+                "fits": m["peak"] <= budget,
+                "step_s": step_seconds(config, SequenceSpec(seq), setup, ep, tp),
+                "sim_cpu_s": clock.cpu(),
+                **{k: v / G for k, v in m.items() if k not in ("peak", "weights")},
+            }
+        )
+        print_table(rows[-1:], MEMORY_COLS)
+    return rows
+
+
+MEMORY_COLS = [
+    "model",
+    "gpus",
+    "dp",
+    "cp",
+    "ep",
+    "tp",
+    "simulated_peak_GiB",
+    "modelled_peak_GiB",
+    "weights_GiB",
+    "fits",
+    "step_s",
+    "sim_cpu_s",
+]
+
+
 # ---- measured on gloo ----
 
 DIM, EXPERTS, TOP_K, TOKENS = 64, 8, 2, 512
@@ -261,12 +344,15 @@ def measured() -> dict:
 
 def main() -> None:
     p = parser(__doc__)
-    p.add_argument("--no-measure", action="store_true", help="the modelled grid only")
+    p.add_argument("--no-measure", action="store_true", help="no gloo measurement")
+    p.add_argument("--no-memory", action="store_true", help="no simulated memory rows")
     args = p.parse_args()
     clock = Clock()
     rows = modelled_rows()
     print_table(rows, COLS, f"per rank and step, {SEQ} text tokens, modelled (GB = 1e9 bytes)")
-    payload = {"seq_len": SEQ, "rows": rows}
+    payload = {"seq_len": SEQ, "rows": rows, "published": PUBLISHED}
+    if not args.no_memory:
+        payload["memory"] = memory_rows()
     if not args.no_measure:
         payload["measured"] = measured()
         print_table(payload["measured"]["ep"], list(payload["measured"]["ep"][0]), "EP on gloo")

@@ -24,19 +24,31 @@ class Candidate:
     error: str | None = None
     step_s: float | None = None
     longest: int | None = None  # the longest sequence that fits (linear in the activations)
+    ep: int = 1
+    tp: int = 1
+    modelled: dict | None = None  # ep or tp > 1: parallel_cost.modelled_memory of ``memory``
+
+    @property
+    def peak(self) -> int | None:
+        if self.memory is None or self.error is not None:
+            return None
+        return self.memory.steady_peak if self.modelled is None else self.modelled["peak"]
 
     def fits(self, budget: int) -> bool:
-        return self.memory is not None and self.memory.steady_peak <= budget
+        return self.peak is not None and self.peak <= budget
 
     def as_dict(self) -> dict:
         s = self.setup
         return {
             "cp": s.cp,
             "dp": s.dp,
+            "ep": self.ep,
+            "tp": self.tp,
             "attn": s.attn,
             "activation_checkpointing": s.activation_checkpointing,
             "loss_chunk": s.loss_chunk,
             "memory": None if self.memory is None else self.memory.as_dict(),
+            "modelled": self.modelled,
             "step_s": self.step_s,
             "longest_seq": self.longest,
             "error": self.error,
@@ -162,3 +174,48 @@ def evaluate(
         if progress is not None:
             progress.update(1)
     return [out[s] for s in setups]
+
+
+def with_ep_tp(config, spec: SequenceSpec, simulated, eps, tp: int, gpu_mem_gib: float):
+    """The candidates of every ``ep`` in ``eps`` at ``tp`` from the simulated ep = tp = 1 ranks
+    (each of dp x cp = gpus / tp ranks): ep = tp = 1 as simulated, the others modelled
+    (``cpvlm.simulate.parallel_cost.modelled_memory``), or an error naming the size that does
+    not divide."""
+    from cpvlm.parallelize.expert_parallel import check_experts
+    from cpvlm.simulate.parallel_cost import model_facts, modelled_memory
+
+    facts = model_facts(config)
+    budget = int(gpu_mem_gib * GiB)
+    out = []
+    for base in simulated:
+        for ep in eps:
+            if ep == 1 and tp == 1:
+                out.append(base)
+                continue
+            cand = Candidate(base.setup, base.memory, ep=ep, tp=tp)
+            out.append(cand)
+            try:
+                check_experts(ep, facts.experts or None, "ep", "--ep")
+                world = base.setup.dp * base.setup.cp
+                if world % ep:
+                    raise ValueError(f"--ep {ep} must divide dp x cp = {world} (EP borrows them)")
+                if tp > 1 and facts.tp_error:
+                    raise ValueError(facts.tp_error)
+                if facts.heads % tp or facts.kv_heads % tp:
+                    raise ValueError(
+                        f"--tp {tp} must divide the {facts.heads} query and {facts.kv_heads} "
+                        "key-value heads"
+                    )
+            except ValueError as err:
+                cand.error = str(err).splitlines()[0][:300]
+                continue
+            if base.memory is None:
+                cand.error = base.error
+                continue
+            local = base.memory.local_len
+            cand.modelled = modelled_memory(base.memory, facts, world, ep, tp, local)
+            cand.step_s = step_seconds(config, spec, base.setup, ep, tp)
+            fixed = cand.modelled["weights"]
+            act = cand.modelled["peak"] - fixed
+            cand.longest = int(spec.seq_len * (budget - fixed) / act) if budget > fixed else 0
+    return out
