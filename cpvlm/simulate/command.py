@@ -6,7 +6,9 @@
 Every candidate (cp dividing the GPUs, dp the rest; attention; activation checkpointing on or off;
 loss chunk) is one rank of the real step simulated on fake tensors (``cpvlm.simulate``), least
 memory first; one that needs no less memory than a candidate that did not fit (smaller cp, no
-checkpointing, a larger chunk) is listed as not simulated.
+checkpointing, a larger chunk) is listed as not simulated. ``--ep`` / ``--tp`` sizes are modelled
+on the simulated ep = tp = 1 rank of gpus / tp ranks (``cpvlm.simulate.parallel_cost``; shown as
+"modelled"), not simulated.
 """
 
 from __future__ import annotations
