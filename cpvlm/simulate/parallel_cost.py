@@ -61,13 +61,13 @@ class ModelFacts:
         return self.params - self.expert_params + self.expert_params * self.top_k // self.experts
 
 
-_FACTS: dict[int, ModelFacts] = {}
+_FACTS: dict[int, tuple] = {}  # id(config) -> (config, its facts): the config kept, its id unique
 
 
 def model_facts(config) -> ModelFacts:
-    key = id(config)
-    if key in _FACTS:
-        return _FACTS[key]
+    cached = _FACTS.get(id(config))
+    if cached is not None and cached[0] is config:
+        return cached[1]
     from cpvlm.parallelize.expert_parallel import expert_modules
     from cpvlm.parallelize.tensor_parallel import decoder_layer_plan
     from cpvlm.simulate.depth import meta_model
@@ -82,22 +82,14 @@ def model_facts(config) -> ModelFacts:
     except ValueError as err:
         plan, tp_error = {}, str(err).splitlines()[0]
     # the plan's projections that each decoder layer has (a MoE layer has no dense MLP)
-    names = {n for n, _ in model.named_parameters()}
-    split = {}  # layer prefix -> {path: style}
-    for n in names:
-        if ".layers." in n and n.endswith(".weight"):
-            prefix, _, rest = n.partition(".layers.")
-            index, _, path = rest.partition(".")
-            if "language_model" in prefix and path[: -len(".weight")] in plan:
-                split.setdefault(index, {})[path[: -len(".weight")]] = plan[path[: -len(".weight")]]
-    tp_params = sum(
-        p.numel()
-        for n, p in model.named_parameters()
-        if "language_model" in n
-        and ".layers." in n
-        and n.endswith(".weight")
-        and n.split(".layers.")[1].partition(".")[2][: -len(".weight")] in plan
-    )
+    split, tp_params = {}, 0  # split: decoder layer index -> {path: style}
+    for n, p in model.named_parameters():
+        prefix, _, rest = n.partition(".layers.")
+        index, _, path = rest.partition(".")
+        path = path.removesuffix(".weight")
+        if "language_model" in prefix and n.endswith(".weight") and path in plan:
+            split.setdefault(index, {})[path] = plan[path]
+            tp_params += p.numel()
     styles = [s for layer in split.values() for s in layer.values()]
     blocks = sum(len({p.split(".")[0] for p in layer}) for layer in split.values())
     facts = ModelFacts(
@@ -116,7 +108,7 @@ def model_facts(config) -> ModelFacts:
         tp_blocks=blocks,
         tp_error=tp_error,
     )
-    _FACTS[key] = facts
+    _FACTS[id(config)] = (config, facts)
     return facts
 
 
