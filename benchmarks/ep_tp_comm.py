@@ -10,7 +10,9 @@ is on another rank, and by TP's all-reduces (cpvlm: one per rowwise projection f
 colwise one backward; no sequence parallelism) against Megatron's one per block and direction,
 both ring all-reduces; then the step's modelled seconds (``cpvlm.simulate.plan.step_parts``:
 attention from cpvlm's cost model, matmuls at 364 TFLOP/s, NVLink 200 GB/s inside a node of 8,
-InfiniBand 50 GB/s per GPU across, 20 us a message, 50 us a host sync).
+InfiniBand 50 GB/s per GPU across, 20 us a message, 50 us a host sync; FSDP2's all-gathers and
+reduce-scatters counted where the compute cannot hide them, the experts' gradient all-reduce over
+their replicas in full).
 Measured (gloo, CPU, 2 and 4 processes): the bytes cpvlm's own EP exchange sends on a toy experts
 module (uniform random routing) and the all-reduces torch's TP makes in the tiny Qwen2.5-VL's
 decoder layers, each against the model above at the same sizes.
@@ -39,8 +41,11 @@ GRID = [
     ("nemotron-3-nano-omni-30b-a3b", 1, 8, 1, 1),
     ("nemotron-3-nano-omni-30b-a3b", 1, 8, 8, 1),
     ("nemotron-3-nano-omni-30b-a3b", 1, 4, 4, 2),
+    ("qwen3-vl-235b-a22b", 1, 32, 1, 1),
     ("qwen3-vl-235b-a22b", 1, 32, 8, 1),
     ("qwen3-vl-235b-a22b", 1, 32, 32, 1),
+    ("qwen3-vl-235b-a22b", 1, 128, 1, 1),
+    ("qwen3-vl-235b-a22b", 1, 128, 128, 1),
     ("qwen3-vl-235b-a22b", 4, 32, 8, 1),
     ("qwen3-vl-235b-a22b", 1, 16, 16, 2),
     ("qwen3-vl-235b-a22b", 1, 8, 8, 4),
@@ -66,6 +71,7 @@ COLS = [
     "compute_s",
     "ep_s",
     "tp_s",
+    "fsdp_s",
     "step_s",
     "comm_%",
     "host_syncs",
@@ -105,8 +111,9 @@ def modelled_rows() -> list[dict]:
                 "compute_s": compute,
                 "ep_s": parts["ep_s"],
                 "tp_s": parts["tp_s"],
+                "fsdp_s": parts["fsdp_exposed_s"],
                 "step_s": step,
-                "comm_%": 100 * (parts["ep_s"] + parts["tp_s"]) / step,
+                "comm_%": 100 * (step - compute) / step,
                 "host_syncs": e["host_syncs"],
                 "tp_all_reduces": t["all_reduces"],
                 "ep_exchanges": e["exchanges"],

@@ -712,6 +712,7 @@ def ep_tp_comm() -> str:
                 f"{r['compute_s']:.2f}",
                 f"{r['ep_s']:.2f}",
                 f"{r['tp_s']:.2f}",
+                f"{r['fsdp_s']:.2f}",
                 f"{r['step_s']:.2f}",
                 f"{r['comm_%']:.1f}",
             ]
@@ -723,7 +724,7 @@ def ep_tp_comm() -> str:
         "EP GB sent / bound",
         "TP GB sent / bound",
     ]
-    return _table(head + ["compute s", "EP s", "TP s", "step s", "comm %"], rows)
+    return _table(head + ["compute s", "EP s", "TP s", "FSDP s", "step s", "comm %"], rows)
 
 
 def ep_tp_measured() -> str:

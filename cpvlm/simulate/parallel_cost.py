@@ -154,15 +154,39 @@ def _link_seconds(nbytes: float, group: int, span: int) -> float:
     return max(nbytes * (1 - off) / NVLINK_BYTES_PER_S, nbytes * off / IB_BYTES_PER_S)
 
 
-def comm_seconds(facts, tokens, cp, ep, tp, checkpointing) -> dict:
-    """Exposed seconds of EP and TP communication on one rank (both block the step: the experts
-    wait for the dispatch, the next projection for the all-reduce). Ranks: tp innermost, then cp,
-    then dp; an EP group is ep consecutive ranks of dp x cp, so its ranks are tp GPUs apart."""
+def comm_seconds(facts, tokens, world, ep, tp, checkpointing) -> dict:
+    """Seconds of EP and TP communication on one rank, all exposed (the experts wait for the
+    dispatch, the next projection for the all-reduce), and of FSDP2's (``fsdp_seconds``, before
+    overlap). Ranks: tp innermost, then cp, then dp; an EP group is ep consecutive ranks of dp x
+    cp, so its ranks are tp GPUs apart."""
     e, t = ep_bytes(facts, tokens, ep, checkpointing), tp_bytes(facts, tokens, tp, checkpointing)
     ep_s = _link_seconds(e["sent"], ep, tp) + e["exchanges"] * (ep - 1) * MESSAGE_S
     ep_s += e["host_syncs"] * HOST_SYNC_S
     tp_s = _link_seconds(t["sent"], tp, 1) + t["all_reduces"] * 2 * (tp - 1) * MESSAGE_S
-    return {"ep_s": ep_s, "tp_s": tp_s}
+    ep_s += expert_sync_seconds(facts, world, ep, tp)
+    return {"ep_s": ep_s, "tp_s": tp_s, "fsdp_s": fsdp_seconds(facts, world, ep, tp)}
+
+
+def fsdp_seconds(facts: ModelFacts, world: int, ep: int, tp: int, master_bytes: int = 4) -> float:
+    """Seconds of FSDP2's traffic on one rank per step, before any overlap: each parameter it
+    shards (the experts only at ep = 1) all-gathered in bf16 twice (forward; backward, which the
+    recompute shares) and its gradient reduce-scattered in ``master_bytes`` over the ``world`` =
+    dp x cp ranks of a tp rank (the experts' are ``expert_sync_seconds``). The TP-split
+    projections are 1 / tp of theirs."""
+    sharded = facts.params - facts.tp_params * (1 - 1 / tp) - (facts.expert_params if ep > 1 else 0)
+    fsdp = (2 * 2 + master_bytes) * sharded * (world - 1) / world
+    return _link_seconds(fsdp, world, tp)
+
+
+def expert_sync_seconds(facts, world: int, ep: int, tp: int, master_bytes: int = 4) -> float:
+    """Seconds of ``sync_expert_gradients`` under EP: one ring all-reduce of this rank's experts'
+    gradients over their world / ep replicas (ranks tp x ep GPUs apart), after the last backward:
+    nothing left to hide it behind."""
+    replicas = world // ep
+    if ep == 1 or replicas == 1:
+        return 0.0
+    ring = 2 * (replicas - 1) / replicas * master_bytes * facts.expert_params / ep
+    return _link_seconds(ring, replicas, tp * ep) + 2 * (replicas - 1) * MESSAGE_S
 
 
 def modelled_memory(memory, facts: ModelFacts, world: int, ep: int, tp: int, tokens: int) -> dict:

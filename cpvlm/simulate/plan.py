@@ -64,7 +64,7 @@ def step_parts(config, spec: SequenceSpec, setup: Setup, ep: int = 1, tp: int = 
     """Modelled seconds of one step on one rank: the decoder's attention from the cost model (on
     H / tp heads), the matmuls of the parameters a token multiplies (a MoE layer's experts at
     K / E; the TP-split projections / tp) at ``ACHIEVED_FLOPS``, and the exposed EP and TP
-    communication (``cpvlm.simulate.parallel_cost``). FSDP2's collectives are taken as hidden."""
+    communication, and FSDP2's traffic beyond what the compute hides (``cpvlm.simulate.parallel_cost``)."""
     from cpvlm import ShardPlan
     from cpvlm.attention.cost import Shapes, estimate_seconds
     from cpvlm.simulate.parallel_cost import comm_seconds, model_facts
@@ -92,7 +92,12 @@ def step_parts(config, spec: SequenceSpec, setup: Setup, ep: int = 1, tp: int = 
     facts = model_facts(config)
     multiplied = facts.active_params - facts.tp_params * (1 - 1 / tp)
     flops = (8 if setup.activation_checkpointing else 6) * multiplied * plan.local_len
-    comm = comm_seconds(facts, plan.local_len, setup.cp, ep, tp, setup.activation_checkpointing)
+    comm = comm_seconds(
+        facts, plan.local_len, setup.dp * setup.cp, ep, tp, setup.activation_checkpointing
+    )
+    compute = attn_s + flops / ACHIEVED_FLOPS
+    # FSDP2 prefetches the next layer's gather while this one computes: what compute cannot hide
+    comm["fsdp_exposed_s"] = max(0.0, comm.pop("fsdp_s") - compute)
     return {"attention_s": attn_s, "matmul_s": flops / ACHIEVED_FLOPS, **comm}
 
 
