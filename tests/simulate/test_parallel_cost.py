@@ -96,3 +96,21 @@ def test_with_ep_tp_refuses_sizes_that_do_not_divide():
     out = with_ep_tp(config, SequenceSpec(1024), [base], [1, 2, 4], 1, 80)
     assert out[0] is base and out[1].error is None and out[1].modelled is not None
     assert "dp x cp" in out[2].error  # ep 4 of 2 ranks
+
+
+def test_fsdp_traffic_leaves_the_experts_under_ep():
+    from cpvlm.simulate.parallel_cost import (
+        IB_BYTES_PER_S,
+        NVLINK_BYTES_PER_S,
+        expert_sync_seconds,
+        fsdp_seconds,
+    )
+
+    # 4 ranks in a node: 2 bf16 gathers + a float32 reduce-scatter of 3/4 of what FSDP2 shards
+    assert fsdp_seconds(FACTS, 4, 1, 1) == pytest.approx(8 * 1000 * 3 / 4 / NVLINK_BYTES_PER_S)
+    assert fsdp_seconds(FACTS, 4, 2, 1) == pytest.approx(8 * 200 * 3 / 4 / NVLINK_BYTES_PER_S)
+    assert expert_sync_seconds(FACTS, 4, 4, 1) == 0  # one replica: nothing to sum
+    # 32 ranks, ep 2: 16 replicas 2 GPUs apart, 4 of them in a node, 12 of 15 peers across
+    ring = 2 * 15 / 16 * 4 * 800 / 2
+    expected = max(ring * 3 / 15 / NVLINK_BYTES_PER_S, ring * 12 / 15 / IB_BYTES_PER_S)
+    assert expert_sync_seconds(FACTS, 32, 2, 1) == pytest.approx(expected + 2 * 15 * 20e-6)
