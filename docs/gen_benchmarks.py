@@ -695,6 +695,95 @@ def scale_peers() -> str:
     return _table(["peer", "model", "GPUs", "max sequence", "note", "source"], rows)
 
 
+def _ratio(sent: float, bound: float) -> str:
+    return f"{sent:.1f} / {bound:.1f} = {sent / bound:.3f}" if bound else "-"
+
+
+def ep_tp_comm() -> str:
+    rows = []
+    for r in _load("ep_tp_comm")["rows"]:
+        rows.append(
+            [
+                r["model"],
+                f"{r['dp']} x {r['cp']} x {r['ep']} x {r['tp']}",
+                f"{r['tokens']:,}",
+                _ratio(r["ep_GB"], r["ep_bound_GB"]),
+                _ratio(r["tp_GB"], r["tp_bound_GB"]),
+                f"{r['compute_s']:.2f}",
+                f"{r['ep_s']:.2f}",
+                f"{r['tp_s']:.2f}",
+                f"{r['fsdp_s']:.2f}",
+                f"{r['step_s']:.2f}",
+                f"{r['comm_%']:.1f}",
+            ]
+        )
+    head = [
+        "model",
+        "dp x cp x ep x tp",
+        "tokens / rank",
+        "EP GB sent / bound",
+        "TP GB sent / bound",
+    ]
+    return _table(head + ["compute s", "EP s", "TP s", "FSDP s", "step s", "comm %"], rows)
+
+
+def ep_tp_measured() -> str:
+    m = _load("ep_tp_comm")["measured"]
+    rows = []
+    for r in m["ep"]:
+        rows.append(
+            [
+                f"EP {r['ep']}: rows sent (mean over ranks)",
+                f"{r['rows_bytes_per_rank']:,.0f}",
+                f"{r['bound_bytes_per_rank']:,.0f}",
+                f"{r['modelled_uniform_bytes']:,.0f}",
+                f"{r['all_to_alls_per_rank']} all-to-alls, {r['count_bytes_per_rank']:.0f} B of counts",
+            ]
+        )
+    for r in m["tp"]:
+        rows.append(
+            [
+                f"TP {r['tp']}: all-reduces ({r['layers']} layers, {r['tokens']} x {r['hidden']} fp32)",
+                f"{r['sent_bytes']:,.0f}",
+                f"{r['bound_bytes']:,.0f}",
+                f"{r['modelled_sent_bytes']:,.0f}",
+                f"{r['all_reduces']} all-reduces (modelled {r['modelled_all_reduces']})",
+            ]
+        )
+    return _table(["measured on gloo", "bytes sent / rank", "bound", "modelled", "calls"], rows)
+
+
+def ep_tp_memory() -> str:
+    data = _load("ep_tp_comm")
+    rows = []
+    for r in data.get("memory", []):
+        rows.append(
+            [
+                "cpvlm (modelled on a simulated rank)",
+                r["model"],
+                f"{r['seq']:,}",
+                f"{r['gpus']}: dp {r['dp']} x cp {r['cp']} x ep {r['ep']} x tp {r['tp']}",
+                f"{r['modelled_peak_GiB']:.1f} GiB ({r['weights_GiB']:.1f} weights; simulated ep = tp = 1: {r['simulated_peak_GiB']:.1f})",
+                f"{r['step_s']:.1f}",
+                "benchmarks/results/ep_tp_comm.json",
+            ]
+        )
+    for p in data["published"]:
+        rows.append(
+            [
+                p["who"],
+                p["model"],
+                f"{p['seq']:,}",
+                f"{p['gpus']}: {p['layout']}",
+                p["peak"],
+                "-",
+                p["source"],
+            ]
+        )
+    head = ["who", "model", "tokens", "GPUs: layout", "peak per GPU", "step s", "source"]
+    return _table(head, rows)
+
+
 # The scale points whose memory categories docs/plan.md shows: (model, sequence, cp).
 PLAN_POINTS = [("qwen3-vl-8b", "text 128k", 4), ("qwen3-vl-8b", "text 128k", 8)]
 
@@ -753,6 +842,9 @@ TABLES = {
     "host_train_start": host_train_start,
     "scale_peers": scale_peers,
     "plan_categories": plan_categories,
+    "ep_tp_comm": ep_tp_comm,
+    "ep_tp_measured": ep_tp_measured,
+    "ep_tp_memory": ep_tp_memory,
 }
 
 

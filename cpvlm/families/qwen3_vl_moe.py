@@ -15,7 +15,7 @@ from cpvlm.hf.kit import MoeKit
 from cpvlm.hf.registration import register
 from cpvlm.hf.tiny import VISION_TOKEN_IDS, split_overrides, with_overrides
 
-from .qwen3_vl import TINY_TEXT, Qwen3VLAdapter, Qwen3VLKit, tiny_vision
+from .qwen3_vl import TINY_TEXT, Qwen3VLAdapter, Qwen3VLKit, qwen3_vl_8b_config, tiny_vision
 
 
 def tiny_qwen3_vl_moe_config(**overrides) -> Qwen3VLMoeConfig:
@@ -38,8 +38,43 @@ def tiny_qwen3_vl_moe_config(**overrides) -> Qwen3VLMoeConfig:
     return Qwen3VLMoeConfig(text_config=text, vision_config=tiny_vision(vision), **top)
 
 
+def qwen3_vl_235b_a22b_config() -> Qwen3VLMoeConfig:
+    """qwen3-vl-235b-a22b: Qwen3-VL-235B-A22B-Instruct's config.json dimensions, written out (94
+    MoE decoder layers of 128 experts, top 8, expert width 1536; 64 query / 4 key-value heads of
+    128; the 27-block tower of Qwen3-VL-8B). The router loss is left off, as in every published
+    config here (fake tensors cannot run it; docs/plan.md)."""
+    return Qwen3VLMoeConfig(
+        text_config={
+            "vocab_size": 151936,
+            "hidden_size": 4096,
+            "intermediate_size": 12288,
+            "moe_intermediate_size": 1536,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "num_hidden_layers": 94,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "max_position_embeddings": 262144,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 5_000_000.0,
+                "mrope_section": [24, 20, 20],
+                "mrope_interleaved": True,
+            },
+            "output_router_logits": False,
+            "tie_word_embeddings": False,
+        },
+        vision_config=qwen3_vl_8b_config().vision_config.to_dict(),
+        tie_word_embeddings=False,
+    )
+
+
 class Qwen3VLMoeKit(MoeKit, Qwen3VLKit):
     tiny_configs = {"qwen3-vl-moe-tiny": tiny_qwen3_vl_moe_config}
+    published_configs = {"qwen3-vl-235b-a22b": qwen3_vl_235b_a22b_config}
     tiny_processor = None
 
 

@@ -6,7 +6,9 @@
 Every candidate (cp dividing the GPUs, dp the rest; attention; activation checkpointing on or off;
 loss chunk) is one rank of the real step simulated on fake tensors (``cpvlm.simulate``), least
 memory first; one that needs no less memory than a candidate that did not fit (smaller cp, no
-checkpointing, a larger chunk) is listed as not simulated.
+checkpointing, a larger chunk) is listed as not simulated. ``--ep`` / ``--tp`` sizes are modelled
+on the simulated ep = tp = 1 rank of gpus / tp ranks (``cpvlm.simulate.parallel_cost``; shown as
+"modelled"), not simulated.
 """
 
 from __future__ import annotations
@@ -63,10 +65,16 @@ class PlanConfig:
         (), type=_seconds, help="audio clips in the row, seconds each (models with audio)"
     )
     docs: int = arg(1, help="packed documents in the row")
-    gpus: int = arg(help="GPUs (dp x cp ranks)")
+    gpus: int = arg(help="GPUs (dp x cp x tp ranks)")
     gpu_mem: float = arg(help="memory per GPU, GiB")
     cp: tuple[int, ...] | None = arg(
         None, help="CP sizes to try (default: every divisor of --gpus)"
+    )
+    ep: tuple[int, ...] = arg(
+        (1,), help="EP sizes to try (MoE models; modelled on the simulated ep 1 rank)"
+    )
+    tp: tuple[int, ...] = arg(
+        (1,), help="TP sizes to try (modelled on the simulated tp 1 rank of gpus / tp ranks)"
     )
     attn: tuple[str, ...] = arg(("ring",), help="CP attentions to try")
     checkpointing: Literal["both", "on", "off"] = arg("both", help="activation checkpointing")
@@ -81,13 +89,16 @@ class PlanConfig:
         bad = [c for c in self.cp or () if c < 1 or self.gpus % c]
         if bad:
             raise ValueError(f"--cp {bad} must divide --gpus {self.gpus}")
+        bad = [t for t in self.tp if t < 1 or self.gpus % t]
+        if bad:
+            raise ValueError(f"--tp {bad} must divide --gpus {self.gpus}")
+        if not self.ep or min(self.ep) < 1:
+            raise ValueError(f"--ep {list(self.ep)}: sizes must be >= 1, e.g. --ep 1 8")
 
-    @property
-    def cps(self) -> list[int]:
-        """The CP sizes to try: ``cp``, or every divisor of ``gpus``."""
-        return (
-            list(self.cp) if self.cp else [c for c in range(1, self.gpus + 1) if self.gpus % c == 0]
-        )
+    def cps(self, tp: int = 1) -> list[int]:
+        """The CP sizes to try beside ``tp``: ``cp``, or every divisor of ``gpus / tp``."""
+        ranks = self.gpus // tp
+        return [c for c in self.cp or range(1, ranks + 1) if ranks % c == 0]
 
 
 def _model_help() -> str:
@@ -113,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from cpvlm.simulate.batch import SequenceSpec
     from cpvlm.simulate.configs import load_config
-    from cpvlm.simulate.plan import candidates, evaluate
+    from cpvlm.simulate.plan import candidates, evaluate, with_ep_tp
 
     try:
         args = from_args(PlanConfig, parsed)
@@ -127,9 +138,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     ac = {"both": [False, True], "on": [True], "off": [False]}[args.checkpointing]
     chunks = [c or None for c in args.loss_chunk]
-    setups = candidates(args.gpus, args.cps, list(args.attn), ac, chunks)
-    with tqdm(total=len(setups), desc="simulating", file=sys.stderr, dynamic_ncols=True) as bar:
-        results = evaluate(config, spec, setups, args.gpu_mem, progress=bar)
+    by_tp = {
+        tp: candidates(args.gpus // tp, args.cps(tp), list(args.attn), ac, chunks) for tp in args.tp
+    }
+    total = sum(map(len, by_tp.values()))
+    results = []
+    with tqdm(total=total, desc="simulating", file=sys.stderr, dynamic_ncols=True) as bar:
+        for tp, setups in by_tp.items():
+            simulated = evaluate(config, spec, setups, args.gpu_mem, progress=bar)
+            results += with_ep_tp(config, spec, simulated, args.ep, tp, args.gpu_mem)
     budget = args.gpu_mem * 2**30
     if args.json:
         print(
@@ -152,15 +169,23 @@ def main(argv: list[str] | None = None) -> int:
 def _print_table(results, budget, args, spec) -> None:
     g = 2**30
     print(f"{args.model}: {spec.describe()} on {args.gpus} x {args.gpu_mem:g} GiB (per-rank GiB)")
-    head = f"{'cp':>3} {'dp':>3} {'attn':<9} {'ckpt':>4} {'chunk':>5} {'params':>7} {'grads':>6} {'optim':>6} {'saved':>7} {'loss':>6} {'acts':>7} {'peak':>7} {'fits':>4} {'step s':>7} {'longest':>9}"
+    head = f"{'cp':>3} {'dp':>3} {'ep':>3} {'tp':>2} {'attn':<9} {'ckpt':>4} {'chunk':>5} {'params':>7} {'grads':>6} {'optim':>6} {'saved':>7} {'loss':>6} {'acts':>7} {'peak':>7} {'fits':>4} {'step s':>7} {'longest':>9}"
     print(head)
     for r in results:
         s = r.setup
-        lead = f"{s.cp:>3} {s.dp:>3} {s.attn:<9} {'on' if s.activation_checkpointing else 'off':>4} {s.loss_chunk or '-':>5}"
-        if r.memory is None:
+        lead = f"{s.cp:>3} {s.dp:>3} {r.ep:>3} {r.tp:>2} {s.attn:<9} {'on' if s.activation_checkpointing else 'off':>4} {s.loss_chunk or '-':>5}"
+        if r.memory is None or r.error is not None:
             print(f"{lead}  error: {r.error}")
             continue
         m = r.memory
+        if r.modelled is not None:  # ep or tp > 1: the simulated rank's bytes moved, not simulated
+            md = r.modelled
+            print(
+                f"{lead} {'modelled: weights':>30} {md['weights'] / g:6.2f} {'':>22} "
+                f"{md['peak'] / g:7.2f} {'yes' if r.fits(budget) else 'no':>4} {r.step_s:7.2f} "
+                f"{r.longest:>9}"
+            )
+            continue
         print(
             f"{lead} {m.params / g:7.2f} {m.grads / g:6.2f} {m.optimizer / g:6.2f} {m.saved / g:7.2f} "
             f"{m.loss_saved / g:6.2f} {m.activations / g:7.2f} {m.steady_peak / g:7.2f} "
@@ -170,3 +195,8 @@ def _print_table(results, budget, args, spec) -> None:
         "saved: activations saved for backward; loss: their logits/loss part; acts: the step's "
         "peak beyond params+grads+optimizer; longest: sequence that fits (activations linear in S)"
     )
+    if any(r.modelled is not None for r in results):
+        print(
+            "modelled (ep or tp > 1): the simulated ep = tp = 1 rank with the experts' and the "
+            "TP-split layers' bytes moved (cpvlm/simulate/parallel_cost.py), not simulated"
+        )

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from cpvlm.simulate.batch import SequenceSpec
 from cpvlm.simulate.rank import GiB, RankMemory, Setup, simulate_step
 
@@ -26,36 +24,58 @@ class Candidate:
     error: str | None = None
     step_s: float | None = None
     longest: int | None = None  # the longest sequence that fits (linear in the activations)
+    ep: int = 1
+    tp: int = 1
+    modelled: dict | None = None  # ep or tp > 1: parallel_cost.modelled_memory of ``memory``
+
+    @property
+    def peak(self) -> int | None:
+        if self.memory is None or self.error is not None:
+            return None
+        return self.memory.steady_peak if self.modelled is None else self.modelled["peak"]
 
     def fits(self, budget: int) -> bool:
-        return self.memory is not None and self.memory.steady_peak <= budget
+        return self.peak is not None and self.peak <= budget
 
     def as_dict(self) -> dict:
         s = self.setup
         return {
             "cp": s.cp,
             "dp": s.dp,
+            "ep": self.ep,
+            "tp": self.tp,
             "attn": s.attn,
             "activation_checkpointing": s.activation_checkpointing,
             "loss_chunk": s.loss_chunk,
             "memory": None if self.memory is None else self.memory.as_dict(),
+            "modelled": self.modelled,
             "step_s": self.step_s,
             "longest_seq": self.longest,
             "error": self.error,
         }
 
 
-def step_seconds(config, spec: SequenceSpec, setup: Setup) -> float:
-    """Modelled seconds of one step on one rank: the decoder's attention from the cost model,
-    the dense matmuls of every parameter at ``ACHIEVED_FLOPS``."""
+def step_seconds(config, spec: SequenceSpec, setup: Setup, ep: int = 1, tp: int = 1) -> float:
+    """Modelled seconds of one step on one rank (``step_parts`` summed)."""
+    return sum(step_parts(config, spec, setup, ep, tp).values())
+
+
+def step_parts(config, spec: SequenceSpec, setup: Setup, ep: int = 1, tp: int = 1) -> dict:
+    """Modelled seconds of one step on one rank: the decoder's attention from the cost model (on
+    H / tp heads), the matmuls of the parameters a token multiplies (a MoE layer's experts at
+    K / E; the TP-split projections / tp) at ``ACHIEVED_FLOPS``, and the exposed EP and TP
+    communication, and FSDP2's traffic beyond what the compute hides (``cpvlm.simulate.parallel_cost``)."""
     from cpvlm import ShardPlan
     from cpvlm.attention.cost import Shapes, estimate_seconds
+    from cpvlm.simulate.parallel_cost import comm_seconds, model_facts
 
     text = config.text_config
     plan = ShardPlan(spec.seq_len, setup.cp)
     heads, kv = text.num_attention_heads, text.num_key_value_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    shapes = Shapes(1, heads, kv, head_dim, setup.compute_dtype or setup.master_dtype)
+    shapes = Shapes(
+        1, heads // tp, max(1, kv // tp), head_dim, setup.compute_dtype or setup.master_dtype
+    )
     impl = setup.attn if setup.cp > 1 else "ring"
     u = None
     if impl == "hybrid":
@@ -66,24 +86,19 @@ def step_seconds(config, spec: SequenceSpec, setup: Setup) -> float:
     attn_s = attn_layers * estimate_seconds(impl, plan, True, shapes, u, "cuda")
     if window and "sliding_attention" in types:  # each query sees at most a window of keys
         per_layer = (
-            4 * plan.local_len * min(window, spec.seq_len) * heads * head_dim / ACHIEVED_FLOPS
+            4 * plan.local_len * min(window, spec.seq_len) * heads // tp * head_dim / ACHIEVED_FLOPS
         )
         attn_s += sum(t == "sliding_attention" for t in types) * per_layer * 3.5
-    params = sum(p.numel() for n, p in _meta(config).named_parameters() if "embed_tokens" not in n)
-    flops = (8 if setup.activation_checkpointing else 6) * params * plan.local_len
-    return attn_s + flops / ACHIEVED_FLOPS
-
-
-_META = {}
-
-
-def _meta(config):
-    from cpvlm.simulate.depth import meta_model
-
-    key = id(config)
-    if key not in _META:
-        _META[key] = meta_model(config, torch.float32)
-    return _META[key]
+    facts = model_facts(config)
+    multiplied = facts.active_params - facts.tp_params * (1 - 1 / tp)
+    flops = (8 if setup.activation_checkpointing else 6) * multiplied * plan.local_len
+    comm = comm_seconds(
+        facts, plan.local_len, setup.dp * setup.cp, ep, tp, setup.activation_checkpointing
+    )
+    compute = attn_s + flops / ACHIEVED_FLOPS
+    # FSDP2 prefetches the next layer's gather while this one computes: what compute cannot hide
+    comm["fsdp_exposed_s"] = max(0.0, comm.pop("fsdp_s") - compute)
+    return {"attention_s": attn_s, "matmul_s": flops / ACHIEVED_FLOPS, **comm}
 
 
 def candidates(gpus: int, cps, attns, checkpointing, chunks) -> list[Setup]:
@@ -164,3 +179,48 @@ def evaluate(
         if progress is not None:
             progress.update(1)
     return [out[s] for s in setups]
+
+
+def with_ep_tp(config, spec: SequenceSpec, simulated, eps, tp: int, gpu_mem_gib: float):
+    """The candidates of every ``ep`` in ``eps`` at ``tp`` from the simulated ep = tp = 1 ranks
+    (each of dp x cp = gpus / tp ranks): ep = tp = 1 as simulated, the others modelled
+    (``cpvlm.simulate.parallel_cost.modelled_memory``), or an error naming the size that does
+    not divide."""
+    from cpvlm.parallelize.expert_parallel import check_experts
+    from cpvlm.simulate.parallel_cost import model_facts, modelled_memory
+
+    facts = model_facts(config)
+    budget = int(gpu_mem_gib * GiB)
+    out = []
+    for base in simulated:
+        for ep in eps:
+            if ep == 1 and tp == 1:
+                out.append(base)
+                continue
+            cand = Candidate(base.setup, base.memory, ep=ep, tp=tp)
+            out.append(cand)
+            try:
+                check_experts(ep, facts.experts or None, "ep", "--ep")
+                world = base.setup.dp * base.setup.cp
+                if world % ep:
+                    raise ValueError(f"--ep {ep} must divide dp x cp = {world} (EP borrows them)")
+                if tp > 1 and facts.tp_error:
+                    raise ValueError(facts.tp_error)
+                if facts.heads % tp or facts.kv_heads % tp:
+                    raise ValueError(
+                        f"--tp {tp} must divide the {facts.heads} query and {facts.kv_heads} "
+                        "key-value heads"
+                    )
+            except ValueError as err:
+                cand.error = str(err).splitlines()[0][:300]
+                continue
+            if base.memory is None:
+                cand.error = base.error
+                continue
+            local = base.memory.local_len
+            cand.modelled = modelled_memory(base.memory, facts, world, ep, tp, local)
+            cand.step_s = step_seconds(config, spec, base.setup, ep, tp)
+            fixed = cand.modelled["weights"]
+            act = cand.modelled["peak"] - fixed
+            cand.longest = int(spec.seq_len * (budget - fixed) / act) if budget > fixed else 0
+    return out
