@@ -239,10 +239,12 @@ def prepare(
             f"run.device = 'cuda' (--device): {config.parallel.world_size} ranks need as many "
             f"GPUs, this machine has {torch.cuda.device_count()}"
         )
+    from cpvlm.hf.tensor_plan import check_tp
     from cpvlm.parallelize.expert_parallel import check_experts
 
     mc = model_config(config.model.name)
     check_experts(config.parallel.ep, num_experts(mc), "parallel.ep", "--ep")
+    check_tp(config.parallel.tp, mc, "parallel.tp (--tp)")
     _check_data(config, mc)
     if restart_count() and config.run.out:  # torchrun restarted the job: continue it
         config = config.replace(run={"resume": "auto", "overwrite": False})

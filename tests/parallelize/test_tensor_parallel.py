@@ -89,7 +89,7 @@ def _bad_rank(rank, world, name, tp):
     [
         # transformers 5.25's Qwen3-VL text config plans only its embedding
         ("qwen3-vl-tiny", 2, "has no 'layers.*.<path>' entries"),
-        ("qwen2.5-vl-tiny", 4, "tp=4 must divide the attention's num_kv_heads=2"),
+        ("qwen2.5-vl-tiny", 4, "tp = 4 must divide the model's num_kv_heads=2"),
     ],
 )
 def test_plans_that_cannot_be_split_raise_on_every_rank(name, tp, message):
