@@ -155,8 +155,8 @@ def _resume_point(config: TrainConfig) -> tuple[TrainConfig, str, list[str]]:
     if diffs:
         raise ValueError(
             f"run.resume (--resume): the run in {out} was trained with other settings; resume "
-            "with the same flags (only --steps, --ckpt-every, --device, --cp, --dp, --attn, "
-            "--vision, --flow and the memory flags may change): " + "; ".join(diffs)
+            "with the same flags (only --steps, --ckpt-every, --device, --cp, --dp, --tp, --ep, "
+            "--attn, --vision, --flow and the memory flags may change): " + "; ".join(diffs)
         )
     if meta["step"] >= config.run.steps:
         raise ValueError(
