@@ -39,6 +39,12 @@ def check_tp(tp: int, model_or_config, where: str = "tp") -> None:
     except ValueError as err:
         raise ValueError(f"{where} = {tp}: {err}") from None
     text = adapter_for(model_or_config).config.get_text_config()
+    if any(getattr(text, k, None) for k in ("num_experts", "n_routed_experts")):
+        raise ValueError(
+            f"{where} = {tp}: tensor parallelism of MoE layers is not supported (their experts "
+            "would stay whole and their plan is not checked under CP); use tp 1, and --ep for "
+            "the experts"
+        )
     check_tp_sizes(
         tp,
         where,

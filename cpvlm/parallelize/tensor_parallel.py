@@ -66,6 +66,14 @@ def decoder_layer_plan(plan: Mapping[str, str]) -> dict[str, str]:
     return layer
 
 
+def _has_module(layer: nn.Module, path: str) -> bool:
+    try:
+        layer.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
 def check_tp_sizes(tp: int, where: str = "tp", **sizes: int) -> None:
     """``tp`` must divide each of ``sizes`` (heads, kv heads, MLP width: a rank computes whole
     heads and an equal share of the columns); the message names ``where`` and the fix."""
@@ -97,6 +105,14 @@ def parallelize_decoder_layers(
     tp = tp_mesh.size()
     layer_plan = decoder_layer_plan(plan)
     check_tp_sizes(tp, "tensor parallelism: tp", num_heads=num_heads, num_kv_heads=num_kv_heads)
+    for i, layer in enumerate(layers):  # a layer of another kind (MoE, linear attention) would
+        # keep its own per-head modules whole and unsummed: refuse rather than guess
+        missing = [p for p in layer_plan if not _has_module(layer, p)]
+        if missing:
+            raise ValueError(
+                f"tensor parallelism: decoder layer {i} ({type(layer).__name__}) has no "
+                f"{missing} of the plan; use tp 1 (the plan must name every layer's modules)"
+            )
     summed = []
     for layer in layers:
         styles = {p: STYLES[s]() for p, s in layer_plan.items() if s in STYLES}
