@@ -621,20 +621,22 @@ def resolve_world(config: TrainConfig, world_size: int | None) -> TrainConfig:
     cp, dp, tp = config.parallel.cp, config.parallel.dp, config.parallel.tp
     if world_size is None:
         return config.replace(parallel={"dp": dp or 1})
+    with_tp = f" x --tp {tp}" if tp > 1 else ""
     if world_size % (cp * tp):
         _fail(
             "parallel.cp",
             "--cp",
             cp,
-            f"--cp {cp} x --tp {tp} must divide the launcher's world size {world_size} (torchrun "
-            f"--nproc-per-node x --nnodes); use a --cp x --tp that divides {world_size}",
+            f"--cp {cp}{with_tp} must divide the launcher's world size {world_size} (torchrun "
+            f"--nproc-per-node x --nnodes); use a --cp{with_tp and ' x --tp'} that divides "
+            f"{world_size}",
         )
     if dp is not None and dp * cp * tp != world_size:
         _fail(
             "parallel.dp",
             "--dp",
             dp,
-            f"--dp {dp} x --cp {cp} x --tp {tp} = {dp * cp * tp} ranks, but the launcher started "
+            f"--dp {dp} x --cp {cp}{with_tp} = {dp * cp * tp} ranks, but the launcher started "
             f"{world_size}; use --dp {world_size // (cp * tp)} or leave --dp out",
         )
     # ParallelConfig checks ep again
