@@ -2,8 +2,8 @@
 
 Through the command users run (local gloo processes), float64, qwen3-vl-tiny (cpvlm's decoder
 plan: q/k/v and gate/up colwise, o and down rowwise, the q/k norms replicated with their
-gradients summed over TP). cp 2 x tp 2 against cp 1, and dp 2 x tp 2 against dp 2 (each TP pair
-reads its replica's rows). Tolerance 1e-10 relative: the runs add the same terms in another order
+gradients summed over TP). cp 2 x tp 2 against cp 1 (FSDP2, and data-parallel "none"), and dp 2 x
+tp 2 against dp 2 (each TP pair reads its replica's rows); a tp 2 checkpoint resumed at tp 1. Tolerance 1e-10 relative: the runs add the same terms in another order
 (the rowwise sums, the q/k norms' TP sum; observed <= 3e-16 per step over three AdamW steps).
 And the sizes TP cannot split, refused before any rank starts.
 """
@@ -37,6 +37,8 @@ def _same(a, b, steps=(1, 2, 3)):
 def test_tp_under_cp_equals_the_run_without_it(tmp_path):
     one = _train(tmp_path / "cp1", "--cp", "1")
     _same(_train(tmp_path / "cp2_tp2", "--cp", "2", "--tp", "2"), one)
+    none = ["--data-parallel", "none"]  # sync_gradients on TP shards instead of FSDP2
+    _same(_train(tmp_path / "cp2_tp2_none", "--cp", "2", "--tp", "2", *none), one)
     dp = _train(tmp_path / "dp2", "--dp", "2", "--cp", "1")
     _same(_train(tmp_path / "dp2_tp2", "--dp", "2", "--cp", "1", "--tp", "2"), dp)
 
