@@ -27,28 +27,33 @@ from cpvlm.testing import rel_err, run_distributed
 TOL = 1e-10
 
 
-def _groups_rank(rank, world, dp, cp, tp):
-    groups = mesh_groups(build_mesh(dp_shard=dp, cp=cp, tp=tp))
+def _groups_rank(rank, world, sizes):
+    groups = mesh_groups(build_mesh(**sizes))
     ranks = dist.get_process_group_ranks
     return (
         ranks(groups.cp_group),
         ranks(groups.dp_group),
         ranks(groups.tp_mesh.get_group()),
         ranks(groups.grad_sync_group),
+        groups.hsdp_mesh.mesh.tolist(),
         (groups.dp_rank, groups.cp_rank, groups.tp_rank),
     )
 
 
 @pytest.mark.parametrize(
-    "dp, cp, tp, expected",
-    [  # rank 1's (cp group, dp group, tp group, gradient sync group, (dp, cp, tp) ranks)
-        (1, 2, 2, ([1, 3], [1], [0, 1], [1, 3], (0, 0, 1))),
-        (2, 1, 2, ([1], [1, 3], [0, 1], [1, 3], (0, 0, 1))),
-        (1, 1, 4, ([1], [1], [0, 1, 2, 3], [1], (0, 0, 1))),
+    "sizes, expected",
+    [  # rank 1's (cp group, dp group, tp group, gradient sync group, HSDP mesh, (dp, cp, tp) ranks)
+        (dict(dp_shard=1, cp=2, tp=2), ([1, 3], [1], [0, 1], [1, 3], [[1, 3]], (0, 0, 1))),
+        (dict(dp_shard=2, cp=1, tp=2), ([1], [1, 3], [0, 1], [1, 3], [[1, 3]], (0, 0, 1))),
+        (
+            dict(dp_replicate=2, dp_shard=1, tp=2),
+            ([1], [1, 3], [0, 1], [1, 3], [[1], [3]], (0, 0, 1)),
+        ),
+        (dict(dp_shard=1, cp=1, tp=4), ([1], [1], [0, 1, 2, 3], [1], [[1]], (0, 0, 1))),
     ],
 )
-def test_tp_is_innermost_and_the_other_groups_are_per_tp_slice(dp, cp, tp, expected):
-    assert run_distributed(_groups_rank, 4, dp, cp, tp, timeout=60)[1] == expected
+def test_tp_is_innermost_and_the_other_groups_are_per_tp_slice(sizes, expected):
+    assert run_distributed(_groups_rank, 4, sizes, timeout=60)[1] == expected
 
 
 def _cp_tp_rank(rank, world, name, cp, tp):
