@@ -189,7 +189,8 @@ def run_verify(
             rows.append((case, errors, tols))
             failures += [(case, g, e, tols[g]) for g, e in errors.items() if not e <= tols[g]]
 
-    _print_table(rows, labels, dtype, model_spec, out)
+    where = model_spec if tp == 1 else f"{model_spec} at tp {tp} (cp x tp processes per CP size)"
+    _print_table(rows, labels, dtype, where, out)
     for case, group, err, case_tol in failures:
         print(f"FAIL {group}: relative error {err:.2e} > {case_tol:.0e} at {case}", file=out)
     if not failures:
