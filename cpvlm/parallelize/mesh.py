@@ -221,8 +221,9 @@ def mesh_groups(mesh: DeviceMesh, *, ep: int = 1) -> MeshGroups:
     check_tp(sizes.tp, ep, where="mesh_groups")
     r, s, c, t = sizes.dp_replicate, sizes.dp_shard, sizes.cp, sizes.tp
     device = mesh.device_type
-    if t > 1:
-        ranks_RSCT = mesh.mesh.reshape(r, s, c, t)
+    ranks_RSCT = mesh.mesh.reshape(r, s, c, t)
+    tp_mesh = ep_mesh = None
+    if t > 1:  # (check_tp: no EP)
         dp_x_cp = DeviceMesh(
             device, ranks_RSCT.reshape(r * s, c, t), mesh_dim_names=("dp", "cp", "tp")
         )
@@ -232,32 +233,22 @@ def mesh_groups(mesh: DeviceMesh, *, ep: int = 1) -> MeshGroups:
             ranks_RSCT.reshape(r, s * c, t),
             mesh_dim_names=("dp_replicate", "dp_shard_cp", "tp"),
         )
-        hsdp, tp_mesh = root["dp_replicate", "dp_shard_cp"], root["tp"]
-        dp_cp = root["dp_shard_cp"]
+        hsdp, tp_mesh, dp_cp = root["dp_replicate", "dp_shard_cp"], root["tp"], root["dp_shard_cp"]
         if r > 1:  # DDP / "none" only (FSDP2 at R > 1 is HSDP): a plain group per tp slice
             dp_cp = DeviceMesh(
                 device, ranks_RSCT.reshape(r * s * c, t), mesh_dim_names=("dp_cp", "tp")
             )["dp_cp"]
-        return MeshGroups(
-            mesh=mesh,
-            sizes=sizes,
-            cp_group=dp_x_cp.get_group("cp"),
-            cp_rank=dp_x_cp.get_local_rank("cp"),
-            dp_group=dp_x_cp.get_group("dp"),
-            dp_rank=dp_x_cp.get_local_rank("dp"),
-            dp_cp_mesh=dp_cp,
-            hsdp_mesh=hsdp,
-            tp_mesh=tp_mesh,
+    else:
+        ranks_RSC = ranks_RSCT.reshape(r, s, c)
+        dp_x_cp = DeviceMesh(device, ranks_RSC.reshape(r * s, c), mesh_dim_names=("dp", "cp"))
+        dp_cp = DeviceMesh(device, ranks_RSC.reshape(-1), mesh_dim_names=("dp_cp",))
+        hsdp = DeviceMesh(
+            device, ranks_RSC.reshape(r, s * c), mesh_dim_names=("dp_replicate", "dp_shard_cp")
         )
-    ranks_RSC = mesh.mesh.reshape(r, s, c)
-    dp_x_cp = DeviceMesh(device, ranks_RSC.reshape(r * s, c), mesh_dim_names=("dp", "cp"))
-    dp_cp = DeviceMesh(device, ranks_RSC.reshape(-1), mesh_dim_names=("dp_cp",))
-    hsdp = DeviceMesh(
-        device, ranks_RSC.reshape(r, s * c), mesh_dim_names=("dp_replicate", "dp_shard_cp")
-    )
-    ep_mesh = None
-    if ep > 1:  # cp innermost: ep consecutive ranks lie within one replica's dp_shard x cp
-        ep_mesh = DeviceMesh(device, ranks_RSC.reshape(-1, ep), mesh_dim_names=("ep_replica", "ep"))
+        if ep > 1:  # cp innermost: ep consecutive ranks lie within one replica's dp_shard x cp
+            ep_mesh = DeviceMesh(
+                device, ranks_RSC.reshape(-1, ep), mesh_dim_names=("ep_replica", "ep")
+            )
     return MeshGroups(
         mesh=mesh,
         sizes=sizes,
@@ -268,4 +259,5 @@ def mesh_groups(mesh: DeviceMesh, *, ep: int = 1) -> MeshGroups:
         dp_cp_mesh=dp_cp,
         hsdp_mesh=hsdp,
         ep_mesh=ep_mesh,
+        tp_mesh=tp_mesh,
     )
