@@ -165,9 +165,14 @@ def _resume_point(config: TrainConfig) -> tuple[TrainConfig, str, list[str]]:
         )
     lines = [*skipped, f"resuming from checkpoint {path.name} (step {meta['step']})"]
     before, now = saved.parallel, config.parallel
-    if (before.dp, before.cp) != (now.dp, now.cp):
+    if (before.dp, before.cp, before.tp) != (now.dp, now.cp, now.tp):
+        with_tp = before.tp > 1 or now.tp > 1
+
+        def layout(p):
+            return f"dp {p.dp} x cp {p.cp}" + (f" x tp {p.tp}" if with_tp else "")
+
         lines.append(
-            f"resharded: dp {before.dp} x cp {before.cp} -> dp {now.dp} x cp {now.cp}; "
+            f"resharded: {layout(before)} -> {layout(now)}; "
             f"grad-accum {saved.data.grad_accum} -> {config.data.grad_accum} keeps the global "
             f"batch of {config.rows_per_step} rows per step"
         )

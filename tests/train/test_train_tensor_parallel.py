@@ -57,11 +57,13 @@ def test_sizes_tp_cannot_split_are_refused_before_any_rank_starts(tmp_path, caps
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_a_tp2_checkpoint_resumes_at_tp1_exactly(tmp_path):
+def test_a_tp2_checkpoint_resumes_at_tp1_exactly(tmp_path, capsys):
     full = tmp_path / "tp2"
     tp2 = _train(full, "--cp", "2", "--tp", "2", "--ckpt-every", "2")
     resumed = tmp_path / "tp1"
     shutil.copytree(full, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_00000003")
+    capsys.readouterr()
     after = _train(resumed, "--cp", "2", "--resume")  # DCP gathers the TP shards
+    assert "resharded: dp 1 x cp 2 x tp 2 -> dp 1 x cp 2 x tp 1" in capsys.readouterr().out
     _same(after[2:], tp2[2:], steps=(3,))
