@@ -570,6 +570,13 @@ class TrainConfig:
         ):
             if not isinstance(getattr(self, name), kind):
                 raise ValueError(f"TrainConfig.{name} must be a {kind.__name__}")
+        if self.parallel.tp > 1 and self.model.lora is not None:  # PEFT wraps the planned layers
+            _fail(
+                "parallel.tp",
+                "--tp",
+                self.parallel.tp,
+                "does not combine with LoRA yet; use --tp 1",
+            )
 
     def replace(self, **sections) -> TrainConfig:
         """A copy with ``section={field: value}`` updates, e.g. ``replace(run={"steps": 5})``."""

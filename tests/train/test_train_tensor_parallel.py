@@ -49,6 +49,7 @@ def test_tp_under_cp_equals_the_run_without_it(tmp_path):
         (["--tp", "4"], "parallel.tp (--tp) = 4 must divide the model's num_key_value_heads=2"),
         (["--tp", "3"], "parallel.tp (--tp) = 3 must divide the model's num_attention_heads=4"),
         (["--tp", "2", "--data-parallel", "ddp"], "runs with --data-parallel fsdp or none"),
+        (["--tp", "2", "--lora-r", "4"], "parallel.tp = 2 (--tp): does not combine with LoRA"),
     ],
 )
 def test_sizes_tp_cannot_split_are_refused_before_any_rank_starts(tmp_path, capsys, flags, message):
