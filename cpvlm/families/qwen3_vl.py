@@ -28,6 +28,19 @@ from cpvlm.vision.cost import VisionCost, block_linear_macs
 
 from .qwen2_vl import Qwen3VLMedia, tiny_qwen_vl_processor
 
+TP_PLAN = {
+    **{f"layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"},
+    "layers.*.self_attn.o_proj": "rowwise",
+    # one weight over the head dim, applied to every head: each TP rank sees its own heads
+    "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+    "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
+"""The decoder's tensor-parallel plan (``cpvlm.hf.tensor_plan``): transformers 5.25's Qwen3-VL
+text config plans only its embedding."""
+
 TIMESTAMP_TOKENS = 3
 """Text tokens of the timestamp the processor writes before every video frame ("<0.5 seconds>")."""
 
@@ -156,6 +169,7 @@ class Qwen3VLAdapter(VLMAdapter):
     kit = Qwen3VLKit
     chat_media = Qwen3VLMedia
     modules = ModulePaths(projector=("merger", "deepstack_merger_list"))
+    tp_plan = TP_PLAN
 
     def vision_cost(self):
         return qwen3_vl_vision_cost(self.config.vision_config)

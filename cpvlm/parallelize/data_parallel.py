@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from cpvlm.constants import DATA_PARALLEL
@@ -190,6 +191,11 @@ def parallelize(
                 "'hsdp' or 'none', not 'ddp'"
             )
         ignored = set(parallelize_experts(model, groups.ep_mesh["ep"]))
+    if groups.tp_mesh is not None and data_parallel == "ddp":
+        raise ValueError(
+            f"parallelize: tensor parallelism (tp={groups.sizes.tp}) runs with data_parallel="
+            "'fsdp', 'hsdp' or 'none', not 'ddp'"
+        )
 
     if data_parallel in ("fsdp", "hsdp"):
         kwargs: dict[str, Any] = {
@@ -227,7 +233,9 @@ def sync_gradients(model: nn.Module, groups: MeshGroups | dist.ProcessGroup) -> 
 
     Call it once per step, after the last backward: the gradients must hold only this rank's
     local sum (a second call would add the synced part W times). Sharded experts (``groups`` with
-    ep > 1) are summed over their expert replicas instead (``sync_expert_gradients``).
+    ep > 1) are summed over their expert replicas instead (``sync_expert_gradients``). With TP the
+    group is this tp slice's dp x cp ranks, and a TP shard's gradient is summed as it is (each
+    rank of the group holds the same shard).
     Every rank sends every trainable parameter, in ``model.parameters()`` order, one flat buffer
     per dtype and device; a missing gradient counts as zeros (and becomes a zero tensor), so that
     ranks whose graph did not reach a parameter still join.
@@ -245,7 +253,8 @@ def sync_gradients(model: nn.Module, groups: MeshGroups | dist.ProcessGroup) -> 
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=group)
-        for p, g in zip(params, flat.split([p.numel() for p in params])):
-            p.grad.copy_(g.view_as(p))
+        for g, s in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(s.view_as(g))

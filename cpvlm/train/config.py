@@ -242,6 +242,12 @@ class ParallelConfig:
         "of N ranks of dp x cp, tokens sent to their experts' ranks; N divides dp x cp and the "
         "number of experts",
     )
+    tp: int = arg(
+        1,
+        help="tensor parallelism: N ranks per (dp, cp) coordinate split the decoder layers "
+        "(attention heads, MLP columns; the rest replicated); N divides the heads, key-value "
+        "heads and MLP width",
+    )
 
     def __post_init__(self):
         _ = self.options  # CPOptions checks the CP options (the same rules as the library)
@@ -258,13 +264,23 @@ class ParallelConfig:
                 self.ep,
                 "expert parallelism runs with --data-parallel fsdp or none, not ddp",
             )
-        if self.ep > 1 and self.dp is not None and self.world_size % self.ep:
+        if self.ep > 1 and self.dp is not None and (self.dp * self.cp) % self.ep:
             _fail(
                 "parallel.ep",
                 "--ep",
                 self.ep,
-                f"must divide the {self.world_size} ranks of --dp {self.dp} x --cp {self.cp} "
+                f"must divide the {self.dp * self.cp} ranks of --dp {self.dp} x --cp {self.cp} "
                 "(an EP group is ep of them); use a divisor of dp x cp, or --ep 1",
+            )
+        _positive_int("parallel.tp", "--tp", self.tp)
+        if self.tp > 1 and self.ep > 1:
+            _fail("parallel.tp", "--tp", self.tp, "does not combine with --ep yet; use --ep 1")
+        if self.tp > 1 and self.data_parallel == "ddp":
+            _fail(
+                "parallel.tp",
+                "--tp",
+                self.tp,
+                "tensor parallelism runs with --data-parallel fsdp or none, not ddp",
             )
 
     @property
@@ -281,7 +297,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.cp * (self.dp or 1)
+        return self.cp * (self.dp or 1) * self.tp
 
 
 def _optional_pixels(field_name: str, flag: str, value: object) -> None:
@@ -519,6 +535,7 @@ RESUMABLE_CHANGES = (
     "parallel.cp",
     "parallel.dp",
     "parallel.ep",  # where the experts live, not what they are (DCP reshards them)
+    "parallel.tp",  # how the layers are split, not what they are (DCP reshards them)
     "parallel.attn",
     "parallel.vision",
     "parallel.flow",
@@ -553,6 +570,13 @@ class TrainConfig:
         ):
             if not isinstance(getattr(self, name), kind):
                 raise ValueError(f"TrainConfig.{name} must be a {kind.__name__}")
+        if self.parallel.tp > 1 and self.model.lora is not None:  # PEFT wraps the planned layers
+            _fail(
+                "parallel.tp",
+                "--tp",
+                self.parallel.tp,
+                "does not combine with LoRA yet; use --tp 1",
+            )
 
     def replace(self, **sections) -> TrainConfig:
         """A copy with ``section={field: value}`` updates, e.g. ``replace(run={"steps": 5})``."""
@@ -599,28 +623,31 @@ def resolve_world(config: TrainConfig, world_size: int | None) -> TrainConfig:
     """Fill ``parallel.dp`` and check it against the launcher's world size.
 
     ``world_size=None``: cpvlm launches the ranks itself (dp defaults to 1). Otherwise the world
-    comes from torchrun and must be dp * cp.
+    comes from torchrun and must be dp * cp * tp.
     """
-    cp, dp = config.parallel.cp, config.parallel.dp
+    cp, dp, tp = config.parallel.cp, config.parallel.dp, config.parallel.tp
     if world_size is None:
         return config.replace(parallel={"dp": dp or 1})
-    if world_size % cp:
+    with_tp = f" x --tp {tp}" if tp > 1 else ""
+    if world_size % (cp * tp):
         _fail(
             "parallel.cp",
             "--cp",
             cp,
-            f"must divide the launcher's world size {world_size} (torchrun --nproc-per-node x "
-            f"--nnodes); use a --cp that divides {world_size}",
+            f"--cp {cp}{with_tp} must divide the launcher's world size {world_size} (torchrun "
+            f"--nproc-per-node x --nnodes); use a --cp{with_tp and ' x --tp'} that divides "
+            f"{world_size}",
         )
-    if dp is not None and dp * cp != world_size:
+    if dp is not None and dp * cp * tp != world_size:
         _fail(
             "parallel.dp",
             "--dp",
             dp,
-            f"--dp {dp} x --cp {cp} = {dp * cp} ranks, but the launcher started {world_size}; "
-            f"use --dp {world_size // cp} or leave --dp out",
+            f"--dp {dp} x --cp {cp}{with_tp} = {dp * cp * tp} ranks, but the launcher started "
+            f"{world_size}; use --dp {world_size // (cp * tp)} or leave --dp out",
         )
-    return config.replace(parallel={"dp": world_size // cp})  # ParallelConfig checks ep again
+    # ParallelConfig checks ep again
+    return config.replace(parallel={"dp": world_size // (cp * tp)})
 
 
 def resolve_batch(config: TrainConfig, saved: TrainConfig | None) -> TrainConfig:

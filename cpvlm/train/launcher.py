@@ -155,8 +155,8 @@ def _resume_point(config: TrainConfig) -> tuple[TrainConfig, str, list[str]]:
     if diffs:
         raise ValueError(
             f"run.resume (--resume): the run in {out} was trained with other settings; resume "
-            "with the same flags (only --steps, --ckpt-every, --device, --cp, --dp, --attn, "
-            "--vision, --flow and the memory flags may change): " + "; ".join(diffs)
+            "with the same flags (only --steps, --ckpt-every, --device, --cp, --dp, --tp, --ep, "
+            "--attn, --vision, --flow and the memory flags may change): " + "; ".join(diffs)
         )
     if meta["step"] >= config.run.steps:
         raise ValueError(
@@ -165,9 +165,14 @@ def _resume_point(config: TrainConfig) -> tuple[TrainConfig, str, list[str]]:
         )
     lines = [*skipped, f"resuming from checkpoint {path.name} (step {meta['step']})"]
     before, now = saved.parallel, config.parallel
-    if (before.dp, before.cp) != (now.dp, now.cp):
+    if (before.dp, before.cp, before.tp) != (now.dp, now.cp, now.tp):
+        with_tp = before.tp > 1 or now.tp > 1
+
+        def layout(p):
+            return f"dp {p.dp} x cp {p.cp}" + (f" x tp {p.tp}" if with_tp else "")
+
         lines.append(
-            f"resharded: dp {before.dp} x cp {before.cp} -> dp {now.dp} x cp {now.cp}; "
+            f"resharded: {layout(before)} -> {layout(now)}; "
             f"grad-accum {saved.data.grad_accum} -> {config.data.grad_accum} keeps the global "
             f"batch of {config.rows_per_step} rows per step"
         )
@@ -239,10 +244,12 @@ def prepare(
             f"run.device = 'cuda' (--device): {config.parallel.world_size} ranks need as many "
             f"GPUs, this machine has {torch.cuda.device_count()}"
         )
+    from cpvlm.hf.tensor_plan import check_tp
     from cpvlm.parallelize.expert_parallel import check_experts
 
     mc = model_config(config.model.name)
     check_experts(config.parallel.ep, num_experts(mc), "parallel.ep", "--ep")
+    check_tp(config.parallel.tp, mc, "parallel.tp (--tp)")
     _check_data(config, mc)
     if restart_count() and config.run.out:  # torchrun restarted the job: continue it
         config = config.replace(run={"resume": "auto", "overwrite": False})

@@ -111,13 +111,13 @@ def build_encoder(config: TrainConfig, model_config, source=None):
 
 
 def dp_exchange(groups, dp: int, cp: int) -> DPExchange | None:
-    """A gloo group over the DP ranks of this rank's CP slice (collective: every rank builds
-    every slice's group, in the same order)."""
+    """A gloo group over the DP ranks of this rank's (CP, TP) slice (collective: every rank
+    builds every slice's group, in the same order)."""
     if dp == 1:
         return None
-    ranks = groups.mesh.mesh.reshape(dp, cp)
-    slices = [dist.new_group(ranks[:, c].tolist(), backend="gloo") for c in range(cp)]
-    return DPExchange(slices[groups.cp_rank])
+    ranks = groups.mesh.mesh.reshape(dp, -1)  # (cp, tp) coordinates, tp innermost
+    slices = [dist.new_group(ranks[:, i].tolist(), backend="gloo") for i in range(ranks.shape[1])]
+    return DPExchange(slices[groups.cp_rank * groups.sizes.tp + groups.tp_rank])
 
 
 def build_loader(

@@ -1,13 +1,16 @@
 """The training loop of one rank: model, data parallelism, data, steps, guards, checkpoints.
 
-Legend: W world size = dp * cp; a *row* is one packed sequence (one CP forward); a step trains on
-``rows_per_step`` rows of the global stream, R = rows_per_step / dp of them on each DP replica.
+Legend: W world size = dp * cp * tp; a *row* is one packed sequence (one CP forward); a step trains
+on ``rows_per_step`` rows of the global stream, R = rows_per_step / dp of them on each DP replica.
 
 Per step every rank: takes its DP replica's rows (the same on all CP ranks), counts the valid
 (shifted) labels of the whole step over DP, runs each row through ``ContextParallelVLM`` (its
 loss is this rank's share of the step's token mean) and backward; the gradient sync sums over the
 dp x cp ranks, so the summed gradients are the one-device gradients of the step (with ``--ep``,
-the sharded experts are summed over their replicas instead: ``sync_expert_gradients``). Then the
+the sharded experts are summed over their replicas instead: ``sync_expert_gradients``). With
+``--tp`` every TP rank of a (dp, cp) coordinate takes the same rows and computes the same loss;
+the gradient sync runs per tp slice, and only the TP-partial replicated gradients (Qwen3's q/k
+norms) are summed over TP (``sync_tp_gradients``); a step's statistics count tp rank 0. Then the
 global gradient norm, one all-reduce of the step's statistics (its loss among them), the
 non-finite guard, clipping and AdamW, and one small all-reduce (max) of memory and of a stop
 request.
@@ -49,6 +52,7 @@ from cpvlm.data import ErrorLog, RankLoader
 from cpvlm.distributed import compat
 from cpvlm.hf import ContextParallelVLM, adapter_for, build_model
 from cpvlm.hf.registry import kit_for
+from cpvlm.hf.tensor_plan import apply_tensor_parallel
 from cpvlm.loss import count_valid_labels, shift_labels
 from cpvlm.parallelize import (
     MeshGroups,
@@ -58,6 +62,7 @@ from cpvlm.parallelize import (
     sync_expert_gradients,
     sync_gradients,
 )
+from cpvlm.parallelize.tensor_parallel import sync_tp_gradients
 from cpvlm.train import faults
 from cpvlm.train.checkpoint import (
     PendingSave,
@@ -211,6 +216,7 @@ class _Run:
     phases: _Phases | None = None
     save_group: dist.ProcessGroup | None = None  # --async-save: the background writes' group
     pending: PendingSave | None = None  # the checkpoint being written in the background
+    tp_summed: list[nn.Module] = field(default_factory=list)  # gradients summed over TP
 
     @property
     def lead(self) -> bool:
@@ -218,6 +224,8 @@ class _Run:
 
 
 def _setup_model(config: TrainConfig, device: torch.device, groups, mesh):
+    """``(model, cp_model, runner, tp_summed)``: the last, the modules whose gradients are summed
+    over TP (``sync_tp_gradients``)."""
     m, p = config.model, config.parallel
     model = build_model(m.name, dtype=m.torch_master_dtype, seed=config.run.seed)
     if m.torch_master_dtype == torch.float64:
@@ -240,6 +248,9 @@ def _setup_model(config: TrainConfig, device: torch.device, groups, mesh):
         else:
             model.gradient_checkpointing_enable({"use_reentrant": False})
     model.to(device)
+    tp_summed = []
+    if groups.tp_mesh is not None:  # before FSDP2, which shards the TP shards over dp x cp
+        tp_summed = apply_tensor_parallel(model, groups.tp_mesh)
     cp_model = ContextParallelVLM(
         model, groups.cp_group, options=p.options, loss_chunk=m.loss_chunk or None
     )
@@ -256,7 +267,7 @@ def _setup_model(config: TrainConfig, device: torch.device, groups, mesh):
         fsdp_units=units,
         compute_dtype=m.torch_dtype if m.mixed_precision else None,
     )
-    return model, cp_model, runner
+    return model, cp_model, runner, tp_summed
 
 
 def _setup(config: TrainConfig, device: torch.device, resume_from: str | None) -> _Run:
@@ -264,10 +275,10 @@ def _setup(config: TrainConfig, device: torch.device, resume_from: str | None) -
     # random seeds: seeded, two runs save the same RNG states, so their checkpoints are identical.
     torch.manual_seed(config.run.seed + dist.get_rank())
     random.seed(config.run.seed + dist.get_rank())
-    dp, cp, ep = config.parallel.dp, config.parallel.cp, config.parallel.ep
-    mesh = build_mesh(dp_replicate=1, dp_shard=dp, cp=cp, ep=ep, device_type=device.type)
+    dp, cp, ep, tp = config.parallel.dp, config.parallel.cp, config.parallel.ep, config.parallel.tp
+    mesh = build_mesh(dp_replicate=1, dp_shard=dp, cp=cp, ep=ep, tp=tp, device_type=device.type)
     groups = mesh_groups(mesh, ep=ep)
-    model, cp_model, runner = _setup_model(config, device, groups, mesh)
+    model, cp_model, runner, tp_summed = _setup_model(config, device, groups, mesh)
     params = [p for p in cp_model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         params, lr=config.optim.lr, weight_decay=config.optim.weight_decay
@@ -275,6 +286,7 @@ def _setup(config: TrainConfig, device: torch.device, resume_from: str | None) -
     if config.parallel.vision == "replicate":  # every rank encodes every unit
         config = config.replace(data={"decode": "all"})
     run = _Run(config, device, groups, cp_model, runner, params, optimizer, None)
+    run.tp_summed = tp_summed
     run.phases = _Phases(config.run.dist_timeout)
     run.phases.enter(run.start_step + 1, "data")
     if config.run.async_save:
@@ -301,10 +313,8 @@ def _restore(run: _Run, path: Path) -> dict:
     meta = read_meta(path)
     saved = TrainConfig.from_dict(meta["config"])
     # RNG states are per rank: restore them when every rank is the rank it was.
-    same_layout = (saved.parallel.dp, saved.parallel.cp) == (
-        run.config.parallel.dp,
-        run.config.parallel.cp,
-    )
+    before, now = saved.parallel, run.config.parallel
+    same_layout = (before.dp, before.cp, before.tp) == (now.dp, now.cp, now.tp)
     template = {"rng": rng_state(run.device)} if same_layout else None
     restored = load_checkpoint(
         path,
@@ -350,16 +360,19 @@ def _forward_backward(run: _Run, step: int, rows) -> tuple[torch.Tensor, int, in
         sync_gradients(run.cp_model, run.groups)
     elif run.groups.ep_mesh is not None:  # FSDP2 leaves the sharded experts to this sum
         sync_expert_gradients(run.cp_model, run.groups)
+    if run.groups.tp_mesh is not None:
+        sync_tp_gradients(run.tp_summed, run.groups.tp_mesh.get_group())
     return loss_sum, num_valid, units, visual_tokens, ran
 
 
 def _step_stats(run: _Run, rows, loss_sum, units, visual_tokens, replaced) -> dict:
-    """One all-reduce of the step's statistics; row facts counted once per DP replica."""
-    lead = run.groups.cp_rank == 0
+    """One all-reduce of the step's statistics; row facts counted once per DP replica, the loss
+    once per (dp, cp) coordinate (its TP ranks hold the same)."""
+    lead = run.groups.cp_rank == 0 and run.groups.tp_rank == 0
     with_vision = any(r.has_vision for r in rows)
     stats = torch.tensor(
         [
-            float(loss_sum),
+            float(loss_sum) if run.groups.tp_rank == 0 else 0.0,
             sum(r.num_tokens for r in rows) if lead else 0,
             len(rows) if lead else 0,
             sum(not r.has_vision for r in rows) if lead else 0,

@@ -199,7 +199,7 @@ def summarize(config, records: list[dict], start_step: int, log: MetricsLog, err
     precision = f"{m.dtype} on {m.master_dtype} parameters" if m.mixed_precision else m.dtype
     lines = [
         f"done: {summary['steps']} steps of {m.name} ({precision}), "
-        f"cp {p.cp} x dp {p.dp} = {ranks} ranks, seq-len {config.data.seq_len}, "
+        f"cp {p.cp} x dp {p.dp}{f' x tp {p.tp}' if p.tp > 1 else ''} = {ranks} ranks, seq-len {config.data.seq_len}, "
         f"{config.rows_per_step} row{'s' if config.rows_per_step != 1 else ''} per step, "
         f"attn {p.attn}"
         + (f" {p.ulysses_size}x{p.cp // p.ulysses_size}" if p.attn == "hybrid" else "")

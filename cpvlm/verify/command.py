@@ -81,8 +81,9 @@ def default_cp_model(model, group, attn: str, vision: str, flow: str, **kwargs):
     return ContextParallelVLM(model, group, options=options)
 
 
-def _cp_rank_main(rank, world_size, model_spec, dtype, cases, factory, ep=1):
+def _cp_rank_main(rank, world_size, model_spec, dtype, cases, factory, ep=1, tp=1):
     from cpvlm.hf import build_model, kit_for
+    from cpvlm.hf.tensor_plan import apply_tensor_parallel
     from cpvlm.parallelize import build_mesh, mesh_groups, parallelize_experts
 
     base = build_model(model_spec, dtype=dtype, seed=0)
@@ -90,19 +91,26 @@ def _cp_rank_main(rank, world_size, model_spec, dtype, cases, factory, ep=1):
         kit_for(base).float64_islands(base)
     batches = verify_batches(base, dtype)
     groups = None
-    if ep > 1:  # the EP groups: ep consecutive ranks of the CP group
-        groups = mesh_groups(build_mesh(dp_shard=1, cp=world_size, ep=ep), ep=ep)
+    if ep > 1 or tp > 1:  # EP: ep consecutive ranks of the CP group; TP: tp ranks per CP rank
+        groups = mesh_groups(build_mesh(dp_shard=1, cp=world_size // tp, ep=ep, tp=tp), ep=ep)
     results = []
     for case in cases:
         model = copy.deepcopy(base)
-        if groups is not None:
+        summed = []
+        if ep > 1:
             parallelize_experts(model, groups.ep_mesh["ep"])
+        if tp > 1:
+            summed = apply_tensor_parallel(model, groups.tp_mesh)
         extra = {"layout": case.layout}
         if case.ulysses_size is not None:
             extra["ulysses_size"] = case.ulysses_size
-        cp_model = factory(model, dist.group.WORLD, case.attn, case.vision, case.flow, **extra)
+        cp_group = dist.group.WORLD if groups is None else groups.cp_group
+        cp_model = factory(model, cp_group, case.attn, case.vision, case.flow, **extra)
         batch, doc_lens = batches[case.batch]
-        _, loss, grads = cp_loss_and_grads(cp_model, batch, doc_lens)
+        tp_group = None if tp == 1 else groups.tp_mesh.get_group()
+        _, loss, grads = cp_loss_and_grads(
+            cp_model, batch, doc_lens, tp_summed=summed, tp_group=tp_group
+        )
         results.append((loss, grads) if rank == 0 else None)
     return results
 
@@ -121,11 +129,14 @@ def run_verify(
     ulysses_size: int | None = None,
     layouts: Sequence[str] = (DEFAULTS.layout,),
     ep: int = 1,
+    tp: int = 1,
 ) -> bool:
     """Run the checks and print the table; True when every error is within tolerance.
 
     ``ep > 1``: the MoE experts are sharded over EP groups of ``ep`` ranks of each CP group
     (``cpvlm.parallelize.expert_parallel``; ``ep`` must divide every CP size and the experts).
+    ``tp > 1``: each CP rank is ``tp`` ranks that split the decoder layers by the model's TP plan
+    (``cpvlm.hf.tensor_plan``); a CP size of ``cp`` runs on ``cp * tp`` processes.
 
     ``factory(model, group, attn, vision, flow, layout=...)`` builds the CP module on each rank
     (with ``ulysses_size=`` too for "hybrid", see ``hybrid_size``); it must be importable (module
@@ -138,6 +149,9 @@ def run_verify(
     torch_dtype = getattr(torch, dtype)
     model = build_model(model_spec, dtype=torch_dtype, seed=0)
     check_experts(ep, next((m.num_experts for m in expert_modules(model)), None), "ep", "--ep")
+    from cpvlm.hf.tensor_plan import check_tp
+
+    check_tp(tp, model, "tp (--tp)")
     kit = kit_for(model)
     if torch_dtype == torch.float64:
         kit.float64_islands(model)  # on the CP ranks' models too
@@ -167,7 +181,7 @@ def run_verify(
             for b in batches
         ]
         per_rank = run_distributed(
-            _cp_rank_main, cp, model_spec, torch_dtype, cases, factory, ep, timeout=timeout
+            _cp_rank_main, cp * tp, model_spec, torch_dtype, cases, factory, ep, tp, timeout=timeout
         )
         for case, (loss, grads) in zip(cases, per_rank[0], strict=True):
             errors = compare(loss, grads, *refs[case.batch], groups, zero)
@@ -175,7 +189,8 @@ def run_verify(
             rows.append((case, errors, tols))
             failures += [(case, g, e, tols[g]) for g, e in errors.items() if not e <= tols[g]]
 
-    _print_table(rows, labels, dtype, model_spec, out)
+    where = model_spec if tp == 1 else f"{model_spec} at tp {tp} (cp x tp processes per CP size)"
+    _print_table(rows, labels, dtype, where, out)
     for case, group, err, case_tol in failures:
         print(f"FAIL {group}: relative error {err:.2e} > {case_tol:.0e} at {case}", file=out)
     if not failures:
@@ -257,6 +272,12 @@ class VerifyConfig:
         help="expert parallelism (MoE models): the experts sharded over EP groups of N ranks of "
         "each CP group; N divides every --cp and the number of experts",
     )
+    tp: int = like(
+        ParallelConfig,
+        "tp",
+        help="tensor parallelism: each CP rank is N processes that split the decoder layers "
+        "(heads, MLP columns); N divides the heads, key-value heads and MLP width",
+    )
 
     def __post_init__(self):
         for name in ("cp", "attn", "vision", "flow", "layout"):
@@ -292,14 +313,21 @@ def _problem(c: VerifyConfig) -> str | None:
             f"--ep {c.ep} must divide every --cp size (the EP groups are ep ranks of a CP group); "
             f"{bad[0]} is not a multiple of {c.ep}: use --ep 1 or CP sizes it divides"
         )
+    if isinstance(c.tp, bool) or not isinstance(c.tp, int) or c.tp < 1:
+        return f"--tp must be an integer >= 1, got {c.tp!r}"
+    if c.tp > 1 and c.ep > 1:
+        return f"--tp {c.tp} with --ep {c.ep}: tensor and expert parallelism do not combine yet"
     if c.tol is not None and not (math.isfinite(c.tol) and c.tol > 0):
         return f"--tol must be a finite number > 0, got {c.tol}"
     if c.dtype not in VERIFY_DTYPES:
         return f"--dtype must be one of {', '.join(VERIFY_DTYPES)}, got {c.dtype!r}"
     try:
+        from cpvlm.hf.tensor_plan import check_tp
         from cpvlm.train.launcher import model_config, num_experts
 
-        check_experts(c.ep, num_experts(model_config(c.model)), "ep", "--ep")
+        mc = model_config(c.model)
+        check_experts(c.ep, num_experts(mc), "ep", "--ep")
+        check_tp(c.tp, mc, "tp (--tp)")
     except ValueError as err:
         return str(err)
     return None
@@ -340,6 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ulysses_size=config.ulysses_size,
         layouts=config.layout,
         ep=config.ep,
+        tp=config.tp,
     )
     return 0 if ok else 1
 

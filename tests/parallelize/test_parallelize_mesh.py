@@ -28,15 +28,21 @@ def test_build_mesh_sizes_and_errors():
         {"cp": 3},
         {"cp": 0},
         {"dp_shard": True},
+        {"cp": 2, "tp": 2},
+        {"dp_shard": 1, "cp": 2, "tp": 3},
+        {"cp": 2, "tp": 2, "ep": 2},
     ]
     results = run_distributed(_build_meshes, 4, kwargs_list)
     assert all(r == results[0] for r in results)  # every rank raises the same error
-    ok_fsdp, ok_hsdp, product, divide, zero, boolean = results[0]
+    ok_fsdp, ok_hsdp, product, divide, zero, boolean, ok_tp, tp_product, tp_ep = results[0]
+    assert ok_tp == repr(MeshSizes(dp_replicate=1, dp_shard=1, cp=2, tp=2))
+    assert "x cp=2 x tp=3 = 6 ranks, but the world has 4" in tp_product
+    assert "tp=2 with ep=2: tensor and expert parallelism do not combine yet" in tp_ep
     assert ok_fsdp == repr(MeshSizes(dp_replicate=1, dp_shard=2, cp=2))
     assert ok_hsdp == repr(MeshSizes(dp_replicate=2, dp_shard=1, cp=2))
-    assert "dp_replicate=1 x dp_shard=3 x cp=2 = 6 ranks, but the world has 4" in product
+    assert "dp_replicate=1 x dp_shard=3 x cp=2 x tp=1 = 6 ranks, but the world has 4" in product
     assert "dp_shard=-1 to fill the rest" in product
-    assert "x cp=3 = 3 does not divide the world size 4" in divide
+    assert "x cp=3 x tp=1 = 3 does not divide the world size 4" in divide
     assert "cp must be a positive int, got 0" in zero
     assert "dp_shard must be a positive int (or -1" in boolean
 
@@ -63,14 +69,14 @@ def test_mesh_validation_names_what_is_wrong():
         ((2, 2), ("dp_shard", "cp")),  # a subset, in order: fine
         ((4,), ("cp",)),
         ((2, 2), ("cp", "dp_shard")),
-        ((2, 2), ("dp_shard", "tp")),
+        ((2, 2), ("dp_shard", "pp")),
         ((4,), None),
     ]
     subset, cp_only, order, unknown, unnamed, not_mesh = run_distributed(_named_meshes, 4, specs)[0]
     assert subset == repr(MeshSizes(1, 2, 2))
     assert cp_only == repr(MeshSizes(1, 1, 4))
-    assert "must appear once each, in the order ['dp_replicate', 'dp_shard', 'cp']" in order
-    assert "['tp'] not understood" in unknown
+    assert "must appear once each, in the order ['dp_replicate', 'dp_shard', 'cp', 'tp']" in order
+    assert "['pp'] not understood" in unknown
     assert "no dim names" in unnamed and "build_mesh(" in unnamed
     assert "expected a DeviceMesh, got str" in not_mesh
 
