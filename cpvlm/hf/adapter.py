@@ -340,6 +340,12 @@ class VLMAdapter:
         flat = [u for unit in units for u in (unit if isinstance(unit, nn.ModuleList) else [unit])]
         return [*self.decoder_layers(model), *flat]
 
+    tp_plan: ClassVar[dict[str, str] | None] = None
+    """A ``base_model_tp_plan`` of the family's own for ``--tp`` (``cpvlm.hf.tensor_plan``),
+    where the text config's does not split the decoder layers (transformers 5.25's Qwen3-VL plans
+    only its embedding). Read from the class that declares it only: a subclass family with other
+    layers (MoE, linear attention) declares its own or none. None: the text config's."""
+
     def install_context_parallel(self, model: nn.Module) -> None:
         """Make the text model's sequence-mixing layers other than attention (which goes through
         transformers' AttentionInterface) follow the ``cpvlm_cp`` context; called once by
