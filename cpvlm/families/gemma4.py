@@ -404,6 +404,8 @@ def _target_grid(height, width, patch, kernel, soft_tokens, name) -> tuple[int, 
 
 
 class Gemma4Media(ChatMedia):
+    processor_parts = {"feature_extractor": None}  # the checkpoint's, where it has one
+
     def __init__(self, adapter, image_processor, video_config, **bounds):
         super().__init__(adapter, image_processor, video_config, **bounds)
         vc = adapter.config.vision_config
@@ -421,7 +423,7 @@ class Gemma4Media(ChatMedia):
         self.video_tokens = opt("max_soft_tokens")
 
     def processor_kwargs(self, settings):
-        # None: a checkpoint without a feature extractor (its audio items are refused)
+        # None: a checkpoint without one (its audio items are refused)
         return {**super().processor_kwargs(settings), "feature_extractor": self.feature_extractor}
 
     def video_stand_in(self):
