@@ -4,9 +4,9 @@
     cpvlm train --model runs/example/ckpt --data runs/example/data/train.jsonl --cp 2 --steps 20
 
 ``runs/example/data/`` gets PNG images of several sizes, frame folders for videos, WAV clips
-where the family takes audio (``--model qwen3-omni-moe-tiny``: tones under noise), and
-``train.jsonl``: one conversation a line, in the messages format transformers processors take,
-with paths relative to the file:
+where the model takes audio (``--model qwen3-omni-moe-tiny`` or ``gemma4-audio-tiny``: tones
+under noise), and ``train.jsonl``: one conversation a line, in the messages format transformers
+processors take, with paths relative to the file:
 
     {"messages": [{"role": "user", "content": [{"type": "image", "image": "img/s1_0.png"},
                                                {"type": "text", "text": "Describe the image."}]},
@@ -43,12 +43,12 @@ def main():
     args = parser.parse_args()
     out = Path(args.out)
     family = tiny_adapters()[args.model].family
-    ckpt = make_tiny_checkpoint(out / "ckpt", family)
+    ckpt = make_tiny_checkpoint(out / "ckpt", family, model=args.model)
     records = example_records(
         out / "data",
         args.samples,
         videos=takes_example_videos(family),
-        audio=takes_example_audio(family),
+        audio=takes_example_audio(family, args.model),
     )
     jsonl = write_jsonl(out / "data" / "train.jsonl", records)
     print(f"checkpoint: {ckpt}\ndata:       {jsonl}")

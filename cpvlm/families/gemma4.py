@@ -22,8 +22,8 @@ with ``use_bidirectional_attention="vision"``): global layers causal only; slidi
 ``sliding_window_overlay`` AND (causal OR same run of image/video tokens,
 ``get_block_sequence_ids_for_mask``: types 1 and 2). Without it (None) every layer is causal.
 
-The data path (``Gemma4Media``, ``cpvlm.hf.chat_media``): variable-size images and videos of
-frames.
+The data path (``Gemma4Media``, ``cpvlm.hf.chat_media``): variable-size images, videos of
+frames and audio clips (end of "Audio").
 
 Legend: p patch side, k pooling kernel, (h, w) an image's or frame's size in patches, F frames.
 
@@ -53,8 +53,14 @@ frames (``from_model_batch`` / ``to_model_batch`` convert). Audio tokens are cau
 decoder (transformers' image blocks are types 1 and 2 only) and are embedded as the pad token
 for the per-layer embeddings. The audio tower has only an eager attention: a config's
 ``attn_implementation`` gives it ``"eager"``. Its attention computes in float32 whatever the
-model's dtype (``.float()``, a float32 softmax): a float32 island (the kit's). The data path
-(``Gemma4Media``) takes no audio yet: audio batches come in the processor's or the core's keys.
+model's dtype (``.float()``, a float32 softmax): a float32 island (the kit's).
+
+Audio on the data path (``Gemma4Media``, a checkpoint with a feature extractor): a clip is decoded
+to mono at the extractor's rate (``cpvlm.data.audio``); ``Gemma4AudioFeatureExtractor`` on the
+clip alone, with the processor's keywords (the extractor's defaults: samples padded to a multiple
+of 128, truncated at 30 s), gives its valid frames (a frame is valid where its whole 20 ms window
+is real samples, so padding changes none of them); the processor's own ``replace_audio_token``
+expands the template's audio token from a mask of those frames.
 """
 
 from __future__ import annotations
@@ -68,8 +74,9 @@ from transformers.models.gemma4.image_processing_pil_gemma4 import (
 )
 from transformers.video_utils import VideoMetadata
 
+from cpvlm.data.audio import load_audio
 from cpvlm.data.errors import DataError
-from cpvlm.data.sample import VisionItem
+from cpvlm.data.sample import AudioItem, VisionItem
 from cpvlm.hf.adapter import ModulePaths, VLMAdapter
 from cpvlm.hf.chat_media import ChatMedia, frame_pixels, frames_of, video_option
 from cpvlm.hf.kit import FamilyKit, TinyProcessor
@@ -233,14 +240,16 @@ _SPECIAL = {
     "eoa_token": "<end_of_audio>",
 }
 _VIDEO_TOKEN = "<|video|>"  # Gemma4Processor adds it to the tokenizer itself
-# Gemma's template, reduced to what matters here: turns, the image token per image and the video
-# token per video (the processor expands both, a video into timestamped frames).
+# Gemma's template, reduced to what matters here: turns, the image token per image, the video
+# token per video and the audio token per clip (the processor expands them, a video into
+# timestamped frames).
 _TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}<start_of_turn>"
     "{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
     "{% for item in message['content'] %}{% if item['type'] == 'image' %}<image_soft_token>"
     "{% elif item['type'] == 'video' %}<|video|>"
+    "{% elif item['type'] == 'audio' %}<audio_soft_token>"
     "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}"
     "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
@@ -277,6 +286,15 @@ def _image_processor(config):
     )
 
 
+def _feature_extractor(config):
+    """Gemma 4's feature extractor at the tower's mel bins (None: a config without audio)."""
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+
+    if config.audio_config is None:
+        return None
+    return Gemma4AudioFeatureExtractor(feature_size=_mel_bins(config.audio_config))
+
+
 def _video_processor(config) -> dict:
     vc = config.vision_config
     return {
@@ -308,6 +326,7 @@ class Gemma4Kit(FamilyKit):
         config_ids=_config_ids,
         image_processor=_image_processor,
         video_processor=_video_processor,
+        feature_extractor=_feature_extractor,
         processor_settings=lambda config: {"image_seq_length": TINY_SOFT_TOKENS},
         end_of_turn="<end_of_turn>",
         frame_size=(96, 160),  # 12 x 20 patches of 8, at most TINY_SOFT_TOKENS pooled
@@ -385,7 +404,7 @@ def _target_grid(height, width, patch, kernel, soft_tokens, name) -> tuple[int, 
 
 
 class Gemma4Media(ChatMedia):
-    processor_parts = {"feature_extractor": None}  # no audio
+    processor_parts = {"feature_extractor": None}  # the checkpoint's, where it has one
 
     def __init__(self, adapter, image_processor, video_config, **bounds):
         super().__init__(adapter, image_processor, video_config, **bounds)
@@ -402,6 +421,10 @@ class Gemma4Media(ChatMedia):
                 )
         self.patch, self.kernel = vc.patch_size, vc.pooling_kernel_size
         self.video_tokens = opt("max_soft_tokens")
+
+    def processor_kwargs(self, settings):
+        # None: a checkpoint without one (its audio items are refused)
+        return {**super().processor_kwargs(settings), "feature_extractor": self.feature_extractor}
 
     def video_stand_in(self):
         stand_in = super().video_stand_in()
@@ -439,6 +462,22 @@ class Gemma4Media(ChatMedia):
         )
         return {"num_soft_tokens_per_video": [self._tokens(item)], "video_metadata": [metadata]}, 0
 
+    def audio_item(self, ref):
+        fe = self.feature_extractor
+        if fe is None:
+            return super().audio_item(ref)
+        features = clip_frames(fe, load_audio(ref, fe.sampling_rate))
+        if not len(features):
+            raise DataError(
+                "unreadable_media",
+                f"{ref.name}: shorter than one feature frame ({fe.frame_length // 2 + 1} samples)",
+            )
+        return AudioItem(features, ref.name)
+
+    def audio_inputs(self, items, i):
+        # replace_audio_token counts the rows of the clip's frame mask
+        return {"input_features_mask": [torch.ones(items[i].frames, dtype=torch.bool)]}, 0
+
     def decode(self, item, temporal):
         p = self.patch
         if item.kind == "image":
@@ -459,6 +498,13 @@ class Gemma4Media(ChatMedia):
         T, C = x.shape[:2]
         x = x.reshape(T, C, h, p, w, p).permute(0, 2, 4, 3, 5, 1)
         return x.reshape(T * h * w, p * p * C)
+
+
+def clip_frames(feature_extractor, samples) -> torch.Tensor:
+    """``[frames, F]`` float32: ``Gemma4AudioFeatureExtractor`` on one clip's ``samples`` (mono,
+    at its sampling rate) with the processor's keywords (its defaults), the valid frames."""
+    out = feature_extractor([samples], return_tensors="pt")
+    return out["input_features"][0][out["input_features_mask"][0]].contiguous()
 
 
 @register

@@ -63,22 +63,40 @@ def takes_example_videos(family: str) -> bool:
     return _kit_class(family).tiny_processor.video_processor is not None
 
 
-def takes_example_audio(family: str) -> bool:
-    """Whether the family's tiny checkpoint has an audio feature extractor (example audio)."""
-    return _kit_class(family).tiny_processor.feature_extractor is not None
+def takes_example_audio(family: str, model: str | None = None) -> bool:
+    """Whether the tiny checkpoint of the family (of its tiny ``model``) has an audio feature
+    extractor (example audio)."""
+    extractor = _kit_class(family).tiny_processor.feature_extractor
+    return extractor is not None and extractor(_tiny_config(family, model)()) is not None
 
 
-def tiny_model_config(family: str, tokenizer):
-    """The family's tiny config with the tokenizer's special token ids."""
+def _tiny_config(family: str, model: str | None):
+    """The config builder of the family's tiny ``model`` (None: its first)."""
+    configs = _kit_class(family).tiny_configs
+    if model is None:
+        return next(iter(configs.values()))
+    if model not in configs:
+        raise ValueError(f"{model!r} is not a tiny model of {family} ({', '.join(configs)})")
+    return configs[model]
+
+
+def tiny_model_config(family: str, tokenizer, model: str | None = None):
+    """The family's tiny config (of its tiny ``model``; None: its first) with the tokenizer's
+    special token ids."""
     kit = _kit_class(family)
-    build = next(iter(kit.tiny_configs.values()))
-    return build(**kit.tiny_processor.config_ids(tokenizer))
+    return _tiny_config(family, model)(**kit.tiny_processor.config_ids(tokenizer))
 
 
 def make_tiny_checkpoint(
-    path: str | Path, family: str, *, layout: str = "v5", seed: int = 0
+    path: str | Path,
+    family: str,
+    *,
+    layout: str = "v5",
+    seed: int = 0,
+    model: str | None = None,
 ) -> Path:
-    """Write a tiny checkpoint directory (model + processor files) and return its path."""
+    """Write a tiny checkpoint directory (model + processor files) of the family's tiny ``model``
+    (None: its first) and return its path."""
     from transformers import AutoModelForImageTextToText
 
     if layout not in ("v5", "legacy"):
@@ -87,11 +105,10 @@ def make_tiny_checkpoint(
     path.mkdir(parents=True, exist_ok=True)
     tiny = _kit_class(family).tiny_processor
     tokenizer = tiny_tokenizer(family)
-    config = tiny_model_config(family, tokenizer)
+    config = tiny_model_config(family, tokenizer, model)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForImageTextToText.from_config(config)
-    model.save_pretrained(path)
+        AutoModelForImageTextToText.from_config(config).save_pretrained(path)
     template = tiny.chat_template
     image_processor = tiny.image_processor(config)
     processor = {
@@ -99,8 +116,9 @@ def make_tiny_checkpoint(
         "image_processor": image_processor.to_dict(),
         **tiny.processor_settings(config),
     }
-    extractor = tiny.feature_extractor(config).to_dict() if tiny.feature_extractor else None
-    if extractor is not None:
+    extractor = tiny.feature_extractor(config) if tiny.feature_extractor else None
+    if extractor is not None:  # a config without audio has none
+        extractor = {k: _plain(v) for k, v in extractor.to_dict().items()}
         processor["feature_extractor"] = extractor
     if tiny.video_processor is None:  # no video processor: the v5 layout, whatever is asked
         tokenizer.chat_template = template
@@ -127,6 +145,11 @@ def make_tiny_checkpoint(
             settings = {"processor_class": tiny.processor_class, **settings}
             (path / "processor_config.json").write_text(json.dumps(settings, indent=1))
     return path
+
+
+def _plain(value):
+    """A config value as JSON writes it (Gemma 4's extractor keeps ``mel_floor`` as an array)."""
+    return value.tolist() if isinstance(value, np.ndarray) else value
 
 
 def _png(path: Path, height: int, width: int, rng) -> None:

@@ -1,10 +1,11 @@
 """``cpvlm train --model DIR --data DIR/data/train.jsonl`` on the example data of LLaVA-OneVision,
-InternVL, Gemma 4 and Qwen3-Omni (``examples/make_example_data.py --model <family>-tiny``):
-conversations with images of several sizes (anyres crops, tiles, patch budgets), multi-image
-samples and videos of frames (LLaVA-OneVision: pooled frames and a newline row; InternVL: one-tile
-frames; Gemma 4: timestamped frames), and for Qwen3-Omni WAV clips (0.5 to 2.5 s, at 8 to 22 kHz,
-mono and stereo: shorter and longer than the audio encoder's 100-frame chunk), through each
-family's own processor (and feature extractor). With one pass of the 12 samples over the two
+InternVL, Gemma 4 (with and without audio) and Qwen3-Omni (``examples/make_example_data.py
+--model <model>``): conversations with images of several sizes (anyres crops, tiles, patch
+budgets), multi-image samples and videos of frames (LLaVA-OneVision: pooled frames and a newline
+row; InternVL: one-tile frames; Gemma 4: timestamped frames), and for Qwen3-Omni and
+``gemma4-audio-tiny`` WAV clips (0.5 to 2.5 s, at 8 to 22 kHz, mono and stereo: shorter and longer
+than Qwen3-Omni's 100-frame chunk; 13 to 63 rows of Gemma 4's tower, across its chunks of 4),
+through each family's own processor (and feature extractor). With one pass of the 12 samples over the two
 steps, every sample is trained, the six audio clips among them. CP=2 must equal CP=1 step for step
 in float64 to 1e-10 relative (the CP run sums the same terms in another order, ~1e-16 per
 operation over two steps).
@@ -20,12 +21,21 @@ import pytest
 from cpvlm.train.command import main as train_main
 
 ROOT = Path(__file__).resolve().parents[2]
-MODELS = ["llava-onevision-tiny", "internvl-tiny", "gemma4-tiny", "qwen3-omni-moe-tiny"]
-AUDIO_MODELS = {"qwen3-omni-moe-tiny"}
+MODELS = [
+    "llava-onevision-tiny",
+    "internvl-tiny",
+    "gemma4-tiny",
+    "gemma4-audio-tiny",
+    "qwen3-omni-moe-tiny",
+]
+AUDIO_MODELS = {"qwen3-omni-moe-tiny", "gemma4-audio-tiny"}
 # One pass of the 12 samples per pack window: rows are packed longest first, so the two steps'
 # rows hold the longest samples of one pass, the videos among them (with the default window of
 # 64 the first rows took the longest images of five passes, and no video).
 FLAGS = ["--dtype", "float64", "--steps", "2", "--pack-window", "12"]
+# gemma4-audio-tiny's 12 samples are 1925 tokens (Gemma 4's longer images and its audio rows):
+# two rows of 1024 hold one pass, two of the default 512 only half of it.
+MODEL_FLAGS = {"gemma4-audio-tiny": ["--seq-len", "1024"]}
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +87,7 @@ def _train(out: Path, *flags) -> list[dict]:
 def test_cp2_equals_cp1_on_the_example_data(example_dirs, model):
     folder = example_dirs[model]
     data = ["--model", str(folder / "ckpt"), "--data", str(folder / "data" / "train.jsonl")]
+    data += MODEL_FLAGS.get(model, [])
     one = _train(folder / "cp1", *data, "--cp", "1", "--num-workers", "0")
     two = _train(folder / "cp2", *data, "--cp", "2")
     assert [r["tokens"] for r in one] == [r["tokens"] for r in two]  # the same rows
