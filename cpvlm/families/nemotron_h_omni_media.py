@@ -157,6 +157,7 @@ class NemotronOmniImages:
 
     def __call__(self, images, return_tensors="pt", **_) -> dict:
         """The class's output for one call: ``pixel_values`` and ``image_grid_hw``."""
+        images = _flat_pil(images)
         grids = self.grids([(im.height, im.width) for im in images])
         return {
             "pixel_values": torch.cat([self.pixels(im, g) for im, g in zip(images, grids)]),
@@ -174,6 +175,21 @@ def parakeet_features(feature_extractor, samples) -> torch.Tensor:
         return_tensors="pt",
     )
     return out["input_features"][0][out["attention_mask"][0].bool()].contiguous()
+
+
+def _flat_pil(images) -> list:
+    """PIL images from what a processor call passes: nested lists of PIL images, paths (loaded
+    as ``fetch_images`` does) or ``[H, W, C]`` uint8 arrays."""
+    from PIL import Image
+    from transformers.image_utils import load_image
+
+    if isinstance(images, (list, tuple)):
+        return [im for x in images for im in _flat_pil(x)]
+    if isinstance(images, Image.Image):
+        return [images]
+    if isinstance(images, str):
+        return [load_image(images)]
+    return [Image.fromarray(np.asarray(images))]
 
 
 # ---- the data path -------------------------------------------------------------------------------
