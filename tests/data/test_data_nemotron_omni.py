@@ -1,10 +1,11 @@
 """Nemotron Omni on the data path (its tiny checkpoint): images by the image processor's steps
 written out (transformers' class needs torchvision), audio clips through Parakeet's extractor.
 
-The grid rule and the patch cut are compared with the functions of transformers' image
-processor module itself, imported with a stand-in for ``torchvision.transforms.v2.functional``
-(those functions do not call it); the pixels with a hand-computed case (an image already at its
-grid: no resize, each row ``(x - 255 mean) / (255 std)`` of its patch). Ids and features are
+The grid rule, the patch cut and the pixels are compared with transformers' image processor
+module itself, imported with a stand-in for ``torchvision.transforms.v2.functional`` (its
+``normalize``; the resize as torchvision's on float32 images, ``interpolate`` bicubic with
+antialias), and with a hand-computed case (an image already at its grid: no resize, each row
+``(x - 255 mean) / (255 std)`` of its patch). Ids and features are
 compared with ``NemotronH_Omni_Reasoning_V3Processor`` itself called on the images and the
 decoded samples (built around the written-out image steps and the checkpoint's extractor).
 """
@@ -16,6 +17,7 @@ import types
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from PIL import Image
 from transformers import AutoConfig, AutoTokenizer
@@ -36,13 +38,26 @@ def encoder(tmp_path_factory):
     return path, ChatEncoder(path, AutoConfig.from_pretrained(path))
 
 
+def _normalize(x, mean, std, inplace=False):  # torchvision's normalize: (x - mean) / std
+    mean, std = (torch.as_tensor(v, dtype=x.dtype).view(-1, 1, 1) for v in (mean, std))
+    return x.sub(mean).div(std)
+
+
 @pytest.fixture
 def image_module(monkeypatch):
-    """transformers' image processor module, its torchvision import stood in for."""
+    """transformers' image processor module, its torchvision import stood in for (a module
+    with ``normalize``; transformers' own check still finds no torchvision: asked first, cached)."""
+    import transformers.image_processing_backends as backends
+    from transformers.utils import is_torchvision_available
+
+    assert not is_torchvision_available()
     names = ("torchvision", "torchvision.transforms", "torchvision.transforms.v2")
     for name in (*names, names[-1] + ".functional"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    sys.modules[names[-1]].functional = sys.modules[names[-1] + ".functional"]
+    functional = sys.modules[names[-1] + ".functional"]
+    functional.normalize = _normalize
+    sys.modules[names[-1]].functional = functional
+    monkeypatch.setattr(backends, "tvF", functional, raising=False)
     try:
         yield importlib.import_module(MODULE)
     finally:
@@ -85,6 +100,41 @@ def test_pixels_without_resize_are_the_normalised_patches(image_module):
     torch.testing.assert_close(rows.double(), want, rtol=0, atol=1e-5)  # float32 rounding
     # row 5 is the patch at (1, 1): channel-major 8 x 8 pixels
     assert torch.equal(want[5], x[:, 8:16, 8:16].reshape(-1))
+
+
+def test_pixels_equal_the_classs_own_preprocess(image_module):
+    """The class's ``_preprocess`` (one budget per call, grids, the float32 cast, its fused
+    rescale and normalisation, the patches) on images resized up, down and not at all, its
+    resize the call torchvision's ``resize`` makes on float32 images (``interpolate``, bicubic,
+    antialias): equal exactly."""
+    cls = image_module.NemotronH_Omni_Reasoning_V3ImageProcessor
+    reference = cls.__new__(cls)  # its __init__ asks for torchvision
+    reference.resize = lambda x, size, resample=None: F.interpolate(
+        x, (size.height, size.width), mode="bicubic", antialias=True
+    )
+    mine = NemotronOmniImages(patch_size=8, min_num_patches=16, max_num_patches=64)
+    rng = np.random.default_rng(4)
+    sizes = [(40, 56), (90, 20), (16, 32), (12, 12), (40, 56)]
+    images = [Image.fromarray(rng.integers(0, 256, (*hw, 3), dtype=np.uint8)) for hw in sizes]
+    out = reference._preprocess(
+        [torch.from_numpy(np.array(im)).permute(2, 0, 1).contiguous() for im in images],
+        resample=None,
+        do_rescale=True,
+        rescale_factor=1 / 255,
+        do_normalize=True,
+        image_mean=tuple(cls.image_mean),
+        image_std=tuple(cls.image_std),
+        patch_size=8,
+        downsample_ratio=0.5,
+        min_num_patches=16,
+        max_num_patches=64,
+        max_model_len=16384,
+        disable_grouping=False,
+        return_tensors="pt",
+    )
+    got = mine(images)
+    assert got["image_grid_hw"].tolist() == out["image_grid_hw"].tolist()
+    assert torch.equal(got["pixel_values"], out["pixel_values"])
 
 
 def test_a_resized_image_keeps_the_bicubic_overshoot():
