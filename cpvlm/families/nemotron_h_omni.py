@@ -76,9 +76,12 @@ balances the clips' own work. A rank without
 clips encodes a dummy clip of one frame (``audio_dummy_frames``) and keeps none of its rows.
 
 Not in this step: videos (tubelets of 2 frames through the video patch projection, with Efficient
-Video Sampling): ``takes_videos`` is False. The data path has no ``chat_media`` for this family
-yet: transformers' image processor for it needs torchvision (``TorchvisionBackend``), which
-cpvlm's data path does not require; the kit declares no tiny processor.
+Video Sampling): ``takes_videos`` is False.
+
+Data path (``NemotronOmniMedia``, ``nemotron_h_omni_media``): images by the image processor's
+steps written out in PIL and torch (transformers' class needs torchvision), audio clips through
+the checkpoint's ``ParakeetFeatureExtractor`` one clip at a time, the placeholders expanded by
+the processor class's own code; the kit's tiny processor writes a checkpoint directory of them.
 
 Precision (``float32_islands``): transformers computes in float32 whatever the model's dtype in
 the Mamba-2 scan (``A_log.float()``, x/B/C/dt ``.float()``), its gated norm
@@ -116,6 +119,8 @@ from cpvlm.hf.tiny import (
     with_overrides,
 )
 from cpvlm.vision.cost import VisionCost, block_linear_macs
+
+from .nemotron_h_omni_media import NemotronOmniMedia, tiny_nemotron_omni_processor
 
 AUDIO_KEYS = ("input_features", "input_features_mask")
 """The model's audio inputs: the clips' mel features [clips, T, F] and their valid frames."""
@@ -387,7 +392,7 @@ class NemotronHOmniKit(FamilyKit):
     mixes_images_and_videos = False
     # RADIO's key bias adds q.b to every logit of a query, which softmax cancels
     zero_gradients = (r"vision_model\.encoder\.layer\.\d+\.attention\.k_proj\.bias",)
-    tiny_processor = None  # the image processor needs torchvision (module docstring)
+    tiny_processor = tiny_nemotron_omni_processor  # images in PIL and torch (module docstring)
     audio_clips = (75, 48)
     """Valid mel frames: 75 (odd: its last row reads the extractor's zero frame) and 48 (48 % 8 ==
     0: the "+1" row, which sees the padding to the longer clip; module docstring, "Audio")."""
@@ -466,6 +471,7 @@ class NemotronHOmniAdapter(VLMAdapter):
     model_classes = ("NemotronH_Omni_Reasoning_V3",)
     model_types = ("nemotron_h_omni",)
     kit = NemotronHOmniKit
+    chat_media = NemotronOmniMedia  # the data path's processor hooks
     modules = ModulePaths(
         text_model="language_model.model",
         lm_head="language_model.lm_head",

@@ -68,6 +68,14 @@ class ChatMedia:
         self.video_config = video_config
         self.processor = None
 
+    @classmethod
+    def load_image_processor(cls, model_dir):
+        """The checkpoint's image processor (default: ``AutoImageProcessor``; a family whose class
+        needs torchvision gives its steps written out)."""
+        from transformers import AutoImageProcessor
+
+        return AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
+
     def video_stand_in(self):
         """What the processor's ``__init__`` and replacement code read of its video processor."""
         return SimpleNamespace(model_input_names=["pixel_values_videos"], **self.video_config)

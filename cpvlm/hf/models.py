@@ -63,6 +63,9 @@ def build_model(
             attn_implementation=_attn_implementation(config, attn_implementation),
             **_dtype_kwargs(config, dtype),
         )
+        # one dtype for FSDP: transformers keeps some modules float32 whatever the dtype asked
+        # (_keep_in_fp32_modules_strict: NemotronH's router), as a tiny model's cast does not
+        model = model.to(dtype)
     adapter_for(model)
     return model.train()
 

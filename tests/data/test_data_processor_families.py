@@ -8,7 +8,8 @@ adapter's ``from_model_batch``) and the rows of an item (its ``item_sizes``). A 
 tiny processor is tested here without editing this file.
 
 The reference is the checkpoint's processor class running its own ``apply_chat_template(...,
-tokenize=True, return_dict=True)`` around the PIL image processor (AutoProcessor where
+tokenize=True, return_dict=True)`` around the PIL image processor (the family's
+``chat_media.load_image_processor``: Nemotron Omni's steps written out; AutoProcessor where
 torchvision works; video processors need it, so without it the reference takes videos through
 a stand-in for a fixed-size video processor on frames of its size; Gemma 4's video ids are
 checked in tests/hf/test_gemma.py). The data path reads grids from headers, expands the text
@@ -27,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from cpvlm.data import Record
 from cpvlm.hf.data.processor import ChatEncoder
@@ -76,7 +77,7 @@ def _reference(encoder: ChatEncoder, path: Path):
     if encoder.adapter.takes_videos:  # the family's processor class takes a video processor
         config["video_processor"] = None
     return lenient(
-        image_processor=AutoImageProcessor.from_pretrained(path),
+        image_processor=encoder.media.load_image_processor(path),  # AutoImageProcessor's
         tokenizer=AutoTokenizer.from_pretrained(path),
         chat_template=(path / "chat_template.jinja").read_text(),
         **encoder.media.processor_parts,  # the further parts the class requires

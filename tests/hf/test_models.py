@@ -554,6 +554,8 @@ def test_local_checkpoint_round_trip(name, tmp_path):
     assert expected.keys() == got.keys()
     assert all(torch.equal(expected[k], got[k]) for k in expected)
     loaded64 = build_model(str(tmp_path), dtype=torch.float64)
+    # one dtype (FSDP's), NemotronH's router too (transformers keeps it float32)
+    assert {p.dtype for p in loaded64.parameters()} == {torch.float64}
     model64 = build_model(name, dtype=torch.float64)
     assert all(torch.equal(a, b) for a, b in zip(loaded64.parameters(), model64.parameters()))
     with pytest.raises(FileNotFoundError, match="local checkpoint"):

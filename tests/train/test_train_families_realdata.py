@@ -1,11 +1,12 @@
 """``cpvlm train --model DIR --data DIR/data/train.jsonl`` on the example data of LLaVA-OneVision,
-InternVL, Gemma 4 (with and without audio) and Qwen3-Omni (``examples/make_example_data.py
---model <model>``): conversations with images of several sizes (anyres crops, tiles, patch
-budgets), multi-image samples and videos of frames (LLaVA-OneVision: pooled frames and a newline
-row; InternVL: one-tile frames; Gemma 4: timestamped frames), and for Qwen3-Omni and
-``gemma4-audio-tiny`` WAV clips (0.5 to 2.5 s, at 8 to 22 kHz, mono and stereo: shorter and longer
-than Qwen3-Omni's 100-frame chunk; 13 to 63 rows of Gemma 4's tower, across its chunks of 4),
-through each family's own processor (and feature extractor). With one pass of the 12 samples over the two
+InternVL, Gemma 4 (with and without audio), Qwen3-Omni and Nemotron Omni
+(``examples/make_example_data.py --model <model>``): conversations with images of several sizes
+(anyres crops, tiles, patch budgets), multi-image samples and videos of frames (LLaVA-OneVision:
+pooled frames and a newline row; InternVL: one-tile frames; Gemma 4: timestamped frames), and for
+Qwen3-Omni, ``gemma4-audio-tiny`` and Nemotron Omni WAV clips (0.5 to 2.5 s, at 8 to 22 kHz, mono
+and stereo: shorter and longer than Qwen3-Omni's 100-frame chunk; 13 to 63 rows of Gemma 4's
+tower, across its chunks of 4; Nemotron Omni: no videos, images on patch budgets), through each
+family's own processor (and feature extractor). With one pass of the 12 samples over the two
 steps, every sample is trained, the six audio clips among them. CP=2 must equal CP=1 step for step
 in float64 to 1e-10 relative (the CP run sums the same terms in another order, ~1e-16 per
 operation over two steps).
@@ -27,8 +28,10 @@ MODELS = [
     "gemma4-tiny",
     "gemma4-audio-tiny",
     "qwen3-omni-moe-tiny",
+    "nemotron-omni-tiny",
 ]
-AUDIO_MODELS = {"qwen3-omni-moe-tiny", "gemma4-audio-tiny"}
+AUDIO_MODELS = {"qwen3-omni-moe-tiny", "gemma4-audio-tiny", "nemotron-omni-tiny"}
+VIDEO_MODELS = set(MODELS) - {"nemotron-omni-tiny"}
 # One pass of the 12 samples per pack window: rows are packed longest first, so the two steps'
 # rows hold the longest samples of one pass, the videos among them (with the default window of
 # 64 the first rows took the longest images of five passes, and no video).
@@ -49,7 +52,7 @@ def example_dirs(tmp_path_factory, monkeypatch_module):
         monkeypatch_module.setattr(sys, "argv", argv)
         runpy.run_path(str(ROOT / "examples" / "make_example_data.py"), run_name="__main__")
         lines = (out / "data" / "train.jsonl").read_text()
-        assert '"type": "video"' in lines, model  # every one of these families takes videos
+        assert ('"type": "video"' in lines) == (model in VIDEO_MODELS), model
         assert ('"type": "audio"' in lines) == (model in AUDIO_MODELS), model
         dirs[model] = out
     return dirs

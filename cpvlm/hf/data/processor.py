@@ -169,7 +169,7 @@ class ChatEncoder:
         video_min_pixels: int | None = None,
         video_max_pixels: int | None = None,
     ):
-        from transformers import AutoImageProcessor, AutoTokenizer
+        from transformers import AutoTokenizer
 
         if train_on not in TRAIN_ON:
             raise ValueError(f"train_on must be one of {TRAIN_ON}, got {train_on!r}")
@@ -188,9 +188,7 @@ class ChatEncoder:
         model_type = model_config.model_type
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
         self._tokenize = ExpandedTokenizer(self.tokenizer)
-        self.image_processor = AutoImageProcessor.from_pretrained(
-            self.model_dir, local_files_only=True
-        )
+        self.image_processor = self.adapter.chat_media.load_image_processor(self.model_dir)
         self.media = self.adapter.chat_media(
             self.adapter,
             self.image_processor,
