@@ -30,7 +30,7 @@ one rounding.)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -245,15 +245,22 @@ def sync_gradients(model: nn.Module, groups: MeshGroups | dist.ProcessGroup) -> 
     if isinstance(groups, MeshGroups) and groups.ep_mesh is not None:
         sync_expert_gradients(model, groups)
         experts = set(expert_parameters(model))
+    params = [p for p in model.parameters() if p.requires_grad and p not in experts]
+    all_reduce_gradients(params, group)
+
+
+def all_reduce_gradients(params: Sequence[nn.Parameter], group) -> None:
+    """Sum the gradients of ``params`` over ``group`` in place (a DTensor gradient's local
+    shard as it is), one flat all-reduce per dtype and device, in ``params`` order; a missing
+    gradient counts as zeros (and becomes a zero tensor), so that every rank joins."""
     buckets: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
-    for p in model.parameters():
-        if p.requires_grad and p not in experts:
-            buckets.setdefault((p.dtype, p.device), []).append(p)
-    for params in buckets.values():
-        for p in params:
+    for p in params:
+        buckets.setdefault((p.dtype, p.device), []).append(p)
+    for bucket in buckets.values():
+        for p in bucket:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in bucket]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=group)
         for g, s in zip(grads, flat.split([g.numel() for g in grads])):

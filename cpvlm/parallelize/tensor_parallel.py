@@ -28,12 +28,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from cpvlm.parallelize.data_parallel import all_reduce_gradients
 
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 """The plan's styles that split a module, by transformers' names."""
@@ -129,11 +129,4 @@ def sync_tp_gradients(modules: Sequence[nn.Module], tp_group: dist.ProcessGroup)
     params = [p for m in modules for p in m.parameters() if p.requires_grad]
     if not params or dist.get_world_size(tp_group) == 1:
         return
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    locals_ = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
-    flat = torch.cat([g.reshape(-1) for g in locals_])
-    dist.all_reduce(flat, group=tp_group)
-    for g, s in zip(locals_, flat.split([g.numel() for g in locals_])):
-        g.copy_(s.view_as(g))
+    all_reduce_gradients(params, tp_group)
