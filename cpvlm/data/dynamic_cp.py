@@ -1,22 +1,48 @@
 """Dynamic CP: each packed row of a step split over as few ranks of its CP group as it needs.
 
 Legend: C the CP size; c a row's CP size, a divisor of C; a *block* of size c is one of the C / c
-aligned runs of CP ranks ``b * c .. b * c + c - 1``; a *job* is one row on one block.
+aligned runs of CP ranks ``b * c .. b * c + c - 1``; a *job* is one row on one block; n a row's
+tokens, M its forward MACs (``RowCost``).
 
 With a fixed CP size every row is cut over all C ranks: a short conversation pays C - 1 ring
-exchanges per layer for blocks too small to keep a device busy. Here a row gets the smallest c
-whose share of it fits a rank's token budget (``rank_tokens``, by default what a full row leaves
-each rank at CP C, so no rank holds more of a row than under static CP), and a step becomes a
-sequence of *rounds*: in each round the C ranks are cut into aligned blocks, each block runs one
-job, and a rank no block covers runs nothing (the trainer gives it a row that trains nothing, so
-FSDP2's collectives, made once per forward on every rank, still line up). Blocks are aligned so
-that every block is one of the process groups made once at start-up (``C / c`` groups for each c).
+exchanges per layer for blocks too small to keep a device busy. Here a row gets at least the
+smallest c whose share of it fits a rank's token budget (``rank_tokens``, by default what a full
+row leaves each rank at CP C, so no rank holds more of a row than under static CP: the memory
+rule), and a step becomes a sequence of *rounds*: in each round the C ranks are cut into aligned
+blocks, each block runs one job, and a rank no block covers runs nothing (the trainer gives it a
+row that trains nothing, so FSDP2's collectives, made once per forward on every rank, still line
+up). Blocks are aligned so that every block is one of the process groups made once at start-up
+(``C / c`` groups for each c).
 
-Rounds are packed first-fit decreasing by modelled time (a job's cost / c; cost in forward MACs,
-``RowCost``): jobs in order of size, then time, each into the first round with a free aligned
-block of its size (the lowest such block), else into a new round. A round lasts as long as its
-slowest job, so jobs of like time share rounds. Everything is a function of the step's rows:
-every rank computes the same plan without communicating.
+Rounds are packed first-fit decreasing: jobs in order of size, then time, each into the first
+round with a free aligned block of its size (the lowest such block), else into a new round. A
+round lasts as long as its slowest job, so jobs of like time share rounds.
+
+Without a time model a job's time is M / c and every row keeps the memory rule's c. With one
+(``JobTimes``, seconds) a job of row (n, M) at size c takes
+
+    (1 + backward) M / c * mac_s                       its rank's share of the compute
+  + 2 layers c call_s                                  one attention call per ring step, fwd + bwd
+  + max(0, exchange - attention)                       the ring's transfers that its own
+      exchange  = layers [2 (c-1) hop(kv) + c hop(acc)] attention kernels do not hide
+      hop(b)    = message_s + b ceil(n / c) / link_bytes_per_s
+      attention = (1 + backward) min(M - token n, pair n (n + 1) / 2) / c * mac_s
+
+(the ring of ``cpvlm.attention.cost``: K/V go c - 1 hops forward and again backward, the dK/dV
+accumulators c hops; an all-gather sends as many bytes in c - 1 messages), and a round takes
+``max(slowest job, gather_s) + round_s``: FSDP2 gathers the parameters again for every forward
+and backward (hidden behind the round's compute when there is enough of it) and each round pays
+its fixed launch and synchronisation costs. So a larger c divides the compute but pays latency
+and bytes per layer that grow with c, and every round pays its fixed costs: short rows win on
+few ranks, and a long row wins on many. The planner then chooses, never below the memory rule
+(a larger c only lowers a rank's share): from the memory rule's sizes, one pass over the slowest
+job of each round, slowest first, raising its c a divisor at a time while that shortens the step;
+then each of C's divisors as a floor on every row's c, where one is faster still (the floor C is
+static CP, so the plan is never slower than static CP in the model).
+
+Everything is a function of the step's rows: every rank computes the same plan without
+communicating. Planning costs O(rows x rounds) integer mask tests per packing, about a few
+dozen packings per step.
 """
 
 from __future__ import annotations
@@ -24,6 +50,43 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
+
+
+@dataclass(frozen=True)
+class JobTimes:
+    """The time model of a job (see the module docstring); build one for a transformers VLM with
+    ``cpvlm.simulate.dynamic_cp.job_times``. Seconds, bytes, forward MACs."""
+
+    mac_s: float  # forward seconds per MAC at the achieved throughput
+    backward_factor: float  # backward time over forward time
+    token: int  # MACs per token of the matrices (``RowCost.token``): nothing hides a hop there
+    pair: int  # MACs per attended pair over the layers (``RowCost.pair``)
+    layers: int  # layers whose attention exchanges K/V over a row's ranks
+    kv_bytes: int  # K and V bytes per token and layer
+    acc_bytes: int  # dK and dV accumulator bytes per token and layer
+    call_s: float  # fixed cost of one attention kernel call
+    message_s: float  # fixed cost of one message
+    link_bytes_per_s: float  # what one rank sends per second
+    round_s: float = 0.0  # fixed cost of a round (a forward and backward on every rank)
+    gather_s: float = 0.0  # FSDP2's parameter gathers of a round, hidden behind its compute
+
+    def job(self, tokens: int, cost: int, c: int) -> float:
+        """Seconds of a row of ``tokens`` tokens and ``cost`` MACs on ``c`` ranks."""
+        train = (1 + self.backward_factor) * self.mac_s
+        seconds = train * cost / c + 2 * self.layers * c * self.call_s
+        if c == 1:
+            return seconds
+        local = -(-tokens // c)
+        hop = self.message_s + self.kv_bytes * local / self.link_bytes_per_s
+        acc = self.message_s + self.acc_bytes * local / self.link_bytes_per_s
+        exchange = self.layers * (2 * (c - 1) * hop + c * acc)
+        attention = min(max(cost - self.token * tokens, 0), self.pair * tokens * (tokens + 1) // 2)
+        return seconds + max(0.0, exchange - train * attention / c)
+
+    def round(self, slowest_job: float) -> float:
+        """Seconds of a round whose slowest job takes ``slowest_job``."""
+        return max(slowest_job, self.gather_s) + self.round_s
 
 
 @dataclass(frozen=True)
@@ -62,6 +125,20 @@ class DynamicPlan:
         """The sum over rounds of the slowest job's cost per rank (see the module docstring)."""
         return sum(max(costs[j.row] / j.size for j in r) for r in self.rounds)
 
+    def modelled_seconds(self, tokens: Sequence[int], costs: Sequence[int], times: JobTimes):
+        """The step's seconds under ``times``: its rounds' (see the module docstring)."""
+        return sum(
+            times.round(max(times.job(tokens[j.row], costs[j.row], j.size) for j in r))
+            for r in self.rounds
+        )
+
+    def balance(self, costs: Sequence[int]) -> float:
+        """Busy rank-time over the group's: the sum of every job's cost over C times the sum of
+        each round's slowest job's cost per rank (1.0: no rank ever waits)."""
+        busy = sum(costs[j.row] for r in self.rounds for j in r)
+        span = self.cp * self.modelled_time(costs)
+        return busy / span if span else 1.0
+
 
 def divisors(cp: int) -> list[int]:
     """The CP sizes a row can take in a group of ``cp`` ranks, ascending."""
@@ -73,41 +150,109 @@ def row_size(tokens: int, cp: int, rank_tokens: int) -> int:
     return next((c for c in divisors(cp) if -(-tokens // c) <= rank_tokens), cp)
 
 
-def plan_rounds(costs: Sequence[int], sizes: Sequence[int], cp: int) -> DynamicPlan:
-    """Pack jobs (row i at CP size ``sizes[i]``) into rounds, first-fit decreasing by
-    ``costs[i] / sizes[i]`` (see the module docstring)."""
+def _free_block(idle: int, c: int, cp: int) -> int | None:
+    """The lowest aligned block of size ``c`` whose ranks are all in the mask ``idle``: bit k of
+    ``runs`` says ranks k .. k + c - 1 are idle (doubling shifts), kept at multiples of c."""
+    runs, covered = idle, 1
+    while covered < c:
+        step = min(covered, c - covered)
+        runs &= runs >> step
+        covered += step
+    runs &= _aligned(c, cp)
+    return None if not runs else ((runs & -runs).bit_length() - 1) // c
+
+
+@lru_cache(maxsize=1024)
+def _aligned(c: int, cp: int) -> int:
+    """The mask of the first ranks of the blocks of size ``c``."""
+    return sum(1 << (b * c) for b in range(cp // c))
+
+
+def plan_rounds(
+    costs: Sequence[int], sizes: Sequence[int], cp: int, times: Sequence[float] | None = None
+) -> DynamicPlan:
+    """Pack jobs (row i at CP size ``sizes[i]``) into rounds, first-fit decreasing by size, then
+    by ``times[i]`` (default ``costs[i] / sizes[i]``; see the module docstring)."""
     if len(costs) != len(sizes):
         raise ValueError(f"plan_rounds: {len(costs)} costs but {len(sizes)} sizes")
     bad = [c for c in sizes if isinstance(c, bool) or not isinstance(c, int) or c < 1 or cp % c]
     if bad:
         raise ValueError(f"plan_rounds: CP sizes {sorted(set(bad))} do not divide cp={cp}")
-    order = sorted(range(len(costs)), key=lambda i: (-sizes[i], -costs[i] / sizes[i], i))
+    if times is None:
+        times = [costs[i] / sizes[i] for i in range(len(costs))]
+    order = sorted(range(len(costs)), key=lambda i: (-sizes[i], -times[i], i))
     rounds: list[list[RowJob]] = []
-    used: list[set[int]] = []  # CP ranks taken, per round
+    idle: list[int] = []  # per round, a mask of the CP ranks no job holds yet
+    start, size = 0, None  # rounds before ``start`` have no free block of ``size`` (they only fill)
     for i in order:
         c = sizes[i]
-        for r, taken in enumerate(used + [set()]):
-            block = next(
-                (b for b in range(cp // c) if not taken & set(range(b * c, b * c + c))), None
-            )
+        if c != size:
+            start, size = 0, c
+        for r in range(start, len(rounds)):
+            block = _free_block(idle[r], c, cp)
             if block is not None:
-                if r == len(rounds):
-                    rounds.append([])
-                    used.append(set())
-                rounds[r].append(RowJob(i, c, block))
-                used[r].update(range(block * c, block * c + c))
                 break
+            start = r + 1
+        else:
+            r, block = len(rounds), 0
+            rounds.append([])
+            idle.append((1 << cp) - 1)
+        rounds[r].append(RowJob(i, c, block))
+        idle[r] &= ~(((1 << c) - 1) << (block * c))
     ordered = tuple(tuple(sorted(r, key=lambda j: j.block * j.size)) for r in rounds)
     return DynamicPlan(cp, ordered)
 
 
 def plan_dynamic_cp(
-    tokens: Sequence[int], costs: Sequence[int], cp: int, rank_tokens: int
+    tokens: Sequence[int],
+    costs: Sequence[int],
+    cp: int,
+    rank_tokens: int,
+    *,
+    times: JobTimes | None = None,
 ) -> DynamicPlan:
-    """The rounds of a step's rows (one DP replica's): each row at ``row_size`` by its token
-    count, packed by ``plan_rounds``."""
+    """The rounds of a step's rows (one DP replica's): without ``times`` each row at
+    ``row_size`` by its token count, packed by ``plan_rounds``; with ``times`` the sizes that
+    model fastest from those upward (see the module docstring)."""
     if cp < 1:
         raise ValueError(f"plan_dynamic_cp: cp must be >= 1, got {cp}")
     if rank_tokens < 1:
         raise ValueError(f"plan_dynamic_cp: rank_tokens must be >= 1, got {rank_tokens}")
-    return plan_rounds(costs, [row_size(n, cp, rank_tokens) for n in tokens], cp)
+    if len(tokens) != len(costs):
+        raise ValueError(f"plan_dynamic_cp: {len(tokens)} token counts but {len(costs)} costs")
+    least = [row_size(n, cp, rank_tokens) for n in tokens]
+    if times is None:
+        return plan_rounds(costs, least, cp)
+    sizes_of = divisors(cp)
+    memo: dict[tuple[int, int], float] = {}
+
+    def job_s(i: int, c: int) -> float:
+        if (i, c) not in memo:
+            memo[i, c] = times.job(tokens[i], costs[i], c)
+        return memo[i, c]
+
+    def pack(sizes: list[int]) -> tuple[float, DynamicPlan]:
+        plan = plan_rounds(costs, sizes, cp, [job_s(i, c) for i, c in enumerate(sizes)])
+        seconds = sum(times.round(max(job_s(j.row, j.size) for j in r)) for r in plan.rounds)
+        return seconds, plan
+
+    # from the memory rule's sizes, the slowest job of each round, slowest first: one divisor
+    # up while the step gets shorter
+    best_s, best = pack(least)
+    best_sizes = least
+    critical = [max(r, key=lambda j: (job_s(j.row, j.size), -j.row)) for r in best.rounds]
+    for job in sorted(critical, key=lambda j: (-job_s(j.row, j.size), j.row)):
+        c = best_sizes[job.row]
+        while c < cp:
+            larger = next(d for d in sizes_of if d > c)
+            sizes = best_sizes[: job.row] + [larger] + best_sizes[job.row + 1 :]
+            seconds, plan = pack(sizes)
+            if seconds >= best_s:
+                break
+            best_s, best, best_sizes, c = seconds, plan, sizes, larger
+    # a floor on every row's c (the floor cp is static CP), where one beats that
+    for floor in sizes_of[1:]:
+        seconds, plan = pack([max(c, floor) for c in least])
+        if seconds < best_s:
+            best_s, best = seconds, plan
+    return best
