@@ -9,6 +9,14 @@ memory first; one that needs no less memory than a candidate that did not fit (s
 checkpointing, a larger chunk) is listed as not simulated. ``--ep`` / ``--tp`` sizes are modelled
 on the simulated ep = tp = 1 rank of gpus / tp ranks (``cpvlm.simulate.parallel_cost``; shown as
 "modelled"), not simulated.
+
+    cpvlm plan --model qwen3-vl-8b --seq-len 131072 --gpus 8 --gpu-mem 80 --cp 8 --dynamic-cp
+
+``--dynamic-cp`` models a long-tailed step instead (``--rows`` rows per DP replica from
+``--mix``, the longest ``--seq-len``) at each ``--cp``: step time under static CP against dynamic
+CP (``cpvlm.simulate.dynamic_cp``), rows per CP size, rounds, modelled balance. Nothing is
+simulated: dynamic CP never gives a rank more of a row than static CP does, so its peak memory
+is the static candidate's (run without ``--dynamic-cp`` for it).
 """
 
 from __future__ import annotations
@@ -82,6 +90,15 @@ class PlanConfig:
         (1024,), help="loss chunks to try (0: whole logits, never less memory than a chunk)"
     )
     json: bool = arg(False, help="print JSON instead of a table")
+    dynamic_cp: bool = arg(
+        False, help="model static against dynamic CP on a long-tailed step (no memory simulated)"
+    )
+    rows: int = arg(64, help="--dynamic-cp: rows per DP replica per step")
+    mix: Literal["text", "video"] = arg(
+        "video",
+        help="--dynamic-cp: the step's rows: text (log-normal lengths), or video (one row in 16 "
+        "a long video, the rest short image conversations)",
+    )
 
     def __post_init__(self):
         if self.gpus < 1 or self.gpu_mem <= 0:
@@ -92,6 +109,8 @@ class PlanConfig:
         bad = [t for t in self.tp if t < 1 or self.gpus % t]
         if bad:
             raise ValueError(f"--tp {bad} must divide --gpus {self.gpus}")
+        if self.rows < 1:
+            raise ValueError(f"--rows must be >= 1, got {self.rows}")
         if not self.ep or min(self.ep) < 1:
             raise ValueError(f"--ep {list(self.ep)}: sizes must be >= 1, e.g. --ep 1 8")
 
@@ -136,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as err:
         print(f"cpvlm plan: {err}", file=sys.stderr)
         return 2
+    if args.dynamic_cp:
+        return _dynamic_cp(config, args)
     ac = {"both": [False, True], "on": [True], "off": [False]}[args.checkpointing]
     chunks = [c or None for c in args.loss_chunk]
     by_tp = {
@@ -200,3 +221,36 @@ def _print_table(results, budget, args, spec) -> None:
             "modelled (ep or tp > 1): the simulated ep = tp = 1 rank with the experts' and the "
             "TP-split layers' bytes moved (cpvlm/simulate/parallel_cost.py), not simulated"
         )
+
+
+def _dynamic_cp(config, args) -> int:
+    from cpvlm.simulate.dynamic_cp import MIXES, compare
+
+    metas = MIXES[args.mix](args.seq_len, args.rows)
+    results = [compare(config, metas, args.seq_len, cp, args.gpus // cp) for cp in args.cps()]
+    if args.json:
+        rows = [r.as_dict() for r in results]
+        print(json.dumps({"model": args.model, "mix": args.mix, "results": rows}, indent=1))
+        return 0
+    print(
+        f"{args.model}: dynamic CP, {args.rows} rows per DP replica of the {args.mix} mix, "
+        f"the longest {args.seq_len} tokens, on {args.gpus} GPUs (modelled, H100 figures)"
+    )
+    print(
+        f"{'cp':>3} {'dp':>3} {'static s':>9} {'dynamic s':>9} {'speedup':>7} {'ideal s':>8} "
+        f"{'rounds':>9} {'balance':>7} {'plan ms':>7}  rows per c"
+    )
+    for r in results:
+        sizes = " ".join(f"{c}:{n}" for c, n in sorted(r.sizes.items()))
+        print(
+            f"{r.cp:>3} {args.gpus // r.cp:>3} {r.static_s:9.3f} {r.dynamic_s:9.3f} "
+            f"{r.speedup:7.2f} {r.ideal_s:8.3f} {f'{r.rows}->{r.rounds}':>9} {r.balance:7.3f} "
+            f"{r.plan_ms:7.2f}  {sizes}"
+        )
+    print(
+        "rounds: static CP runs one a row, dynamic CP packs rows into fewer; ideal: every row's "
+        "compute spread evenly, nothing else; balance: busy rank-time over the group's. Peak "
+        "memory is static CP's by construction (no rank holds more of a row): run without "
+        "--dynamic-cp for it"
+    )
+    return 0
