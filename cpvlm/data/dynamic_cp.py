@@ -180,8 +180,14 @@ def plan_rounds(
         raise ValueError(f"plan_rounds: CP sizes {sorted(set(bad))} do not divide cp={cp}")
     if times is None:
         times = [costs[i] / sizes[i] for i in range(len(costs))]
-    order = sorted(range(len(costs)), key=lambda i: (-sizes[i], -times[i], i))
-    rounds: list[list[RowJob]] = []
+    return _plan(_pack(sizes, times, cp), sizes, cp)
+
+
+def _pack(sizes: Sequence[int], times: Sequence[float], cp: int) -> list[list[tuple[int, int]]]:
+    """``plan_rounds``' rounds as (row, block) pairs, without checks or objects (the planner
+    packs a step a few dozen times)."""
+    order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], -times[i], i))
+    rounds: list[list[tuple[int, int]]] = []
     idle: list[int] = []  # per round, a mask of the CP ranks no job holds yet
     start, size = 0, None  # rounds before ``start`` have no free block of ``size`` (they only fill)
     for i in order:
@@ -197,10 +203,15 @@ def plan_rounds(
             r, block = len(rounds), 0
             rounds.append([])
             idle.append((1 << cp) - 1)
-        rounds[r].append(RowJob(i, c, block))
+        rounds[r].append((i, block))
         idle[r] &= ~(((1 << c) - 1) << (block * c))
-    ordered = tuple(tuple(sorted(r, key=lambda j: j.block * j.size)) for r in rounds)
-    return DynamicPlan(cp, ordered)
+    return rounds
+
+
+def _plan(rounds: list[list[tuple[int, int]]], sizes: Sequence[int], cp: int) -> DynamicPlan:
+    """The plan of ``_pack``'s rounds, each round's jobs in the order of their ranks."""
+    ordered = (sorted(r, key=lambda job: job[1] * sizes[job[0]]) for r in rounds)
+    return DynamicPlan(cp, tuple(tuple(RowJob(i, sizes[i], b) for i, b in r) for r in ordered))
 
 
 def plan_dynamic_cp(
@@ -224,35 +235,34 @@ def plan_dynamic_cp(
     if times is None:
         return plan_rounds(costs, least, cp)
     sizes_of = divisors(cp)
-    memo: dict[tuple[int, int], float] = {}
+    seconds_at = [  # per row, its job's seconds at each size the memory rule allows
+        {c: times.job(n, m, c) for c in sizes_of if c >= least_c}
+        for n, m, least_c in zip(tokens, costs, least)
+    ]
 
-    def job_s(i: int, c: int) -> float:
-        if (i, c) not in memo:
-            memo[i, c] = times.job(tokens[i], costs[i], c)
-        return memo[i, c]
-
-    def pack(sizes: list[int]) -> tuple[float, DynamicPlan]:
-        plan = plan_rounds(costs, sizes, cp, [job_s(i, c) for i, c in enumerate(sizes)])
-        seconds = sum(times.round(max(job_s(j.row, j.size) for j in r)) for r in plan.rounds)
-        return seconds, plan
+    def pack(sizes: list[int]) -> tuple[float, list[list[tuple[int, int]]]]:
+        rounds = _pack(sizes, [seconds_at[i][c] for i, c in enumerate(sizes)], cp)
+        slowest = [max(seconds_at[i][sizes[i]] for i, _ in r) for r in rounds]
+        return sum(times.round(t) for t in slowest), rounds
 
     # from the memory rule's sizes, the slowest job of each round, slowest first: one divisor
     # up while the step gets shorter
     best_s, best = pack(least)
     best_sizes = least
-    critical = [max(r, key=lambda j: (job_s(j.row, j.size), -j.row)) for r in best.rounds]
-    for job in sorted(critical, key=lambda j: (-job_s(j.row, j.size), j.row)):
-        c = best_sizes[job.row]
+    critical = [max(r, key=lambda j: (seconds_at[j[0]][least[j[0]]], -j[0]))[0] for r in best]
+    for row in sorted(critical, key=lambda i: (-seconds_at[i][least[i]], i)):
+        c = best_sizes[row]
         while c < cp:
             larger = next(d for d in sizes_of if d > c)
-            sizes = best_sizes[: job.row] + [larger] + best_sizes[job.row + 1 :]
-            seconds, plan = pack(sizes)
+            sizes = best_sizes[:row] + [larger] + best_sizes[row + 1 :]
+            seconds, rounds = pack(sizes)
             if seconds >= best_s:
                 break
-            best_s, best, best_sizes, c = seconds, plan, sizes, larger
+            best_s, best, best_sizes, c = seconds, rounds, sizes, larger
     # a floor on every row's c (the floor cp is static CP), where one beats that
     for floor in sizes_of[1:]:
-        seconds, plan = pack([max(c, floor) for c in least])
+        sizes = [max(c, floor) for c in least]
+        seconds, rounds = pack(sizes)
         if seconds < best_s:
-            best_s, best = seconds, plan
-    return best
+            best_s, best, best_sizes = seconds, rounds, sizes
+    return _plan(best, best_sizes, cp)
