@@ -812,6 +812,39 @@ def plan_categories() -> str:
     return _table(head, rows)
 
 
+def dynamic_cp() -> str:
+    data = _load("dynamic_cp")
+    rows = [
+        [
+            r["mix"],
+            str(r["cp"]),
+            str(r["rows"]),
+            f"{r['static_s']:.1f}",
+            f"{r['dynamic_s']:.1f}",
+            f"{r['speedup']:.2f}x",
+            f"{r['no_round_speedup']:.2f}x",
+            f"{r['ideal_s']:.1f}",
+            f"{r['rows']} -> {r['rounds']}",
+            " ".join(f"{c}:{n}" for c, n in r["sizes"].items()),
+            f"{r['balance']:.3f}",
+        ]
+        for r in data["modelled"]
+    ]
+    head = ["mix", "cp", "rows", "static s", "dynamic s", "speedup", "without round costs"]
+    head += ["ideal s", "rounds"]
+    table = _table(head + ["rows per c (c:rows)", "balance"], rows)
+    by = {(h["cp"], h["rows"]): h["plan_ms"] for h in data["host"] if h["mix"] == "text"}
+    cps = sorted({cp for cp, _ in by})
+    counts = sorted({n for _, n in by})
+    host = [[str(n)] + [f"{by[cp, n]:.1f}" for cp in cps] for n in counts]
+    load = data["config"]["load_average"]
+    return (
+        f"{table}\n\nPlanner host time, ms a step (text mix, process time, best of "
+        f"{data['config']['repeats']}; load average {load:.1f} on 2 cores):\n\n"
+        + _table(["rows"] + [f"cp {cp}" for cp in cps], host)
+    )
+
+
 TABLES = {
     "balance": balance,
     "attention": attention,
@@ -845,6 +878,7 @@ TABLES = {
     "ep_tp_comm": ep_tp_comm,
     "ep_tp_measured": ep_tp_measured,
     "ep_tp_memory": ep_tp_memory,
+    "dynamic_cp": dynamic_cp,
 }
 
 

@@ -34,14 +34,16 @@ from cpvlm.data.meta import SampleMeta
 PATCH, MERGE = 16, 2  # the mixes' pixels to patches (Qwen3-VL's); tokens = patches / MERGE^2
 
 
-def _lognormal(count: int, median: float, sigma: float) -> list[float]:
+def lognormal_quantiles(count: int, median: float, sigma: float) -> list[float]:
     """The (i + 1/2) / count quantiles of a log-normal, largest first."""
     normal = NormalDist(math.log(median), sigma)
     return [math.exp(normal.inv_cdf(1 - (i + 0.5) / count)) for i in range(count)]
 
 
 def text_mix(seq_len: int, rows: int) -> list[SampleMeta]:
-    lengths = [min(seq_len, max(16, round(x))) for x in _lognormal(rows, seq_len / 64, 1.5)]
+    lengths = [
+        min(seq_len, max(16, round(x))) for x in lognormal_quantiles(rows, seq_len / 64, 1.5)
+    ]
     return [SampleMeta(seq_len)] + [SampleMeta(n) for n in lengths[1:]]
 
 
@@ -55,7 +57,7 @@ def video_mix(seq_len: int, rows: int) -> list[SampleMeta]:
     videos = max(1, rows // 16)
     chats = [
         SampleMeta(min(seq_len, image_tokens + max(16, round(x))), (image,))
-        for x in _lognormal(rows - videos, 1024, 1.0)
+        for x in lognormal_quantiles(rows - videos, 1024, 1.0)
     ]
     return [video] * videos + chats
 
@@ -126,14 +128,17 @@ class Comparison:
         }
 
 
-def compare(config, metas: list[SampleMeta], seq_len: int, cp: int, dp: int = 1) -> Comparison:
-    """Static against dynamic CP for one DP replica's rows ``metas`` (module docstring)."""
+def compare(
+    config, metas: list[SampleMeta], seq_len: int, cp: int, dp: int = 1, times=None
+) -> Comparison:
+    """Static against dynamic CP for one DP replica's rows ``metas`` (module docstring), under
+    ``times`` (default ``job_times`` of ``config`` at world dp x cp)."""
     from cpvlm.hf.data.row_cost import row_cost
 
     cost = row_cost(config)
     tokens = [m.tokens for m in metas]
     costs = [cost.sample(m) for m in metas]
-    times = job_times(config, dp * cp)
+    times = times or job_times(config, dp * cp)
     static = plan_rounds(costs, [cp] * len(metas), cp)
     start = time.process_time()
     plan = plan_dynamic_cp(tokens, costs, cp, -(-seq_len // cp), times=times)
