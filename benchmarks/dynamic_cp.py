@@ -1,7 +1,7 @@
 """Dynamic CP against static CP on long-tailed steps: modelled GPU step time, measured CPU tokens/s.
 
     python benchmarks/dynamic_cp.py                  # --part modelled: about a minute
-    python benchmarks/dynamic_cp.py --part cpu       # about 10 CPU minutes: cpvlm train, world 4
+    python benchmarks/dynamic_cp.py --part cpu       # about 15 minutes: cpvlm train, world 4
 
 Part "modelled" (``dynamic_cp.json``): the step of one DP replica (dp 1, world = cp) of
 Qwen3-VL-8B's published config at cp 8, 16 and 64, the longest row ``PER_RANK`` x cp tokens
