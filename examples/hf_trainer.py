@@ -3,10 +3,12 @@
     torchrun --nproc-per-node 2 examples/hf_trainer.py --cp 2 --output-dir out   # tiny Qwen3-VL, CPU
     torchrun --nproc-per-node 4 examples/hf_trainer.py --cp 2 --output-dir out --grad-accum 2
     torchrun --nproc-per-node 8 examples/hf_trainer.py --cp 4 --model /path/to/checkpoint ...
+    torchrun --nproc-per-node 2 examples/hf_trainer.py --cp 2 --ep 2 --model qwen3-vl-moe-tiny ...
+    torchrun --nproc-per-node 4 examples/hf_trainer.py --cp 2 --tp 2 --output-dir out
 
 An ordinary Trainer script (synthetic image+text samples in the model family's layout, a padding
 collator, optional LoRA through PEFT); the lines marked ``# cpvlm`` are all that CP changes.
-The world is dp x cp ranks, CP groups of cp consecutive ranks; the global batch of a step is
+The world is dp x cp x tp ranks, CP groups of cp ranks; the global batch of a step is
 batch-size x grad-accum x dp samples. Writes Trainer's trainer_state.json and, at the end,
 ``trainer.save_model()`` (the full model, or the LoRA adapter) into --output-dir.
 """
@@ -74,6 +76,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen3-vl-tiny", help="a tiny model or a checkpoint dir")
     parser.add_argument("--cp", type=int, default=2, help="ranks per sequence; dp = world / cp")
+    parser.add_argument("--ep", type=int, default=1, help="expert parallelism (MoE models)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallelism; dp = world/cp/tp")
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16"))
     parser.add_argument("--max-steps", type=int, default=3)
@@ -101,7 +105,9 @@ def main() -> None:
         save_steps=args.save_steps or 500,
         report_to=[],
         remove_unused_columns=False,
-        per_device_eval_batch_size=max(1, 2 * args.cp // int(os.environ.get("WORLD_SIZE", 1))),
+        per_device_eval_batch_size=max(
+            1, 2 * args.cp * args.tp // int(os.environ.get("WORLD_SIZE", 1))
+        ),
         seed=0,
         use_cpu=not torch.cuda.is_available(),  # gloo on CPU
         # FSDP2 sharded over every rank (dp x cp), the full state dict gathered by save_model()
@@ -120,6 +126,8 @@ def main() -> None:
         eval_dataset=eval_samples(model.config, dtype) if args.eval else None,
         data_collator=lambda features: collate(features, pad_id),
         cp_size=args.cp,  # cpvlm
+        ep=args.ep,  # cpvlm
+        tp=args.tp,  # cpvlm
         pack=args.pack,
     )
     trainer.train(resume_from_checkpoint=args.resume or None)

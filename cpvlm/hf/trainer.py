@@ -25,6 +25,17 @@ train``. What changes inside the Trainer, and why:
   of the ranks' ``share * world``, is that token mean.
 - ``pack=True``: each collated batch becomes one packed row with ``doc_lens`` (the rows' real
   lengths), so documents attend only within themselves (``cp_attention``'s document mask).
+- ``ep=N`` / ``tp=N`` (expert / tensor parallelism, as ``cpvlm train --ep / --tp``): the world
+  is ``dp x cp x tp`` ranks on one ``build_mesh(dp_shard, cp, ep, tp)`` mesh. The HF model's
+  decoder layers are split over TP (``apply_tensor_parallel``) and its experts sharded over EP
+  (``parallelize``) once, in ``__init__``, before the optimizer sees the parameters. Neither
+  DDP nor FSDP2 can sum gradients that are shards on other meshes, so there is no data-parallel
+  wrapper: each rank's gradient is its share's, and after the step's last backward
+  ``sync_step_gradients`` sums them as ``cpvlm train --data-parallel none`` does (over dp x cp
+  per tp slice, the experts over their replicas, TP-partial norms over TP); the norm and clipping
+  span every mesh (``cpvlm.parallelize.gradients``, the loop's). The logged loss is still the
+  token mean: each rank's loss reads ``share * dp * cp`` (its TP ranks log the same value) while
+  its gradient stays the share's. ``save_model`` writes the whole model (the shards gathered).
 
 Evaluation runs under CP too, loss only (the logits are sharded over the CP ranks).
 """
@@ -34,10 +45,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from cpvlm.constants import IGNORE_INDEX
+from cpvlm.hf.experts import num_experts
 from cpvlm.loss import count_valid_labels, shift_labels
 from cpvlm.options import CPOptions
+from cpvlm.parallelize.gradients import clip_grad_norm_, global_grad_norm, sync_step_gradients
+from cpvlm.parallelize.mesh import check_ep
+from cpvlm.parallelize.mesh import check_tp as check_tp_size
 
 _SEQ_KEYS = ("input_ids", "labels", "mm_token_type_ids", "token_type_ids")
 
@@ -46,16 +62,37 @@ def _fail(message: str):
     raise ValueError(f"ContextParallelTrainer: {message}")
 
 
-def check_trainer_args(args, cp_size: int, world_size: int, compute_loss_func=None) -> None:
-    """Raise a ValueError naming the Trainer option that cannot work under cpvlm's CP."""
+def check_trainer_args(
+    args, cp_size: int, world_size: int, compute_loss_func=None, *, ep: int = 1, tp: int = 1
+) -> None:
+    """Raise a ValueError naming the Trainer option that cannot work under cpvlm's CP (and its
+    expert / tensor parallelism: ``ep``, ``tp``, checked as ``build_mesh`` checks them)."""
     if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
         _fail(f"cp_size must be an int >= 1, got {cp_size!r}")
-    if world_size % cp_size:
+    where = "ContextParallelTrainer"
+    tp = check_tp_size(tp, where=where)
+    if world_size % (cp_size * tp):
+        with_tp = f" x tp={tp}" if tp > 1 else ""
         _fail(
-            f"the world size {world_size} is not divisible by cp_size={cp_size}; launch "
-            f"dp x {cp_size} processes (torchrun --nproc-per-node), or choose a cp_size that "
-            f"divides {world_size}"
+            f"the world size {world_size} is not divisible by cp_size={cp_size}{with_tp}; "
+            f"launch dp x {cp_size * tp} processes (torchrun --nproc-per-node), or choose a "
+            f"cp_size{with_tp and ' x tp'} that divides {world_size}"
         )
+    check_tp_size(tp, check_ep(ep, world_size // (cp_size * tp), cp_size, where=where), where)
+    if ep > 1 or tp > 1:
+        sharded = f"ep={ep}" if ep > 1 else f"tp={tp}"
+        if getattr(args, "fsdp", None):
+            _fail(
+                f"{sharded} with fsdp: cpvlm sums the gradients of the sharded experts / layers "
+                "itself, without a data-parallel wrapper (accelerate's FSDP2 would shard and "
+                "average them over every rank); drop fsdp"
+            )
+        if str(getattr(args, "save_strategy", "no")) not in ("no", "SaveStrategy.NO"):
+            _fail(
+                f"checkpoints (save_strategy) with {sharded}: the Trainer would save rank 0's "
+                "optimizer state, not the other ranks' shards; use save_strategy='no' "
+                "(save_model() writes the whole model)"
+            )
     pc = getattr(args, "parallelism_config", None)
     if pc is not None and any(getattr(pc, f"{k}_size", 1) > 1 for k in ("cp", "sp", "tp")):
         _fail(
@@ -107,6 +144,36 @@ def pack_rows(batch: dict) -> dict:
     return out
 
 
+def check_model_parallel(model, ep: int, tp: int) -> None:
+    """``ep`` and ``tp`` can shard ``model`` (a ``PeftModel`` too), with the errors of ``cpvlm
+    train``: EP needs a MoE model whose experts it divides; TP a plan that splits the decoder
+    layers, sizes it divides, no MoE layers and no LoRA (PEFT wraps the planned layers)."""
+    from cpvlm.hf.tensor_plan import check_tp
+    from cpvlm.parallelize.expert_parallel import check_experts
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        check_experts(ep, num_experts(base), "ep")
+        check_tp(tp, base, "tp")
+    except ValueError as err:
+        _fail(str(err))
+    if tp > 1 and base is not model:
+        _fail(f"tp = {tp} does not combine with LoRA (a PeftModel) yet; use tp 1")
+
+
+class _LoggedShare(torch.autograd.Function):
+    """``share * scale`` forward, the share's gradient backward: the Trainer logs the mean of the
+    ranks' losses, while cpvlm sums the ranks' gradients itself (no DDP mean to undo)."""
+
+    @staticmethod
+    def forward(ctx, share, scale):
+        return share * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 class _PackingCollator:
     def __init__(self, collator):
         self.collator = collator
@@ -132,27 +199,50 @@ class ContextParallelMixin:
     """Put before a ``transformers.Trainer`` class (``Trainer``, TRL's ``SFTTrainer``, ...).
 
     Keywords (besides the Trainer's own): ``cp_size`` (ranks per sequence; the world must be a
-    multiple), ``cp_options`` (``cpvlm.options.CPOptions``: attention, vision mode, layout) and
-    ``pack`` (train on each collated batch packed into one row with per-document masks).
+    multiple), ``cp_options`` (``cpvlm.options.CPOptions``: attention, vision mode, layout),
+    ``pack`` (train on each collated batch packed into one row with per-document masks), ``ep``
+    (expert parallelism: each MoE layer's experts sharded over groups of ``ep`` ranks of dp x cp)
+    and ``tp`` (tensor parallelism: ``tp`` ranks per (dp, cp) coordinate split the decoder
+    layers; the world is dp x cp x tp).
     """
 
     def __init__(
-        self, *args, cp_size: int = 1, cp_options: CPOptions | None = None, pack=False, **kw
+        self,
+        *args,
+        cp_size: int = 1,
+        cp_options: CPOptions | None = None,
+        pack=False,
+        ep: int = 1,
+        tp: int = 1,
+        **kw,
     ):
         training_args = kw.get("args", args[1] if len(args) > 1 else None)
         if training_args is not None:
             check_trainer_args(
-                training_args, cp_size, training_args.world_size, kw.get("compute_loss_func")
+                training_args,
+                cp_size,
+                training_args.world_size,
+                kw.get("compute_loss_func"),
+                ep=ep,
+                tp=tp,
             )
         self.cp_size, self.cp_options, self.cp_pack = cp_size, cp_options, pack
+        self.cp_ep, self.cp_tp = ep, tp
         self._cp_runner = None
+        self._cp_full_state = None
         super().__init__(*args, **kw)
-        check_trainer_args(self.args, cp_size, self.args.world_size, self.compute_loss_func)
+        check_trainer_args(
+            self.args, cp_size, self.args.world_size, self.compute_loss_func, ep=ep, tp=tp
+        )
+        check_model_parallel(self.model, ep, tp)
         if pack:
             self.data_collator = _PackingCollator(self.data_collator)
         self.loss_is_scaled_for_ga = True  # each share is divided by the step's global N
         self.add_callback(_float64_loss_sum(self))
         self._cp_setup_groups()
+        self._cp_tp_summed = []
+        if self._cp_sharded:  # before the optimizer takes the parameters
+            self._cp_shard()
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
@@ -177,16 +267,39 @@ class ContextParallelMixin:
         if not dist.is_initialized():  # one process: a group of one for the CP wrapper
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         world = dist.get_world_size()
-        device = self.args.device.type
-        mesh = build_mesh(dp_shard=world // self.cp_size, cp=self.cp_size, device_type=device)
-        self.cp_groups = mesh_groups(mesh)
+        cp, ep, tp = self.cp_size, self.cp_ep, self.cp_tp
+        mesh = build_mesh(
+            dp_shard=world // (cp * tp), cp=cp, ep=ep, tp=tp, device_type=self.args.device.type
+        )
+        self.cp_mesh, self.cp_groups = mesh, mesh_groups(mesh, ep=ep)
+
+    @property
+    def _cp_sharded(self) -> bool:
+        """Expert or tensor parallelism: parameters sharded over other meshes, summed by cpvlm."""
+        return self.cp_ep > 1 or self.cp_tp > 1
+
+    def _cp_shard(self) -> None:
+        """TP of the decoder layers, then ``ContextParallelVLM`` with its experts sharded over EP
+        (``parallelize``, data parallelism "none"), in place: as ``cpvlm train`` sets them up."""
+        from cpvlm.hf.context_parallel import ContextParallelVLM
+        from cpvlm.hf.tensor_plan import apply_tensor_parallel
+        from cpvlm.parallelize import parallelize
+
+        model = self.model
+        if hasattr(model, "get_base_model"):  # peft.PeftModel
+            model = model.get_base_model()
+        groups = self.cp_groups
+        if groups.tp_mesh is not None:
+            self._cp_tp_summed = apply_tensor_parallel(model, groups.tp_mesh)
+        runner = ContextParallelVLM(model, groups.cp_group, options=self.cp_options)
+        self._cp_runner = parallelize(runner, self.cp_mesh, data_parallel="none", groups=groups)
 
     # ---- model ----------------------------------------------------------------------------
 
     def _cp_model(self) -> nn.Module:
         """``ContextParallelVLM`` around the HF model (a PEFT model's base, LoRA layers in it),
         in DDP over every rank; built once."""
-        if self._cp_runner is None:
+        if self._cp_runner is None:  # (with EP / TP: built by _cp_shard)
             from cpvlm.hf.context_parallel import ContextParallelVLM
 
             model = self.model
@@ -263,11 +376,36 @@ class ContextParallelMixin:
     def _get_num_items_in_batch(self, batch_samples: list, device):
         return torch.tensor(self._cp_count(batch_samples), device=device)
 
+    # ---- gradients (EP / TP) --------------------------------------------------------------
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """With EP / TP, the step's gradients summed after its last microbatch's backward (where
+        DDP would sync; accelerate says which: ``sync_gradients``)."""
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self._cp_sharded and self.accelerator.sync_gradients:
+            sync_step_gradients(self._cp_runner, self.cp_groups, "none", self._cp_tp_summed)
+        return loss
+
+    def _cp_trainable(self) -> list[nn.Parameter]:
+        return [p for p in self._cp_runner.parameters() if p.requires_grad]
+
+    def _clip_grad_norm(self, model):
+        if not self._cp_sharded:
+            return super()._clip_grad_norm(model)
+        return clip_grad_norm_(self._cp_trainable(), self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is None and self._cp_sharded:  # max_grad_norm = 0: the norm, unclipped
+            grad_norm = global_grad_norm(self._cp_trainable())
+        return super()._get_grad_norm(model, grad_norm)
+
     # ---- loss -----------------------------------------------------------------------------
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """This rank's share of the global token mean, times the world size (DDP averages the
-        gradients over the world; the Trainer averages the logged losses over it)."""
+        gradients over the world; the Trainer averages the logged losses over it). With EP / TP
+        the value is ``share * dp * cp`` (the TP ranks of a share log it alike) and the gradient
+        the share's (``sync_step_gradients`` sums)."""
         inputs = dict(inputs)
         for key in ("shift_labels", "position_ids", "seq_lengths", "num_items_in_batch"):
             inputs.pop(key, None)
@@ -283,7 +421,11 @@ class ContextParallelMixin:
             num_valid=int(num_items_in_batch),
             num_batches=batches * self.cp_groups.sizes.dp,
         )
-        loss = out.loss * self.cp_groups.sizes.world
+        sizes = self.cp_groups.sizes
+        if self._cp_sharded:
+            loss = _LoggedShare.apply(out.loss, sizes.world // sizes.tp)
+        else:
+            loss = out.loss * sizes.world
         return (loss, {"loss": loss}) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -305,7 +447,20 @@ class ContextParallelMixin:
 
     def save_model(self, *args, **kwargs):
         self._cp_fsdp_reshard()
-        return super().save_model(*args, **kwargs)
+        if self._cp_sharded:  # the whole tensors of the EP / TP shards, on every rank (collective)
+            self._cp_full_state = {
+                k: v.full_tensor() if isinstance(v, DTensor) else v
+                for k, v in self.model.state_dict().items()
+            }
+        try:
+            return super().save_model(*args, **kwargs)
+        finally:
+            self._cp_full_state = None
+
+    def _save(self, output_dir=None, state_dict=None):
+        if state_dict is None:
+            state_dict = self._cp_full_state
+        return super()._save(output_dir, state_dict)
 
 
 def _trainer_class():

@@ -103,16 +103,6 @@ def model_config(name: str):
     return config
 
 
-def num_experts(mc) -> int | None:
-    """The experts of each MoE layer of the model config ``mc`` (None: not a MoE model)."""
-    text = mc.get_text_config()
-    for key in ("num_experts", "n_routed_experts"):  # Qwen MoE; GLM-4.5V (DeepSeek's name)
-        value = getattr(text, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 def _check_new_run(config: TrainConfig) -> None:
     out = Path(config.run.out)
     present = [f for f in RUN_FILES if (out / f).exists()]
@@ -244,6 +234,7 @@ def prepare(
             f"run.device = 'cuda' (--device): {config.parallel.world_size} ranks need as many "
             f"GPUs, this machine has {torch.cuda.device_count()}"
         )
+    from cpvlm.hf.experts import num_experts
     from cpvlm.hf.tensor_plan import check_tp
     from cpvlm.parallelize.expert_parallel import check_experts
 

@@ -54,15 +54,8 @@ from cpvlm.hf import ContextParallelVLM, adapter_for, build_model
 from cpvlm.hf.registry import kit_for
 from cpvlm.hf.tensor_plan import apply_tensor_parallel
 from cpvlm.loss import count_valid_labels, shift_labels
-from cpvlm.parallelize import (
-    MeshGroups,
-    build_mesh,
-    mesh_groups,
-    parallelize,
-    sync_expert_gradients,
-    sync_gradients,
-)
-from cpvlm.parallelize.tensor_parallel import sync_tp_gradients
+from cpvlm.parallelize import MeshGroups, build_mesh, mesh_groups, parallelize
+from cpvlm.parallelize.gradients import by_mesh, global_grad_norm, sync_step_gradients
 from cpvlm.train import faults
 from cpvlm.train.checkpoint import (
     PendingSave,
@@ -154,26 +147,6 @@ def freeze_vision_encoder(model: nn.Module) -> None:
     for name, p in adapter.vision_tower(model).named_parameters():
         if not name.startswith(adapter.modules.projector):
             p.requires_grad_(False)
-
-
-def _by_mesh(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
-    """The parameters grouped by DTensor mesh (plain tensors together): FSDP2's shards, and
-    expert-parallel experts on the ep mesh; torch's foreach ops take one mesh at a time."""
-    groups: dict[object, list[nn.Parameter]] = {}
-    for p in params:
-        groups.setdefault(getattr(p, "device_mesh", None), []).append(p)
-    return list(groups.values())
-
-
-def global_grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
-    """The 2-norm of all gradients of the model, whole (FSDP2 shards, sharded experts: a DTensor
-    reduction per mesh)."""
-    norms = []
-    for group in _by_mesh(params):
-        grads = [p.grad for p in group if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
 
 
 class _StopRequests:
@@ -356,12 +329,7 @@ def _forward_backward(run: _Run, step: int, rows) -> tuple[torch.Tensor, int, in
         units += out.encoded_units
         visual_tokens += out.local_visual_tokens
         ran.update(out.attn_impl.split(","))
-    if run.config.parallel.data_parallel == "none":
-        sync_gradients(run.cp_model, run.groups)
-    elif run.groups.ep_mesh is not None:  # FSDP2 leaves the sharded experts to this sum
-        sync_expert_gradients(run.cp_model, run.groups)
-    if run.groups.tp_mesh is not None:
-        sync_tp_gradients(run.tp_summed, run.groups.tp_mesh.get_group())
+    sync_step_gradients(run.cp_model, run.groups, run.config.parallel.data_parallel, run.tp_summed)
     return loss_sum, num_valid, units, visual_tokens, ran
 
 
@@ -397,7 +365,7 @@ def _nonfinite(loss: float, grad_norm: float) -> str | None:
 def _optimizer_step(run: _Run, step: int, grad_norm: torch.Tensor, num_valid: int) -> float:
     optim = run.config.optim
     if optim.max_grad_norm > 0:
-        for group in _by_mesh(run.params):
+        for group in by_mesh(run.params):
             torch.nn.utils.clip_grads_with_norm_(group, optim.max_grad_norm, grad_norm)
     lr = optim.lr_at(step)
     for group in run.optimizer.param_groups:

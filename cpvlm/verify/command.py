@@ -322,8 +322,9 @@ def _problem(c: VerifyConfig) -> str | None:
     if c.dtype not in VERIFY_DTYPES:
         return f"--dtype must be one of {', '.join(VERIFY_DTYPES)}, got {c.dtype!r}"
     try:
+        from cpvlm.hf.experts import num_experts
         from cpvlm.hf.tensor_plan import check_tp
-        from cpvlm.train.launcher import model_config, num_experts
+        from cpvlm.train.launcher import model_config
 
         mc = model_config(c.model)
         check_experts(c.ep, num_experts(mc), "ep", "--ep")

@@ -13,7 +13,9 @@ Launches are the suite's time (each process imports transformers): the family-sp
 model's CP forward, positions, padded eval) runs at cp 2 for both families, the dp x cp
 composition (data sharding, gradient sync; family-agnostic, in Trainer and accelerate) on
 Qwen3-VL, under DDP and FSDP2, and with TRL's packing; TRL's LoRA (frozen base) at cp 2 with
-gradient accumulation.
+gradient accumulation; expert parallelism at cp 2 x ep 2 (tiny Qwen3-VL-MoE, router loss on) and
+tensor parallelism at cp 2 x tp 2 (tiny Qwen3-VL, its q/k norms summed over TP), each against
+its cp 1 run.
 Tolerance 1e-10 relative (docs/architecture.md, "Exactness"): the runs add the same float64 terms in
 other orders (~1e-15 seen for the losses, ~1e-12 for weights after 3 Adam steps).
 """
@@ -31,8 +33,8 @@ from safetensors.torch import load_file  # noqa: E402
 from transformers import TrainingArguments  # noqa: E402
 
 from cpvlm import ShardPlan, shift_labels  # noqa: E402
-from cpvlm.hf import build_model  # noqa: E402
-from cpvlm.hf.trainer import check_trainer_args  # noqa: E402
+from cpvlm.hf import TINY_MODELS, build_model  # noqa: E402
+from cpvlm.hf.trainer import check_model_parallel, check_trainer_args  # noqa: E402
 from cpvlm.verify import reference_loss_and_grads, rel_err  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -45,6 +47,7 @@ pytestmark = pytest.mark.timeout(900)
 QWEN3 = ("--model", "qwen3-vl-tiny", "--eval", "--save-steps", "2")
 QWEN25 = ("--model", "qwen2.5-vl-tiny", "--eval", "--save-steps", "2")
 PACK, LORA = ("--packing", "--batch-size", "2"), ("--lora-r", "4")
+MOE = ("--model", "qwen3-vl-moe-tiny", "--eval")
 # name: (processes, example, flags). The runs of one world size share one launch (in this order,
 # an FSDP run not first: tests/hf/_torchrun_world.py); "qwen3 resume" continues from a copy of
 # "qwen3 cp2"'s checkpoint-2.
@@ -53,12 +56,19 @@ RUNS = {
     "qwen2.5 cp1": (1, "hf_trainer.py", ("--cp", "1", "--grad-accum", "4", *QWEN25)),
     "trl cp1": (1, "trl_sft.py", ("--cp", "1", "--grad-accum", "2", *PACK)),
     "trl lora cp1": (1, "trl_sft.py", ("--cp", "1", "--grad-accum", "2", *PACK, *LORA)),
+    "moe cp1": (1, "hf_trainer.py", ("--cp", "1", "--grad-accum", "4", *MOE)),
     "qwen3 cp2": (2, "hf_trainer.py", ("--cp", "2", "--grad-accum", "4", *QWEN3)),
     "qwen2.5 cp2": (2, "hf_trainer.py", ("--cp", "2", "--grad-accum", "4", *QWEN25)),
     "trl lora cp2": (2, "trl_sft.py", ("--cp", "2", "--grad-accum", "2", *PACK, *LORA)),
     "qwen3 resume": (2, "hf_trainer.py", ("--cp", "2", "--grad-accum", "4", *QWEN3, "--resume")),
     "qwen3 dp2 cp2": (4, "hf_trainer.py", ("--cp", "2", "--grad-accum", "2", *QWEN3)),
+    "moe cp2 ep2": (2, "hf_trainer.py", ("--cp", "2", "--ep", "2", "--grad-accum", "4", *MOE)),
     "trl dp2 cp2": (4, "trl_sft.py", ("--cp", "2", "--grad-accum", "1", *PACK)),
+    "qwen3 cp2 tp2": (
+        4,
+        "hf_trainer.py",
+        ("--cp", "2", "--tp", "2", "--grad-accum", "4", "--model", "qwen3-vl-tiny", "--eval"),
+    ),
     "qwen3 fsdp": (
         4,
         "hf_trainer.py",
@@ -164,6 +174,21 @@ def test_trl_example_with_packing_at_cp2_and_dp2_x_cp2_is_the_one_process_run(lo
         assert any("lora_B" in k and _weights(ref)[k].abs().sum() > 0 for k in _weights(ref))
 
 
+@pytest.mark.parametrize(
+    "name, ref", [("moe cp2 ep2", "moe cp1"), ("qwen3 cp2 tp2", "qwen3 cp1")], ids=["ep", "tp"]
+)
+def test_expert_and_tensor_parallelism_under_cp_are_the_one_process_run(name, ref, run):
+    """``ep=2`` / ``tp=2`` with cp 2 (no DDP: cpvlm sums the sharded gradients itself, and clips
+    by the norm over every mesh): the losses, gradient norms, eval loss and saved (gathered)
+    weights of the cp 1 run."""
+    assert TINY_MODELS["qwen3-vl-moe-tiny"]().get_text_config().output_router_logits
+    out, ref = run(name), run(ref)
+    _assert_same_run(out, ref)
+    for key in ("grad_norm", "eval_loss"):
+        got, want = _losses(out, key), _losses(ref, key)
+        assert len(got) == len(want) > 0 and rel_err(got, want) <= TOL, (key, got, want)
+
+
 def _args(tmp_path, **kwargs) -> TrainingArguments:
     return TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **kwargs)
 
@@ -182,3 +207,37 @@ def test_options_that_break_cp_are_refused_by_name(tmp_path):
     args.parallelism_config = type("ParallelismConfig", (), {"cp_size": 2})()
     with pytest.raises(ValueError, match="accelerate's own cp"):
         check_trainer_args(args, 2, 2)
+
+
+def test_ep_and_tp_sizes_and_combinations_that_cannot_work_are_refused_by_name(tmp_path):
+    args = _args(tmp_path, save_strategy="no")
+    with pytest.raises(ValueError, match="ep must be a positive int"):
+        check_trainer_args(args, 2, 2, ep=0)
+    with pytest.raises(ValueError, match="ep=4 must divide dp_shard x cp = 1 x 2"):
+        check_trainer_args(args, 2, 2, ep=4)
+    with pytest.raises(ValueError, match="world size 2 is not divisible by cp_size=2 x tp=2"):
+        check_trainer_args(args, 2, 2, tp=2)
+    with pytest.raises(ValueError, match="tensor and expert parallelism do not combine"):
+        check_trainer_args(args, 2, 8, ep=2, tp=2)
+    with pytest.raises(ValueError, match="ep=2 with fsdp: .* drop fsdp"):
+        check_trainer_args(_args(tmp_path, fsdp=True, save_strategy="no"), 2, 2, ep=2)
+    with pytest.raises(ValueError, match="checkpoints .save_strategy. with tp=2"):
+        check_trainer_args(_args(tmp_path, save_strategy="steps"), 2, 4, tp=2)
+    check_trainer_args(args, 2, 8, ep=4)  # dp 4 x cp 2: EP groups of 4 of those 8 ranks
+    check_trainer_args(args, 2, 8, tp=2)  # dp 2 x cp 2 x tp 2
+
+    dense, moe = build_model("qwen3-vl-tiny"), build_model("qwen3-vl-moe-tiny")
+    with pytest.raises(ValueError, match="ep = 2: expert parallelism needs a MoE model"):
+        check_model_parallel(dense, 2, 1)
+    experts = moe.config.get_text_config().num_experts
+    with pytest.raises(ValueError, match=f"must divide the model's {experts} experts"):
+        check_model_parallel(moe, experts + 1, 1)
+    with pytest.raises(ValueError, match="tensor parallelism of MoE layers is not supported"):
+        check_model_parallel(moe, 1, 2)
+    heads = dense.config.get_text_config().num_attention_heads
+    with pytest.raises(ValueError, match=f"tp = {heads + 1} must divide the model's"):
+        check_model_parallel(dense, 1, heads + 1)
+    check_model_parallel(moe, 2, 1)
+    check_model_parallel(dense, 1, 2)
+    with pytest.raises(ValueError, match="does not combine with LoRA"):
+        check_model_parallel(_example_module().lora(dense, 4), 1, 2)
