@@ -181,7 +181,8 @@ def test_expert_and_tensor_parallelism_under_cp_are_the_one_process_run(name, re
     """``ep=2`` / ``tp=2`` with cp 2 (no DDP: cpvlm sums the sharded gradients itself, and clips
     by the norm over every mesh): the losses, gradient norms, eval loss and saved (gathered)
     weights of the cp 1 run."""
-    assert TINY_MODELS["qwen3-vl-moe-tiny"]().get_text_config().output_router_logits
+    if name.startswith("moe"):  # the router loss is on, its statistics summed over CP
+        assert TINY_MODELS["qwen3-vl-moe-tiny"]().get_text_config().output_router_logits
     out, ref = run(name), run(ref)
     _assert_same_run(out, ref)
     for key in ("grad_norm", "eval_loss"):
