@@ -128,28 +128,47 @@ MEMORY_GRID = [
     ("qwen3-vl-235b-a22b", 131072, 4, 32, 8, 1),
     ("qwen3-vl-235b-a22b", 131072, 4, 32, 32, 1),
     ("qwen3-vl-235b-a22b", 131072, 1, 128, 128, 1),
+    ("qwen3-vl-235b-a22b", 131072, 1, 64, 64, 2),
     ("qwen2.5-vl-72b", 131072, 1, 32, 1, 1),
     ("qwen2.5-vl-72b", 131072, 1, 16, 1, 2),
     ("qwen2.5-vl-72b", 131072, 1, 8, 1, 4),
+    # Automodel's published point (EP 8 x CP 32, dp 4); beside it FSDP2 alone and ep = dp x cp
+    ("qwen3.5-122b-a10b", 131072, 4, 32, 1, 1),
+    ("qwen3.5-122b-a10b", 131072, 4, 32, 8, 1),
+    ("qwen3.5-122b-a10b", 131072, 4, 32, 128, 1),
+    # TRL's published point's sizes: 1M tokens, CP 8 on one node (Qwen3-VL-8B's decoder is Qwen3-8B's)
+    ("qwen3-vl-8b", 1048576, 1, 8, 1, 1),
 ]
 PUBLISHED = [
     {
         "who": "NeMo Automodel",
-        "model": "Qwen3.5-122B-A10B",
+        "model": "Qwen3.5-122B-A10B (vision-heavy MedPix packs)",
         "seq": 131072,
         "gpus": 128,
-        "layout": "EP 8 x CP 32, 128 x H100",
-        "peak": "60.55 GiB per GPU",
-        "source": "NVIDIA-NeMo/Automodel PR #3186, its published config (as quoted by issue 46)",
+        "layout": "CP 32 x DP 4 (FSDP2), EP 8 over them (experts FSDP-sharded over the other 16), "
+        "16 x 8 H100",
+        "peak": "60.55 GiB: rank 0's torch.cuda.max_memory_allocated as the recipe logs it",
+        "settings": "full activation checkpointing; bf16 parameters and compute, TE FusedAdam with "
+        "fp32 master weights (stored as 16-bit remainders) and fp32 moments; "
+        "FusedLinearCrossEntropy; SDPA; torch_mm experts, HybridEP dispatch; trainable tower, "
+        "frames sharded over CP; one 128K pack per CP group (global batch 4)",
+        "source": "NVIDIA-NeMo/Automodel PR #3186, comment of 2026-07-24 (exact head dd4c77769e55, "
+        "CI job 372189477: 'peak reported memory was 60.55 GiB'); recipe "
+        "examples/vlm_finetune/qwen3_5_moe/qwen3_5_122b_128k_ep8cp32.yaml at fb0a7ed79a29",
     },
     {
         "who": "TRL",
         "model": "Qwen3-8B (text)",
         "seq": 1048576,
         "gpus": 8,
-        "layout": "CP over 8 x H100",
-        "peak": "56.2 GB per GPU",
-        "source": "TRL's context-parallelism documentation: 56.2 GB per GPU (as quoted by issue 46)",
+        "layout": "CP 8 (ring) under FSDP2 (accelerate), one 8 x H100 node",
+        "peak": "56.2 GB per GPU (which statistic, and GB or GiB, not stated)",
+        "settings": "gradient checkpointing with offload (each checkpointed layer's input in "
+        "pinned host memory); chunked_nll loss (the default); model in bfloat16, accelerate "
+        "mixed_precision bf16; YaRN x32 RoPE; batch 1, no packing; 380 s/step",
+        "source": "huggingface/trl PR #6846 ('Qwen3-8B at 1,048,576 tokens: 380 s/step, 56.2 GB "
+        "per GPU') and the v1.13.0 release notes; examples/sft_qwen3_8b_1m_context/ and "
+        "docs/source/long_context_training.md",
     },
 ]
 

@@ -209,6 +209,47 @@ def qwen3_5_9b_config() -> Qwen3_5Config:
     )
 
 
+def qwen3_5_122b_a10b_config() -> Qwen3_5MoeConfig:
+    """qwen3.5-122b-a10b: Qwen/Qwen3.5-122B-A10B's config.json dimensions, written out (48 layers,
+    3 Gated DeltaNet to 1 attention; 256 experts, top 8, expert and shared-expert width 1024; 32
+    query / 2 key-value heads of 256; the 27-block tower of Qwen3.5-9B into hidden 3072). The
+    model NeMo Automodel's published 128k EP 8 x CP 32 recipe trains (docs/plan.md). The router
+    loss is left off, as in every published config here (fake tensors cannot run it)."""
+    vision = qwen3_5_9b_config().vision_config.to_dict()
+    vision["out_hidden_size"] = 3072
+    return Qwen3_5MoeConfig(
+        text_config={
+            "vocab_size": 248320,
+            "hidden_size": 3072,
+            "num_hidden_layers": 48,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 2,
+            "head_dim": 256,
+            "moe_intermediate_size": 1024,
+            "shared_expert_intermediate_size": 1024,
+            "num_experts": 256,
+            "num_experts_per_tok": 8,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 64,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_conv_kernel_dim": 4,
+            "max_position_embeddings": 262144,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10_000_000.0,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": [11, 11, 10],
+                "mrope_interleaved": True,
+            },
+            "output_router_logits": False,
+            "tie_word_embeddings": False,
+        },
+        vision_config=vision,
+        tie_word_embeddings=False,
+    )
+
+
 # ---- the adapters --------------------------------------------------------------------------------
 
 
@@ -248,6 +289,7 @@ class Qwen3_5Kit(Qwen3VLKit):
 
 class Qwen3_5MoeKit(MoeKit, Qwen3_5Kit):
     tiny_configs = {"qwen3.5-moe-tiny": tiny_qwen3_5_moe_config}
+    published_configs = {"qwen3.5-122b-a10b": qwen3_5_122b_a10b_config}
     shared_tests = False  # tests/hf/test_qwen3_5.py (the shared suite's time)
 
 
