@@ -254,7 +254,8 @@ def _shard_expert_replicas(experts: nn.Module, replicas: DeviceMesh, kwargs: dic
     FSDP2's reduce-scatter. FSDP2 shards dim 1 (the experts' rows): dim 0, the expert index, is
     already split by EP, and sharding it again would need a strided placement (``_StridedShard``)
     where dim 1 gives a plain ``(Shard(1), Shard(0))`` DTensor that DCP reshards to any other
-    ep. (torchtitan shards its experts over "dp_shard_mod_ep" the same way.)
+    ep. (torchtitan shards its experts over "dp_shard_mod_ep" too, on dim 1 where the local
+    experts are fewer than the replicas.)
     """
     fully_shard(experts, **{**kwargs, "mesh": replicas}, shard_placement_fn=_expert_rows_dim)
 
