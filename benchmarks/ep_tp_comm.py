@@ -11,8 +11,8 @@ colwise one backward; no sequence parallelism) against Megatron's one per block 
 both ring all-reduces; then the step's modelled seconds (``cpvlm.simulate.plan.step_parts``:
 attention from cpvlm's cost model, matmuls at 364 TFLOP/s, NVLink 200 GB/s inside a node of 8,
 InfiniBand 50 GB/s per GPU across, 20 us a message, 50 us a host sync; FSDP2's all-gathers and
-reduce-scatters counted where the compute cannot hide them, the experts' gradient all-reduce over
-their replicas in full).
+reduce-scatters, the experts' over their replicas under EP, counted where the compute cannot
+hide them).
 Measured (gloo, CPU, 2 and 4 processes): the bytes cpvlm's own EP exchange sends on a toy experts
 module (uniform random routing) and the all-reduces torch's TP makes in the tiny Qwen2.5-VL's
 decoder layers, each against the model above at the same sizes.

@@ -38,11 +38,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
 from cpvlm.constants import DATA_PARALLEL
 from cpvlm.parallelize.expert_parallel import (
+    expert_modules,
     expert_parameters,
     parallelize_experts,
     sync_expert_gradients,
@@ -158,8 +159,12 @@ def parallelize(
             ``model -> modules``; children before parents. Ignored without FSDP2.
         groups: ``mesh_groups(mesh)`` if already built (it creates process groups); built with
             ``ep > 1`` (``mesh_groups(mesh, ep=...)``), the MoE experts are first sharded over
-            its EP groups (``parallelize_experts``; FSDP2 or "none" only) and left out of FSDP2;
-            call ``sync_expert_gradients(model, groups)`` after the step's last backward.
+            its EP groups (``parallelize_experts``; FSDP2 or "none" only). "fsdp": each experts
+            module is then its own FSDP2 unit over the ranks that hold the same experts (see
+            ``_shard_expert_replicas``), which reduce-scatters their gradients. "hsdp" (and
+            "fsdp" with ep = dp x cp: no replicas), the experts are left out of FSDP2 and
+            replicated: call ``sync_expert_gradients(model, groups)`` after the step's last
+            backward ("none": ``sync_gradients`` does).
         mp_policy: FSDP2 mixed precision, e.g. ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
             reduce_dtype=torch.float32)`` (compute in bf16, sum gradients in float32).
         compute_dtype: mixed precision for every mode (see ``cpvlm.parallelize.precision``):
@@ -184,13 +189,18 @@ def parallelize(
     elif groups.mesh is not mesh:
         raise ValueError("parallelize: groups were built for another mesh; pass mesh_groups(mesh)")
     ignored: set[nn.Parameter] = set()
+    expert_units: list[nn.Module] = []
     if groups.ep_mesh is not None:
         if data_parallel == "ddp":
             raise ValueError(
                 f"parallelize: expert parallelism (ep={groups.ep}) runs with data_parallel='fsdp', "
                 "'hsdp' or 'none', not 'ddp'"
             )
-        ignored = set(parallelize_experts(model, groups.ep_mesh["ep"]))
+        sharded = parallelize_experts(model, groups.ep_mesh["ep"])
+        if data_parallel == "fsdp" and groups.ep_mesh["ep_replica"].size() > 1:
+            expert_units = expert_modules(model)
+        else:
+            ignored = set(sharded)
     if groups.tp_mesh is not None and data_parallel == "ddp":
         raise ValueError(
             f"parallelize: tensor parallelism (tp={groups.sizes.tp}) runs with data_parallel="
@@ -208,6 +218,8 @@ def parallelize(
             mp_policy = fsdp_policy(compute_dtype, param_dtype)
         if mp_policy is not None:
             kwargs["mp_policy"] = mp_policy
+        for unit in expert_units:  # inside the units below: first
+            _shard_expert_replicas(unit, groups.ep_mesh["ep_replica"], kwargs)
         for unit in units:
             fully_shard(unit, **kwargs)
         fully_shard(model, **kwargs)
@@ -226,6 +238,26 @@ def parallelize(
             model, process_group=groups.grad_sync_group, **(ddp_kwargs or {})
         )
     return model if compute_dtype is None else Autocast(model, compute_dtype)
+
+
+def _expert_rows_dim(param: nn.Parameter) -> Shard:
+    return Shard(1)
+
+
+def _shard_expert_replicas(experts: nn.Module, replicas: DeviceMesh, kwargs: dict) -> None:
+    """Make ``experts`` (sharded by ``parallelize_experts``) an FSDP2 unit over ``replicas``,
+    the ranks that hold the same experts (``ep_mesh["ep_replica"]``, a slice of the same 2-d
+    mesh as the experts' "ep" mesh, as FSDP2 requires of DTensor parameters).
+
+    A rank then keeps 1/ep of the experts, each sharded over the replicas: 1/(dp x cp) of the
+    expert parameters, like every other parameter under FSDP2; the replicas' gradient sum is
+    FSDP2's reduce-scatter. FSDP2 shards dim 1 (the experts' rows): dim 0, the expert index, is
+    already split by EP, and sharding it again would need a strided placement (``_StridedShard``)
+    where dim 1 gives a plain ``(Shard(1), Shard(0))`` DTensor that DCP reshards to any other
+    ep. (torchtitan shards its experts over "dp_shard_mod_ep" too, on dim 1 where the local
+    experts are fewer than the replicas.)
+    """
+    fully_shard(experts, **{**kwargs, "mesh": replicas}, shard_placement_fn=_expert_rows_dim)
 
 
 def sync_gradients(model: nn.Module, groups: MeshGroups | dist.ProcessGroup) -> None:

@@ -18,13 +18,17 @@ the pairs the one-process run computes; the sender weights and sums its pairs' o
 transformers' experts do (the same sum, in top-k slot order instead of expert order: the same
 value for K = 2, round-off otherwise). The gradient of expert e on its rank is the sum over the
 tokens of the EP group routed to e; the W / P ranks that hold the same experts (the *expert
-replicas*, one per EP group) sum their gradients (``sync_expert_gradients``), which gives the sum
-over every token of the step: cpvlm's summed-gradient convention (see ``data_parallel``). The
-router and its load-balancing loss are untouched (``cpvlm.router_loss``).
+replicas*, one per EP group) sum their gradients, which gives the sum over every token of the
+step: cpvlm's summed-gradient convention (see ``data_parallel``). The router and its
+load-balancing loss are untouched (``cpvlm.router_loss``).
 
 The experts' weights are DTensors ``Shard(0)`` over the 1-d "ep" mesh: DCP saves each expert
-once and loads it into another ep, and FSDP2 leaves them alone (``ignored_params``): they are
-replicated over the expert replicas, their gradients summed there.
+once and loads it into another ep. Under ``parallelize(data_parallel="fsdp")`` each experts
+module is then its own FSDP2 unit over the expert replicas (the "ep_replica" dim of the same 2-d
+mesh; torchtitan's "dp_shard_mod_ep"): a rank holds 1/W of the expert parameters, as of every
+other, and FSDP2's reduce-scatter sums the replicas' gradients. Otherwise (HSDP, "none", or
+W = P: no replicas) they are replicated over the replicas and ``sync_expert_gradients`` sums
+their gradients.
 
 Why not transformers' ``AllToAllEP``: cpvlm/parallelize never imports transformers (it serves any
 model whose experts module has the layout below), and transformers' EP is applied by
@@ -40,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from cpvlm.distributed.collectives import ensure_requires_grad_for_cp_collective
@@ -154,12 +159,18 @@ def _ep_forward(module: nn.Module, forward, mesh: DeviceMesh):
     def experts_fn(x_mD, local_m1, ones_m1):
         sharded = {n: module._parameters[n] for n in names}
         try:  # the experts' own forward, on this rank's experts (local ids)
+            locals_ = []
             for n, p in sharded.items():
                 local = p.to_local()
+                locals_.append(local)
                 module._parameters[n] = local if local.dtype == x_mD.dtype else local.to(x_mD.dtype)
-            return forward(x_mD, local_m1, ones_m1)
+            out_mD = forward(x_mD, local_m1, ones_m1)
         finally:
             module._parameters.update(sharded)
+        # Every parameter in the graph, even where no pair reached this rank's experts (the
+        # forward then skips them): each gets a gradient, zeros at worst, so that the expert
+        # replicas' gradient reduction (FSDP2's reduce-scatter) runs on every rank.
+        return out_mD + sum(t.reshape(-1)[:1].sum() for t in locals_).to(out_mD.dtype) * 0
 
     def ep_forward(hidden_states, top_k_index, top_k_weights):
         return _dispatch_and_combine(
@@ -175,7 +186,8 @@ def parallelize_experts(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Parame
     Call it on every rank with identical weights (same seed or checkpoint), before FSDP2: each
     rank keeps its slice of each expert parameter as a ``DTensor`` ``Shard(0)`` (no
     communication) and ``num_experts`` becomes the local count. Returns the sharded parameters
-    (FSDP2 must ignore them; ``sync_expert_gradients`` sums their gradients).
+    (FSDP2 over the dp x cp ranks must ignore them; ``parallelize`` shards them over their
+    replicas or leaves their sum to ``sync_expert_gradients``).
     """
     size, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     modules = expert_modules(model)
@@ -198,11 +210,18 @@ def parallelize_experts(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Parame
 
 
 def sync_expert_gradients(model: nn.Module, groups) -> None:
-    """Sum the sharded experts' gradients over the ranks that hold the same experts (one per EP
-    group; ``groups``: the ``MeshGroups`` of an ``ep > 1`` mesh). Call it once per step, after
-    the last backward, on every rank; a missing gradient counts as zeros (a rank whose experts
-    received no token still joins)."""
-    params = [p for p in expert_parameters(model) if p.requires_grad]
+    """Sum the replicated experts' gradients over the ranks that hold the same experts (one per
+    EP group; ``groups``: the ``MeshGroups`` of an ``ep > 1`` mesh); experts that FSDP2 shards
+    over those ranks (``parallelize(data_parallel="fsdp")``) are left to its reduce-scatter.
+    Call it once per step, after the last backward, on every rank; a missing gradient counts as
+    zeros (a rank whose experts received no token still joins)."""
+    params = [
+        p
+        for m in expert_modules(model)
+        if _is_sharded(m) and not isinstance(m, FSDPModule)
+        for p in m.parameters(recurse=False)
+        if isinstance(p, DTensor) and p.requires_grad
+    ]
     if not params or groups.ep_mesh is None:
         return
     replica_group = groups.ep_mesh.get_group("ep_replica")

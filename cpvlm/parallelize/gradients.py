@@ -25,11 +25,11 @@ def sync_step_gradients(
 ) -> None:
     """Finish the sum of the step's gradients, once after its last backward, on every rank:
     over dp x cp for ``data_parallel="none"`` (FSDP2 and DDP summed in the backward), the sharded
-    experts over their replicas (``ep > 1``), and the TP-partial modules ``tp_summed``
+    experts FSDP2 leaves replicated over their replicas (``ep > 1`` under HSDP), and the TP-partial modules ``tp_summed``
     (``apply_tensor_parallel``'s return) over TP."""
     if data_parallel == "none":
         sync_gradients(model, groups)
-    elif groups.ep_mesh is not None:  # FSDP2 leaves the sharded experts to this sum
+    elif groups.ep_mesh is not None:  # experts FSDP2 does not shard over their replicas (HSDP)
         sync_expert_gradients(model, groups)
     if groups.tp_mesh is not None:
         sync_tp_gradients(tp_summed, groups.tp_mesh.get_group())

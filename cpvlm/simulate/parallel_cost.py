@@ -163,52 +163,45 @@ def comm_seconds(facts, tokens, world, ep, tp, checkpointing) -> dict:
     ep_s = _link_seconds(e["sent"], ep, tp) + e["exchanges"] * (ep - 1) * MESSAGE_S
     ep_s += e["host_syncs"] * HOST_SYNC_S
     tp_s = _link_seconds(t["sent"], tp, 1) + t["all_reduces"] * 2 * (tp - 1) * MESSAGE_S
-    ep_s += expert_sync_seconds(facts, world, ep, tp)
     return {"ep_s": ep_s, "tp_s": tp_s, "fsdp_s": fsdp_seconds(facts, world, ep, tp)}
 
 
 def fsdp_seconds(facts: ModelFacts, world: int, ep: int, tp: int, master_bytes: int = 4) -> float:
-    """Seconds of FSDP2's traffic on one rank per step, before any overlap: each parameter it
-    shards (the experts only at ep = 1) all-gathered in bf16 twice (forward; backward, which the
-    recompute shares) and its gradient reduce-scattered in ``master_bytes`` over the ``world`` =
-    dp x cp ranks of a tp rank (the experts' are ``expert_sync_seconds``). The TP-split
-    projections are 1 / tp of theirs."""
-    sharded = facts.params - facts.tp_params * (1 - 1 / tp) - (facts.expert_params if ep > 1 else 0)
-    fsdp = (2 * 2 + master_bytes) * sharded * (world - 1) / world
-    return _link_seconds(fsdp, world, tp)
-
-
-def expert_sync_seconds(facts, world: int, ep: int, tp: int, master_bytes: int = 4) -> float:
-    """Seconds of ``sync_expert_gradients`` under EP: one ring all-reduce of this rank's experts'
-    gradients over their world / ep replicas (ranks tp x ep GPUs apart), after the last backward:
-    nothing left to hide it behind."""
+    """Seconds of FSDP2's traffic on one rank per step, before any overlap: each parameter
+    all-gathered in bf16 twice (forward; backward, which the recompute shares) and its gradient
+    reduce-scattered in ``master_bytes``: over the ``world`` = dp x cp ranks of a tp rank; the
+    TP-split projections 1 / tp of theirs. Under EP the experts are their own FSDP2 units: this
+    rank's 1 / ep of them over their world / ep replicas (ranks tp x ep GPUs apart; none at
+    ep = world)."""
+    per_param = 2 * 2 + master_bytes
+    experts = facts.expert_params if ep > 1 else 0
+    dense = facts.params - facts.tp_params * (1 - 1 / tp) - experts
+    seconds = _link_seconds(per_param * dense * (world - 1) / world, world, tp)
     replicas = world // ep
-    if ep == 1 or replicas == 1:
-        return 0.0
-    ring = 2 * (replicas - 1) / replicas * master_bytes * facts.expert_params / ep
-    return _link_seconds(ring, replicas, tp * ep) + 2 * (replicas - 1) * MESSAGE_S
+    if experts and replicas > 1:
+        held = per_param * experts / ep * (replicas - 1) / replicas
+        seconds += _link_seconds(held, replicas, tp * ep)
+    return seconds
 
 
 def modelled_memory(memory, facts: ModelFacts, world: int, ep: int, tp: int, tokens: int) -> dict:
     """The per-rank bytes of (ep, tp) from a simulated ep = tp = 1 rank of ``world`` = dp x cp
-    ranks (FSDP2 over them): the experts' master bytes from 1 / world to 1 / ep (EP leaves them
-    out of FSDP2: replicated over the world / ep replicas), their gathered bf16 layer to 1 / ep;
-    the TP-split layers' master and gathered bytes / tp; the transient activations of a layer
+    ranks (FSDP2 over them): the experts' master bytes stay 1 / world (EP holds 1 / ep of them,
+    FSDP2 shards those over their world / ep replicas), their gathered bf16 layer goes to 1 / ep
+    (a rank gathers only its own experts); the TP-split layers' master and gathered bytes / tp; the transient activations of a layer
     (beyond what it saves) / tp; plus one MoE layer's dispatch buffers (received pairs, the
     experts' output, what comes back, the pairs in token order: 4 n K D bf16)."""
     fixed = memory.params + memory.grads + memory.optimizer
-    expert_fixed = MASTER_BYTES * facts.expert_params * (1 / ep - 1 / world) if ep > 1 else 0
     tp_fixed = -MASTER_BYTES * facts.tp_params / world * (1 - 1 / tp)
     layer_experts = 2 * facts.expert_params / max(1, facts.moe_layers)
     gathered = -min(memory.gathered, layer_experts) * (1 - 1 / ep)
     gathered -= min(memory.gathered, 2 * facts.tp_params / facts.layers) * (1 - 1 / tp)
     transient = max(0, memory.peak_activations - memory.saved_activations) * (1 - 1 / tp)
     buffers = 4 * tokens * facts.top_k * facts.hidden * 2 if ep > 1 else 0
-    peak = memory.steady_peak + expert_fixed + tp_fixed + gathered - transient + buffers
+    peak = memory.steady_peak + tp_fixed + gathered - transient + buffers
     return {
-        "weights": fixed + expert_fixed + tp_fixed,
+        "weights": fixed + tp_fixed,
         "peak": peak,
-        "expert_weights_delta": expert_fixed,
         "tp_weights_delta": tp_fixed,
         "gathered_delta": gathered,
         "transient_delta": -transient,

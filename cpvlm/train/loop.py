@@ -7,7 +7,8 @@ Per step every rank: takes its DP replica's rows (the same on all CP ranks), cou
 (shifted) labels of the whole step over DP, runs each row through ``ContextParallelVLM`` (its
 loss is this rank's share of the step's token mean) and backward; the gradient sync sums over the
 dp x cp ranks, so the summed gradients are the one-device gradients of the step (with ``--ep``,
-the sharded experts are summed over their replicas instead: ``sync_expert_gradients``). With
+the sharded experts are summed over the ranks that hold the same experts: FSDP2's reduce-scatter
+over them, or ``sync_expert_gradients`` under ``--data-parallel none``). With
 ``--tp`` every TP rank of a (dp, cp) coordinate takes the same rows and computes the same loss;
 the gradient sync runs per tp slice, and only the TP-partial replicated gradients (Qwen3's q/k
 norms) are summed over TP (``sync_tp_gradients``); a step's statistics count tp rank 0. Then the

@@ -4,7 +4,10 @@ Every rank holds other tokens (a CP shard), so the (token, expert) pairs travel 
 ranks and back. Checked: a toy experts module with skewed routing (a rank whose experts get no
 pair, a rank with no token at all); the MoE families' experts sharded over EP groups of the CP
 ranks, for every MoE family (each rank holds 1/ep of every expert parameter; the experts'
-gradients, summed over the ranks, equal the one-process ones); ``cpvlm verify --ep``; and bad sizes, an error on every rank.
+gradients, summed over the ranks, equal the one-process ones); under FSDP2 at dp 2 x cp 2 x ep 2,
+the experts sharded over the ranks that hold them (1/(dp x cp) of the expert parameters per rank,
+the gradients FSDP2 reduce-scatters equal to the one-process ones); ``cpvlm verify --ep``; and bad
+sizes, an error on every rank.
 Tolerance: 1e-10 relative; the EP run adds the same terms in another order (observed <= 2e-15);
 GLM-4.5V's float32 router: cpvlm verify's float32 bound.
 """
@@ -16,7 +19,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from cpvlm.parallelize import build_mesh, mesh_groups, parallelize_experts, sync_expert_gradients
+from cpvlm.parallelize import (
+    build_mesh,
+    mesh_groups,
+    parallelize,
+    parallelize_experts,
+    sync_expert_gradients,
+)
 from cpvlm.testing import rel_err, run_distributed
 from cpvlm.verify.compare import FLOAT32_IN_FLOAT64
 
@@ -149,6 +158,78 @@ def test_each_rank_holds_its_experts_and_their_gradients_are_exact(model_name, w
     zero = [re.compile(z) for z in kit_for(model).zero_gradients]  # zero in exact arithmetic
     rest = [n for n in ref_grads if not any(z.fullmatch(n) for z in zero)]
     assert max(rel_err(grads[n], ref_grads[n]) for n in rest) <= tol
+
+
+class ToyMoE(torch.nn.Module):
+    """A root around the toy experts: FSDP2 wraps the experts as their own unit under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = ToyExperts(4)
+
+    def forward(self, x, top_k_index, top_k_weights):
+        return self.experts(x, top_k_index, top_k_weights)
+
+
+def _fsdp_experts_rank(rank, world, routing):
+    from torch.distributed.fsdp import FSDPModule
+
+    x, index, weights, counts = _toy_tokens(world, routing)
+    rows = slice(sum(counts[:rank]), sum(counts[: rank + 1]))
+    model = ToyMoE()
+    groups = mesh_groups(build_mesh(dp_shard=2, cp=2, ep=2), ep=2)
+    parallelize(model, groups.mesh, data_parallel="fsdp", groups=groups)
+    assert isinstance(model.experts, FSDPModule)  # its own unit, over the expert replicas
+    held = {n: p.to_local().numel() for n, p in model.named_parameters()}
+    out = model(x[rows], index[rows], weights[rows])
+    (out * torch.arange(1.0, DIM + 1, dtype=torch.float64)).sum().backward()
+    sync_expert_gradients(model, groups)  # FSDP2 reduced them: a no-op, not a second sum
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    return (
+        out.detach(),
+        held,
+        {n: p.grad.to_local().numel() for n, p in model.named_parameters()},
+        grads,
+    )
+
+
+@pytest.mark.parametrize("routing", ["one_rank_empty", "all_to_rank0"])
+def test_fsdp_shards_the_experts_over_their_replicas(routing):
+    """dp 2 x cp 2 x ep 2: each rank holds 1/(dp x cp) of the expert parameters (half of its
+    EP group's two experts), and FSDP2's reduce-scatter over the two ranks that hold the same
+    experts gives the one-process gradient, also where a rank's experts get no pair."""
+    x, index, weights, _ = _toy_tokens(4, routing)
+    model = ToyMoE()
+    ref = model(x, index, weights)
+    (ref * torch.arange(1.0, DIM + 1, dtype=torch.float64)).sum().backward()
+    results = run_distributed(_fsdp_experts_rank, 4, routing, timeout=120)
+    assert rel_err(torch.cat([r[0] for r in results]), ref) <= TOL
+    for name, p in model.named_parameters():
+        for _, held, grad_held, grads in results:
+            assert held[name] == grad_held[name] == p.numel() // 4, name
+            assert rel_err(grads[name], p.grad) <= TOL, name
+
+
+def _model_fsdp_rank(rank, world, model_name):
+    from cpvlm.hf import build_model
+    from cpvlm.parallelize import expert_parameters
+
+    model = build_model(model_name, dtype=torch.float64, seed=0)
+    groups = mesh_groups(build_mesh(dp_shard=2, cp=2, ep=2), ep=2)
+    parallelize(model, groups.mesh, data_parallel="fsdp", groups=groups)
+    return sum(p.to_local().numel() for p in expert_parameters(model))
+
+
+@pytest.mark.parametrize("model_name", ["qwen3-vl-moe-tiny", "qwen3.5-moe-tiny"])
+def test_each_rank_holds_a_quarter_of_the_experts_at_dp2_cp2_ep2(model_name):
+    from cpvlm.hf import build_model
+    from cpvlm.parallelize.expert_parallel import expert_modules
+
+    model = build_model(model_name, dtype=torch.float64, seed=0)
+    total = sum(p.numel() for m in expert_modules(model) for p in m.parameters(recurse=False))
+    assert (
+        total and run_distributed(_model_fsdp_rank, 4, model_name, timeout=180) == [total // 4] * 4
+    )
 
 
 def test_verify_ep_exits_0_with_every_group_within_1e10(capsys):

@@ -64,13 +64,14 @@ def _memory(**kw) -> RankMemory:
 
 def test_modelled_memory_moves_the_expert_bytes():
     m = _memory()
+    fixed = m.params + m.grads + m.optimizer
     # ep = world: the experts' master bytes as FSDP2 shards them; only the buffers are added
     same = modelled_memory(m, FACTS, world=4, ep=4, tp=1, tokens=10)
-    assert same["expert_weights_delta"] == 0
+    assert same["weights"] == fixed
     assert same["peak"] == m.steady_peak + 4 * 10 * 2 * 8 * 2
-    # ep 2 of 4 ranks: each expert parameter on 1/2 of the ranks instead of 1/4
+    # ep 2 of 4 ranks: half of the experts, FSDP2-sharded over their 2 replicas: 1/4 as at ep 1
     half = modelled_memory(m, FACTS, world=4, ep=2, tp=1, tokens=10)
-    assert half["expert_weights_delta"] == 16 * 800 * (1 / 2 - 1 / 4)
+    assert half["weights"] == fixed and half["peak"] == same["peak"]
     tp = modelled_memory(m, FACTS, world=4, ep=1, tp=2, tokens=10)
     assert tp["tp_weights_delta"] == -16 * 100 / 4 / 2 and tp["dispatch_buffers"] == 0
 
@@ -98,19 +99,21 @@ def test_with_ep_tp_refuses_sizes_that_do_not_divide():
     assert "dp x cp" in out[2].error  # ep 4 of 2 ranks
 
 
-def test_fsdp_traffic_leaves_the_experts_under_ep():
-    from cpvlm.simulate.parallel_cost import (
-        IB_BYTES_PER_S,
-        NVLINK_BYTES_PER_S,
-        expert_sync_seconds,
-        fsdp_seconds,
-    )
+def test_fsdp_traffic_shards_the_experts_over_their_replicas_under_ep():
+    from cpvlm.simulate.parallel_cost import IB_BYTES_PER_S, NVLINK_BYTES_PER_S, fsdp_seconds
 
     # 4 ranks in a node: 2 bf16 gathers + a float32 reduce-scatter of 3/4 of what FSDP2 shards
     assert fsdp_seconds(FACTS, 4, 1, 1) == pytest.approx(8 * 1000 * 3 / 4 / NVLINK_BYTES_PER_S)
-    assert fsdp_seconds(FACTS, 4, 2, 1) == pytest.approx(8 * 200 * 3 / 4 / NVLINK_BYTES_PER_S)
-    assert expert_sync_seconds(FACTS, 4, 4, 1) == 0  # one replica: nothing to sum
+    # ep 4 of 4: one replica of each EP shard, the experts not gathered
+    assert fsdp_seconds(FACTS, 4, 4, 1) == pytest.approx(8 * 200 * 3 / 4 / NVLINK_BYTES_PER_S)
+    # ep 2 of 4: this rank's 400 expert parameters over their 2 replicas (2 GPUs apart), too
+    experts = 8 * 800 / 2 * 1 / 2
+    assert fsdp_seconds(FACTS, 4, 2, 1) == pytest.approx(
+        (8 * 200 * 3 / 4 + experts) / NVLINK_BYTES_PER_S
+    )
     # 32 ranks, ep 2: 16 replicas 2 GPUs apart, 4 of them in a node, 12 of 15 peers across
-    ring = 2 * 15 / 16 * 4 * 800 / 2
-    expected = max(ring * 3 / 15 / NVLINK_BYTES_PER_S, ring * 12 / 15 / IB_BYTES_PER_S)
-    assert expert_sync_seconds(FACTS, 32, 2, 1) == pytest.approx(expected + 2 * 15 * 20e-6)
+    dense = 8 * 200 * 31 / 32
+    held = 8 * 800 / 2 * 15 / 16
+    expected = max(dense * 7 / 31 / NVLINK_BYTES_PER_S, dense * 24 / 31 / IB_BYTES_PER_S)
+    expected += max(held * 3 / 15 / NVLINK_BYTES_PER_S, held * 12 / 15 / IB_BYTES_PER_S)
+    assert fsdp_seconds(FACTS, 32, 2, 1) == pytest.approx(expected)

@@ -2,9 +2,11 @@
 
 Through the command users run (local gloo processes), float64, the tiny MoE models with their
 router load-balancing loss on. cp 2 x ep 2 (the CP pair is the EP group) against cp 1; dp 2 x
-cp 2 x ep 4 (one EP group of all four ranks; each expert on one rank) against dp 2 x cp 1; and a
-checkpoint of the ep 4 run resumed at cp 2 x ep 2 (DCP reshards the experts: two of the four
-experts per rank) against the uninterrupted run. Tolerance 1e-10 relative: the runs add the same
+cp 2 x ep 4 (one EP group of all four ranks; each expert on one rank) and dp 2 x cp 2 x ep 2 (two
+EP groups; each rank holds half of its two experts, FSDP2-sharded over the two ranks that hold
+them) against dp 2 x cp 1; a checkpoint of the ep 4 run resumed at cp 2 x ep 2 (DCP reshards the
+experts: two of the four experts per rank), and one of the dp 2 x cp 2 x ep 2 run (experts
+FSDP2-sharded) resumed at ep 4, against the uninterrupted runs. Tolerance 1e-10 relative: the runs add the same
 terms in another order (observed <= 2e-16 per step over three AdamW steps).
 """
 
@@ -41,15 +43,25 @@ def test_ep_under_cp_equals_the_run_without_it(tmp_path, model):
     _same(_train(tmp_path / "cp2_ep2", model, "--cp", "2", "--ep", "2"), one)
     dp = _train(tmp_path / "dp2_cp1", model, "--dp", "2", "--cp", "1")
     _same(_train(tmp_path / "dp2_cp2_ep4", model, "--dp", "2", "--cp", "2", "--ep", "4"), dp)
+    _same(_train(tmp_path / "dp2_cp2_ep2", model, "--dp", "2", "--cp", "2", "--ep", "2"), dp)
 
 
-def test_an_ep4_checkpoint_resumes_at_ep2_exactly(tmp_path):
+@pytest.mark.parametrize(
+    "saved, resumed",
+    [
+        # dp 1 x grad-accum 2 keeps the global batch of 2 rows per step
+        (("--dp", "2", "--cp", "2", "--ep", "4"), ("--dp", "1", "--cp", "2", "--ep", "2")),
+        # from experts FSDP2-sharded over their replicas to one expert per rank
+        (("--dp", "2", "--cp", "2", "--ep", "2"), ("--dp", "2", "--cp", "2", "--ep", "4")),
+    ],
+    ids=["ep4_to_ep2", "fsdp_experts_ep2_to_ep4"],
+)
+def test_an_ep_checkpoint_resumes_at_another_ep_exactly(tmp_path, saved, resumed):
     model = "qwen3-vl-moe-tiny"
-    full = tmp_path / "ep4"
-    ep4 = _train(full, model, "--dp", "2", "--cp", "2", "--ep", "4", "--ckpt-every", "2")
-    resumed = tmp_path / "ep2"
-    shutil.copytree(full, resumed)
-    shutil.rmtree(resumed / "checkpoints" / "step_00000003")
-    # dp 1 x grad-accum 2 keeps the global batch of 2 rows per step
-    after = _train(resumed, model, "--dp", "1", "--cp", "2", "--ep", "2", "--resume")
-    _same(after[2:], ep4[2:], steps=(3,))
+    full = tmp_path / "saved"
+    before = _train(full, model, *saved, "--ckpt-every", "2")
+    again = tmp_path / "resumed"
+    shutil.copytree(full, again)
+    shutil.rmtree(again / "checkpoints" / "step_00000003")
+    after = _train(again, model, *resumed, "--resume")
+    _same(after[2:], before[2:], steps=(3,))
