@@ -106,6 +106,7 @@ from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mi
 from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3_Config
 
 from cpvlm.attention.linear.mamba2 import cp_mamba2_mixer
+from cpvlm.encoders.cost import EncoderCost, block_linear_macs
 from cpvlm.hf.adapter import ModulePaths, VLMAdapter
 from cpvlm.hf.kit import FamilyKit
 from cpvlm.hf.registration import register
@@ -118,7 +119,6 @@ from cpvlm.hf.tiny import (
     split_overrides,
     with_overrides,
 )
-from cpvlm.vision.cost import VisionCost, block_linear_macs
 
 from .nemotron_h_omni_media import NemotronOmniMedia, tiny_nemotron_omni_processor
 
@@ -275,7 +275,7 @@ def tiny_nemotron_h_omni_config(**overrides) -> NemotronH_Omni_Reasoning_V3_Conf
 # ---- the vision cost model -----------------------------------------------------------------------
 
 
-def radio_vision_cost(config) -> VisionCost:
+def radio_vision_cost(config) -> EncoderCost:
     """Per patch: the patch projection (C p^2 w), each block's matrices (4 w^2 and the MLP:
     fc1/fc2 of w * mlp_ratio, or SwiGLU's three), the projector on pixel-shuffled tokens (m^2 w
     -> H -> D per token, i.e. w H + H D / m^2 per patch); full attention within the image. The P
@@ -288,10 +288,10 @@ def radio_vision_cost(config) -> VisionCost:
         mlp = (int(mlp * 2 / 3) + 7) // 8 * 8
     blocks = vc.num_hidden_layers * block_linear_macs(w, mlp, gated=vc.use_swiglu_ffn)
     linear = vc.patch_dim * w + blocks + w * h + h * d // (m * m)
-    return VisionCost(linear_per_patch=linear, pair=2 * w, full_blocks=vc.num_hidden_layers)
+    return EncoderCost(linear_per_patch=linear, pair=2 * w, full_blocks=vc.num_hidden_layers)
 
 
-def parakeet_audio_cost(config) -> VisionCost:
+def parakeet_audio_cost(config) -> EncoderCost:
     """Per clip of n mel frames (grid (1, 1, n)), in 1/64 MAC (costs only rank audio clips against
     each other), with r = n / 8 subsampled rows of width a, C conv channels, M mel bins, I the FFN
     width, k the conv kernel, H the projector width: the subsampling (a 3x3 conv to C channels at
@@ -315,7 +315,7 @@ def parakeet_audio_cost(config) -> VisionCost:
     block = 4 * a * ffn + 9 * a * a + ac.conv_kernel_size * a
     per_row = c * mel // 8 * a + ac.num_hidden_layers * block + a * ac.projection_hidden_size
     per_row += ac.projection_hidden_size * d
-    return VisionCost(
+    return EncoderCost(
         linear_per_patch=convs + 8 * per_row, pair=4 * a, full_blocks=ac.num_hidden_layers
     )
 
@@ -579,7 +579,7 @@ class NemotronHOmniAdapter(VLMAdapter):
         )
         return torch.cat(out.pooler_output)
 
-    def vision_cost(self) -> VisionCost:
+    def vision_cost(self) -> EncoderCost:
         return radio_vision_cost(self.config)
 
     # ---- audio ----------------------------------------------------------------------------------
@@ -609,7 +609,7 @@ class NemotronHOmniAdapter(VLMAdapter):
         inputs = _model_audio(features, lengths, longest)
         return model.get_audio_features(**inputs, return_dict=True).pooler_output
 
-    def audio_cost(self) -> VisionCost:
+    def audio_cost(self) -> EncoderCost:
         return parakeet_audio_cost(self.config)
 
 
