@@ -323,14 +323,40 @@ def parakeet_audio_cost(config) -> EncoderCost:
 # ---- published configs ---------------------------------------------------------------------------
 
 
+PUBLISHED_AUDIO = {
+    "hidden_size": 1024,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 8,
+    "intermediate_size": 4096,
+    "conv_kernel_size": 9,
+    "subsampling_factor": 8,
+    "subsampling_conv_channels": 256,
+    "subsampling_conv_kernel_size": 3,
+    "subsampling_conv_stride": 2,
+    "num_mel_bins": 128,
+    "projection_hidden_size": 4096,
+    "projection_bias": False,
+}
+"""The checkpoint's ``sound_config`` (Parakeet-TDT-0.6B's encoder, 24 Conformer blocks of 1024
+over 128 mel bins, subsampling by 8, and the projector 1024 -> 4096 -> 2688) as public copies of
+its config.json give it: a test fixture of the whole config.json in a Swift port (its
+``llm_config`` equal to the decoder below), TokenSpeed's ``ParakeetAudioConfig`` defaults and
+fairseq2's ``SoundProjection`` docstring agree on every value here. ``projection_bias`` is not
+in that copy: False assumed (TokenSpeed's default; NeMo AutoModel's ``SoundProjection`` builds
+it without bias by default). ``attention_bias`` and ``scale_input`` are False by
+``NemotronH_Omni_Reasoning_V3_Config``'s own defaults for released checkpoints; everything else
+(dropout, ``convolution_bias``) is ``ParakeetEncoderConfig``'s default, as the checkpoint gives
+none."""
+
+
 def nemotron_3_nano_omni_config() -> NemotronH_Omni_Reasoning_V3_Config:
     """Nemotron-3-Nano-Omni-30B-A3B-Reasoning, images and text, written out: the decoder as
     Megatron-Bridge's ``Nemotron3NanoProvider`` gives it, ``vit_hidden_size`` 1280 and
     ``projector_hidden_size`` 20480 as a published config.json copy gives them, the tower
     C-RADIOv4-H with ``RadioConfig``'s defaults for the rest. Not yet checked against the
     checkpoint's own config.json (no download here); ``num_nextn_predict_layers`` is left at 0.
-    Its Parakeet audio encoder is left out: its dimensions are not written out here yet (no copy
-    of the checkpoint's sound_config at hand), so this config has no audio tower."""
+    The audio encoder is ``PUBLISHED_AUDIO`` (its sources there), ``audio_token_id`` the
+    config.json's ``sound_context_token_id``."""
     pattern = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
     kinds = {"M": "linear_attention", "E": "moe", "*": "full_attention"}
     return NemotronH_Omni_Reasoning_V3_Config(
@@ -368,7 +394,12 @@ def nemotron_3_nano_omni_config() -> NemotronH_Omni_Reasoning_V3_Config:
             "num_registers": 7,
             "video_temporal_patch_size": 2,
         },
-        audio_config=None,
+        audio_config=PUBLISHED_AUDIO,
+        audio_token_id=27,  # <so_embedding>
+        # <so_start> and <so_end>: not in config.json (the tokenizer's; none at hand). Assumed:
+        # a plan only needs ids in the vocabulary, apart from the placeholders (docs/plan.md).
+        audio_start_token_id=28,
+        audio_end_token_id=29,
         vision_hidden_size=1280,
         projector_hidden_size=20480,
         downsample_ratio=0.5,
