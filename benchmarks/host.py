@@ -11,7 +11,7 @@ tokens in D documents over cp ranks, one thread:
                rows, loops over rectangles), which every rank computed in full, and the ratio;
   - positions: per-document position ids of a text row (``prepare_batch``'s ``_positions``),
                1D (``[B, S]``) and M-RoPE (``[3, B, S]``, ``cpvlm.hf.inputs.rope_index``);
-  - vision:    ``assign_vision_units`` of one vision unit per document;
+  - vision:    ``assign_units`` of one vision unit per document;
   - auto:      ``impl="auto"``'s choice (``choose_impl``: the cost model over every candidate,
                which reads every rank's calls and pairs per step), per layout and mask;
   - route:     one rank's ``route_plan`` of one visual row per 8 tokens.
@@ -40,10 +40,10 @@ from cpvlm.attention import schedule as attn_schedule
 from cpvlm.attention.cost import Shapes, choose_impl, estimate_seconds
 from cpvlm.attention.mask_spec import MaskSpec
 from cpvlm.distributed import layout as attn_layout
+from cpvlm.encoders.assign import assign_units
+from cpvlm.encoders.route import route_plan
 from cpvlm.hf import inputs as hf_inputs
 from cpvlm.hf.adapter import ModulePaths
-from cpvlm.vision.assign import assign_vision_units
-from cpvlm.vision.route import route_plan
 
 PARTS = ("plan", "schedule", "auto", "positions", "vision", "route")
 WINDOW = 4096
@@ -176,7 +176,7 @@ def run(config, parts, repeats) -> list[dict]:
             rows.append(row | timed(lambda m=mrope: positions(lens, m), repeats))
     if "vision" in parts:
         costs = [max(1, n // 8) for n in lens]
-        rows.append({"part": "vision"} | timed(lambda: assign_vision_units(costs, cp), repeats))
+        rows.append({"part": "vision"} | timed(lambda: assign_units(costs, cp), repeats))
     if "route" in parts:
         plan = ShardPlan(s, cp, doc_lens=lens)
         rows_at = plan.padded_index[::8]

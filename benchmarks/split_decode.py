@@ -27,10 +27,10 @@ def main():
         Qwen2VLImageProcessorPil,
     )
 
+    from cpvlm.encoders import split_assignment, vision_units
+    from cpvlm.encoders.pieces import piece_groups, pixel_rows_read
+    from cpvlm.encoders.split import pixel_order
     from cpvlm.families.qwen2_vl import image_piece_rows
-    from cpvlm.vision import split_assignment, vision_units
-    from cpvlm.vision.pieces import piece_groups, pixel_rows_read
-    from cpvlm.vision.split import pixel_order
 
     p = parser(__doc__)
     p.add_argument("--cp", type=int, nargs="+", default=[2, 4, 8])

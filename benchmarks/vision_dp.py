@@ -63,6 +63,9 @@ from torch import nn
 from transformers import AutoConfig
 
 from cpvlm import ShardPlan
+from cpvlm.encoders import assign_units, contiguous_assignment, route_plan, vision_units
+from cpvlm.encoders.cost import EncoderCost, block_linear_macs
+from cpvlm.encoders.split_assign import split_assignment
 from cpvlm.hf.vision_cost import vision_cost
 from cpvlm.testing.vision_cases import (
     AUDIO_HEAVY_MIX,
@@ -71,9 +74,6 @@ from cpvlm.testing.vision_cases import (
     PUBLISHED_TOWERS,
     SPLIT_MIXES,
 )
-from cpvlm.vision import assign_vision_units, contiguous_assignment, route_plan, vision_units
-from cpvlm.vision.cost import VisionCost, block_linear_macs
-from cpvlm.vision.split_assign import split_assignment
 
 MERGE = 2
 CPS = (2, 4, 8)
@@ -84,19 +84,19 @@ BYTES_PER_VALUE = 2  # bf16
 TEXT_PER_ITEM = 64
 
 
-def published_costs() -> dict[str, VisionCost]:
+def published_costs() -> dict[str, EncoderCost]:
     return {
         name: vision_cost(AutoConfig.for_model(model_type, vision_config=vc))
         for name, (model_type, vc) in PUBLISHED_TOWERS.items()
     }
 
 
-def attention_over_linear(cost: VisionCost, side: int) -> float:
+def attention_over_linear(cost: EncoderCost, side: int) -> float:
     linear = cost.linear_per_patch * side * side
     return (cost.unit_cost((1, side, side)) - linear) / linear
 
 
-def tower_rows(costs: dict[str, VisionCost]) -> list[dict]:
+def tower_rows(costs: dict[str, EncoderCost]) -> list[dict]:
     return [
         {
             "tower": name,
@@ -120,7 +120,7 @@ def _items_to_units(units, per_rank_items):
     return [[u for u, item in enumerate(units.items) if item in items] for items in per_rank_items]
 
 
-def balance_rows(costs: dict[str, VisionCost]) -> list[dict]:
+def balance_rows(costs: dict[str, EncoderCost]) -> list[dict]:
     rows = []
     target, windowed = costs[TARGET], costs["Qwen2.5-VL-7B"]
     for mix, grids in MIXES.items():
@@ -128,7 +128,7 @@ def balance_rows(costs: dict[str, VisionCost]) -> list[dict]:
         cost, cost_w = target.unit_costs(units), windowed.unit_costs(units)
         squares = [p * p for p in units.pixel_counts]
         for cp in CPS:
-            by_patch = assign_vision_units(units.pixel_counts, cp)
+            by_patch = assign_units(units.pixel_counts, cp)
             by_count = _items_to_units(units, contiguous_assignment(units.num_items, cp))
             rows.append(
                 {
@@ -137,10 +137,10 @@ def balance_rows(costs: dict[str, VisionCost]) -> list[dict]:
                     "units": units.num_units,
                     "count": balance(cost, by_count),
                     "patch": balance(cost, by_patch),
-                    "cost": balance(cost, assign_vision_units(cost, cp)),
+                    "cost": balance(cost, assign_units(cost, cp)),
                     "bound": max(cost) / (sum(cost) / cp),
                     "qwen2.5_patch": balance(cost_w, by_patch),
-                    "qwen2.5_cost": balance(cost_w, assign_vision_units(cost_w, cp)),
+                    "qwen2.5_cost": balance(cost_w, assign_units(cost_w, cp)),
                     "p^2_patch": balance(squares, by_patch),
                 }
             )
@@ -201,14 +201,14 @@ class TimingTower(nn.Module):
             nn.LayerNorm(width), nn.Linear(width, width), nn.GELU(), nn.Linear(width, width)
         )
 
-    def vision_cost(self) -> VisionCost:
+    def vision_cost(self) -> EncoderCost:
         w = self.width
         linear = (
             self.pixel_dim * w
             + self.depth * block_linear_macs(w, self.mlp, gated=False)
             + 2 * w * w
         )
-        return VisionCost(linear_per_patch=linear, pair=2 * w, full_blocks=self.depth)
+        return EncoderCost(linear_per_patch=linear, pair=2 * w, full_blocks=self.depth)
 
     def forward(self, x, groups, pieces=(), remote=None, ring_kv=None) -> torch.Tensor:
         """``remote``: per block, the other ranks' K/V of each piece (see ``_Block``)."""
@@ -218,7 +218,7 @@ class TimingTower(nn.Module):
         return self.merger(x)
 
 
-def timing_tower(target: VisionCost) -> TimingTower:
+def timing_tower(target: EncoderCost) -> TimingTower:
     """The tower (width a multiple of its 2 heads) whose pair/linear ratio is nearest to
     SCALE times the target's: its frames of p / SCALE patches then have the target's
     attention/linear ratio at p patches."""
@@ -254,7 +254,7 @@ def _encode_once(tower: TimingTower, x: torch.Tensor, groups) -> tuple[float, fl
     return clock.cpu(), clock.wall()
 
 
-def _timing_tasks(target: VisionCost, tower: TimingTower, gen) -> list[tuple]:
+def _timing_tasks(target: EncoderCost, tower: TimingTower, gen) -> list[tuple]:
     """(mix, cp, scheme, input, groups, modelled cost) for every rank's share. Scheme "same"
     is the control: the cost-balanced rank 0 share, cp times; its max/mean is the noise floor
     of the measurement (a max over cp noisy timings exceeds their mean even when equal)."""
@@ -264,9 +264,9 @@ def _timing_tasks(target: VisionCost, tower: TimingTower, gen) -> list[tuple]:
         units = vision_units(torch.tensor(grids), MERGE)
         cost = target.unit_costs(units)
         for cp in CPS:
-            by_cost = assign_vision_units(cost, cp)
+            by_cost = assign_units(cost, cp)
             schemes = {
-                "patch": assign_vision_units(units.pixel_counts, cp),
+                "patch": assign_units(units.pixel_counts, cp),
                 "cost": by_cost,
                 "same": [by_cost[0]] * cp,
             }
@@ -298,7 +298,7 @@ def _best_times(tower: TimingTower, tasks: list[tuple], rounds: int) -> list[tup
     return best
 
 
-def timing_rows(target: VisionCost, rounds: int) -> tuple[list[dict], dict]:
+def timing_rows(target: EncoderCost, rounds: int) -> tuple[list[dict], dict]:
     torch.manual_seed(0)
     tower = timing_tower(target)
     tcost = tower.vision_cost()
@@ -372,13 +372,13 @@ def mib(rows: float) -> float:
     return rows * FEATURES * BYTES_PER_VALUE / 2**20
 
 
-def comm_rows(target: VisionCost) -> list[dict]:
+def comm_rows(target: EncoderCost) -> list[dict]:
     units = vision_units(torch.tensor(CURRENT_MIX), MERGE)
     positions = _layout(CURRENT_MIX)
     seq_len = int(positions[-1]) + 1 + TEXT_PER_ITEM
     rows = []
     for cp in CPS:
-        per_rank = assign_vision_units(target.unit_costs(units), cp)
+        per_rank = assign_units(target.unit_costs(units), cp)
         m = max(sum(units.row_counts[u] for u in us) for us in per_rank)
         gather_rows = (cp - 1) * m  # sent = received, forward (all-gather) and backward (RS)
         allreduce_rows = 2 * (cp - 1) / cp * (cp * m)  # all-reduce of the padded gather
@@ -402,7 +402,7 @@ def comm_rows(target: VisionCost) -> list[dict]:
 # ---- vision="split": units larger than a rank's share ----------------------------------------
 
 
-def split_balance_rows(target: VisionCost) -> list[dict]:
+def split_balance_rows(target: EncoderCost) -> list[dict]:
     rows = []
     for mix, grids in SPLIT_MIXES.items():
         units = vision_units(torch.tensor(grids), MERGE)
@@ -416,19 +416,19 @@ def split_balance_rows(target: VisionCost) -> list[dict]:
                     "units": units.num_units,
                     "sharded": len(sa.split),
                     "bound": max(cost) / (sum(cost) / cp),
-                    "whole": balance(cost, assign_vision_units(cost, cp)),
+                    "whole": balance(cost, assign_units(cost, cp)),
                     "split": max_over_mean(sa.rank_costs(cost)),
                 }
             )
     return rows
 
 
-def _split_shares(target: VisionCost, grids, cp: int) -> dict[str, list]:
+def _split_shares(target: EncoderCost, grids, cp: int) -> dict[str, list]:
     """Per scheme, per rank: (whole frame lengths, pieces (local patches, unit patches)), in
     timing-tower patches (real / SCALE)."""
     units = vision_units(torch.tensor(grids), MERGE)
     cost = target.unit_costs(units)
-    whole = assign_vision_units(cost, cp)
+    whole = assign_units(cost, cp)
     sa = split_assignment(cost, units.row_counts, cp)
     m2 = MERGE * MERGE
     out = {"whole": [], "split": []}
@@ -483,7 +483,7 @@ def _split_encode_once(tower: TimingTower, task) -> tuple[float, int]:
     return clock.cpu(), sum(saved.values())
 
 
-def split_timing_rows(target: VisionCost, tower: TimingTower, rounds: int) -> list[dict]:
+def split_timing_rows(target: EncoderCost, tower: TimingTower, rounds: int) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     tasks = []
     for mix, grids in SPLIT_MIXES.items():
@@ -523,7 +523,7 @@ def split_timing_rows(target: VisionCost, tower: TimingTower, rounds: int) -> li
     return rows
 
 
-def split_rows(target: VisionCost, rounds: int) -> dict:
+def split_rows(target: EncoderCost, rounds: int) -> dict:
     """Item 5: the vision="split" tables, printed; returned for the JSON."""
     bal = split_balance_rows(target)
     print_table(
@@ -577,11 +577,11 @@ def audio_rows() -> list[dict]:
             + [nv + a for a in range(len(clips)) if ("a", a) in {items[i] for i in b}]
             for b in blocks
         ]
-        by_size = both(assign_vision_units(units.pixel_counts, cp), assign_vision_units(clips, cp))
-        v_cp = assign_vision_units(v_cost, cp)
-        by_cost = both(v_cp, assign_vision_units(a_cost, cp))
+        by_size = both(assign_units(units.pixel_counts, cp), assign_units(clips, cp))
+        v_cp = assign_units(v_cost, cp)
+        by_cost = both(v_cp, assign_units(a_cost, cp))
         v_loads = [sum(v_cost[u] for u in mine) for mine in v_cp]
-        around = both(v_cp, assign_vision_units(a_cost, cp, v_loads))
+        around = both(v_cp, assign_units(a_cost, cp, v_loads))
         rows.append(
             {
                 "cp": cp,
@@ -591,7 +591,7 @@ def audio_rows() -> list[dict]:
                 "size": balance(cost, by_size),
                 "cost_per_encoder": balance(cost, by_cost),
                 "cost_around_vision": balance(cost, around),
-                "cost_joint": balance(cost, assign_vision_units(cost, cp)),
+                "cost_joint": balance(cost, assign_units(cost, cp)),
                 "bound": max(1.0, max(cost) / (sum(cost) / cp)),
             }
         )

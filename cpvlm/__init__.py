@@ -1,14 +1,23 @@
 """cpvlm: context-parallel training of vision-language models with exact gradients.
 
 The model-agnostic API lives here: the sequence layout (``ShardPlan``), CP attention and its
-masks, vision data parallelism, the global token-mean loss, data parallelism on a (dp, cp) mesh,
-and the one options object every entry point validates (``CPOptions``). The transformers VLM
+masks, encoder data parallelism (vision and audio towers), the global token-mean loss, data
+parallelism on a (dp, cp) mesh, and the one options object every entry point validates
+(``CPOptions``). The transformers VLM
 integration (every supported family; it needs ``transformers``) is ``cpvlm.hf``;
 ``cpvlm verify`` and its engine are ``cpvlm.verify``.
 """
 
 from cpvlm.attention import MaskSpec, cp_attention
 from cpvlm.distributed import ShardPlan, pad_and_shard
+from cpvlm.encoders import (
+    EncoderCost,
+    EncoderDataParallel,
+    assign_units,
+    gather_embeddings,
+    route_to_owners,
+    vision_units,
+)
 from cpvlm.loss import IGNORE_INDEX, count_valid_labels, shift_labels, token_mean_loss
 from cpvlm.options import CPOptions
 from cpvlm.parallelize import (
@@ -17,14 +26,6 @@ from cpvlm.parallelize import (
     mesh_groups,
     parallelize,
     sync_gradients,
-)
-from cpvlm.vision import (
-    EncoderDataParallel,
-    VisionCost,
-    assign_vision_units,
-    gather_vision_embeddings,
-    route_to_owners,
-    vision_units,
 )
 
 __version__ = "0.1.0"
@@ -35,13 +36,13 @@ __all__ = [
     "MaskSpec",
     "MeshGroups",
     "ShardPlan",
-    "VisionCost",
+    "EncoderCost",
     "EncoderDataParallel",
-    "assign_vision_units",
+    "assign_units",
     "build_mesh",
     "count_valid_labels",
     "cp_attention",
-    "gather_vision_embeddings",
+    "gather_embeddings",
     "mesh_groups",
     "pad_and_shard",
     "parallelize",
@@ -51,3 +52,14 @@ __all__ = [
     "token_mean_loss",
     "vision_units",
 ]
+
+_OLD_NAMES = ("VisionCost", "assign_vision_units", "gather_vision_embeddings")
+
+
+def __getattr__(name: str):
+    """The names of before ``cpvlm.encoders`` (deprecated), from ``cpvlm.vision``."""
+    if name in _OLD_NAMES:
+        import cpvlm.vision
+
+        return getattr(cpvlm.vision, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

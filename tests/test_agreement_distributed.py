@@ -15,12 +15,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cpvlm import ShardPlan, cp_attention, gather_vision_embeddings
+from cpvlm import ShardPlan, cp_attention, gather_embeddings
 from cpvlm.distributed.collectives import StepAgreement, agree
+from cpvlm.encoders import EncoderDataParallel
 from cpvlm.options import CPOptions
 from cpvlm.testing import run_distributed
 from cpvlm.testing.toy_tower import ToyVisionTower
-from cpvlm.vision import EncoderDataParallel
 
 MERGE = 2
 GRIDS = [[1, 4, 4], [1, 2, 4], [1, 2, 2]]  # 4 + 2 + 1 rows, one or two units per rank
@@ -62,10 +62,10 @@ def _cases(rank, world):
     q = torch.zeros(1, 2, q_plan.local_len + (rank == bad), 8, dtype=torch.float64)
     ok_q = torch.zeros(1, 2, q_plan.local_len, 8, dtype=torch.float64)
     return {
-        "gather: rows differ from counts": lambda: gather_vision_embeddings(
+        "gather: rows differ from counts": lambda: gather_embeddings(
             x[: 3 - (rank == bad)], [3] * world, dist.group.WORLD
         ),
-        "gather: counts differ": lambda: gather_vision_embeddings(
+        "gather: counts differ": lambda: gather_embeddings(
             x, [3 + (rank == bad)] + [3] * (world - 1), dist.group.WORLD
         ),
         "route: the tower returns a row too few": lambda: EncoderDataParallel(
@@ -104,9 +104,9 @@ def _diverge(rank, world_size):
 
 EXPECTED = {  # every rank's message contains these; {bad} is the wrong rank, {w} the world
     "gather: rows differ from counts": [
-        "rank {bad} of {w}: gather_vision_embeddings: tensor 0 has 2 rows but counts says 3"
+        "rank {bad} of {w}: gather_embeddings: tensor 0 has 2 rows but counts says 3"
     ],
-    "gather: counts differ": ["gather_vision_embeddings: the ranks", "different counts", "(4, 3"],
+    "gather: counts differ": ["gather_embeddings: the ranks", "different counts", "(4, 3"],
     "route: the tower returns a row too few": [
         "rank {bad} of {w}: EncoderDataParallel: encoder output 0 has shape",
         "is merge_size right?",

@@ -43,8 +43,8 @@ pytestmark = pytest.mark.usefixtures("no_training_process")
 
 
 def _library_messages(rank, world_size, cases):
+    from cpvlm.encoders import EncoderDataParallel
     from cpvlm.hf import ContextParallelVLM, build_model
-    from cpvlm.vision import EncoderDataParallel
 
     model = build_model("qwen3-vl-tiny", seed=0)
     messages = []

@@ -5,7 +5,7 @@
 
   attention  ring and all-gather cp_attention at CP=2, bf16 and fp32, packed documents, GQA 32/8,
              D=128, forward and backward through autograd, against float64 (CP_TOLERANCES);
-  vision     gather_vision_embeddings with 3 rows on rank 0 and none on rank 1: every rank gets
+  vision     gather_embeddings with 3 rows on rank 0 and none on rank 1: every rank gets
              all rows; rank r's gradient is the sum over ranks of the upstream gradient;
   train      the tiny Qwen3-VL, float32, 3 steps: per-step losses of --cp 2 against --cp 1
              (relative difference <= 1e-5, float32 as everywhere in cpvlm).
@@ -61,12 +61,12 @@ def _attention(rank: int, world: int, device: torch.device) -> list[dict]:
 
 
 def _vision(rank: int, world: int, device: torch.device) -> dict:
-    from cpvlm.vision import gather_vision_embeddings
+    from cpvlm.encoders import gather_embeddings
 
     counts = [3] + [0] * (world - 1)
     x = torch.arange(counts[rank] * 4, dtype=torch.float32, device=device).view(-1, 4)
     x.requires_grad_()
-    out = gather_vision_embeddings(x, counts, dist.group.WORLD)
+    out = gather_embeddings(x, counts, dist.group.WORLD)
     weight = torch.arange(12, dtype=torch.float32, device=device).view(3, 4)
     (out * weight).sum().backward()
     values_ok = torch.equal(out.detach(), torch.arange(12.0, device=device).view(3, 4))

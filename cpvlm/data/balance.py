@@ -10,7 +10,7 @@ with the square of its documents' lengths. ``RowCost`` models a row's forward MA
     token * sum L                      decoder matrices (and LM head) per token
   + pair * sum L (L + 1) / 2           causal attention pairs, per document (packed rows attend
                                        within their documents)
-  + sum vision.unit_cost(grid)         the vision tower, per image and video (``VisionCost``)
+  + sum vision.unit_cost(grid)         the vision tower, per image and video (``EncoderCost``)
 
 Backward is about twice the forward in every part, so forward MACs rank rows as step time does.
 Costs are Python ints: every rank computes the same numbers from the same ``SampleMeta`` and so
@@ -35,8 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cpvlm.data.meta import SampleMeta
-from cpvlm.vision.assign import lpt
-from cpvlm.vision.cost import VisionCost
+from cpvlm.encoders.assign import lpt
+from cpvlm.encoders.cost import EncoderCost
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class RowCost:
 
     token: int  # decoder MACs per token
     pair: int  # decoder MACs per attended (query, key) pair, summed over the layers
-    vision: VisionCost | None = None
+    vision: EncoderCost | None = None
 
     def __post_init__(self):
         for name in ("token", "pair"):

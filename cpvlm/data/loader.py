@@ -47,8 +47,8 @@ from cpvlm.data.packing import dp_split
 from cpvlm.data.rows import PackedPlan, RowSlot, RowStream
 from cpvlm.data.sample import LazyPixels, SamplePlan, TokenIds, VisionItem
 from cpvlm.distributed import compat
-from cpvlm.vision.assign import assign_vision_units
-from cpvlm.vision.units import VisionUnits, vision_units
+from cpvlm.encoders.assign import assign_units
+from cpvlm.encoders.units import EncoderUnits, vision_units
 
 BLANK_TOKENS = 16
 
@@ -56,17 +56,17 @@ Decoder = Callable[..., torch.Tensor]
 """``decode(item, temporal)``: pixel rows ``[len(temporal) * h * w, C]`` of the item's temporal
 patches ``temporal`` (``None``: all of them), in the processor's layout; raises ``DataError``.
 Under ``vision="split"`` also ``decode(item, temporal, groups)``: of a temporal patch j in
-``groups`` only the rows of the merge groups ``groups[j]`` (``cpvlm.vision.pieces``)."""
+``groups`` only the rows of the merge groups ``groups[j]`` (``cpvlm.encoders.pieces``)."""
 
-Assign = Callable[[VisionUnits], list[list[int]]]
-Pieces = Callable[[VisionUnits], list[dict[int, tuple[int, ...]]]]
+Assign = Callable[[EncoderUnits], list[list[int]]]
+Pieces = Callable[[EncoderUnits], list[dict[int, tuple[int, ...]]]]
 """Per CP rank, ``{unit: merge groups}`` of the sharded units whose pieces alone it decodes
 (``ContextParallelVLM.vision_pieces``)."""
 
 
 def patch_balanced(cp_size: int) -> Assign:
     """The assignment ``EncoderDataParallel`` uses by default: balanced by patch counts."""
-    return lambda units: assign_vision_units(units.pixel_counts, cp_size)
+    return lambda units: assign_units(units.pixel_counts, cp_size)
 
 
 @dataclass
@@ -210,22 +210,22 @@ def decode_row(job: RowJob, decode: Decoder, temporal_patch: int = 2) -> LocalRo
     row = job.row
     grids = row.grid_thw()
     images, videos = row.images, row.videos
-    vision: dict[str, torch.Tensor] = {}
+    media: dict[str, torch.Tensor] = {}
     if images:
-        vision["image_grid_thw"] = grids[: len(images)]
+        media["image_grid_thw"] = grids[: len(images)]
     if videos:
-        vision["video_grid_thw"] = grids[len(images) :]
+        media["video_grid_thw"] = grids[len(images) :]
         seconds = [it.second_per_grid for _, it in videos]
         if any(s is not None for s in seconds):
-            vision["second_per_grid_ts"] = torch.tensor([s or 0.0 for s in seconds])
+            media["second_per_grid_ts"] = torch.tensor([s or 0.0 for s in seconds])
     if row.audios:
         clips = [a for _, a in row.audios]
-        vision["audio_features"] = torch.cat([a.features for a in clips])
-        vision["audio_lengths"] = torch.tensor([a.frames for a in clips], dtype=torch.long)
+        media["audio_features"] = torch.cat([a.features for a in clips])
+        media["audio_lengths"] = torch.tensor([a.frames for a in clips], dtype=torch.long)
     units = vision_units(grids, job.ids.merge, **_unit_layout(job.ids, row))
     mine = list(range(units.num_units)) if job.units is None else job.units
     out = LocalRow(
-        job.step, row.input_ids, row.labels, row.doc_lens, job.ids, vision, job.units is not None,
+        job.step, row.input_ids, row.labels, row.doc_lens, job.ids, media, job.units is not None,
         mine, job.state_after, job.errors, job.truncated,
     )  # fmt: skip
     if job.error is not None:
@@ -263,9 +263,9 @@ def decode_row(job: RowJob, decode: Decoder, temporal_patch: int = 2) -> LocalRo
         ("pixel_values", "image_grid_thw"),
         ("pixel_values_videos", "video_grid_thw"),
     ):
-        if grid_key in vision:
+        if grid_key in media:
             tensors = parts[key]
-            vision[key] = torch.cat(tensors) if tensors else torch.zeros(0, job.ids.pixel_width)
+            media[key] = torch.cat(tensors) if tensors else torch.zeros(0, job.ids.pixel_width)
     return out
 
 

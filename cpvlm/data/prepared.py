@@ -12,7 +12,7 @@ Legend: N samples of the source, L tokens of a sample, (t, h, w) an item's grid 
   order, one row a sample: ``where``; ``input_ids`` and ``labels`` (int32 lists, L each);
   ``tokens`` (L); ``image_grids`` / ``video_grids`` (3 ints per item, flat); the media references
   (``images``: path or encoded bytes; ``videos``: fps, seconds per temporal patch, frames);
-  ``vision_macs`` (the tower's modelled forward MACs, ``cpvlm.vision.cost``); and, for a sample
+  ``vision_macs`` (the tower's modelled forward MACs, ``cpvlm.encoders.cost``); and, for a sample
   whose planning failed, ``error_reason`` / ``error_detail`` (its ``DataError``, found again at
   training time as it would be from the source).
 

@@ -25,12 +25,12 @@ from __future__ import annotations
 import torch
 from transformers import Gemma3Config
 
+from cpvlm.encoders.cost import EncoderCost, block_linear_macs
 from cpvlm.hf.adapter import ModulePaths, VLMAdapter
 from cpvlm.hf.chat_media import ChatMedia
 from cpvlm.hf.kit import FamilyKit, TinyProcessor
 from cpvlm.hf.registration import register
 from cpvlm.hf.tiny import TEXT, split_overrides, with_overrides
-from cpvlm.vision.cost import VisionCost, block_linear_macs
 
 BOI_TOKEN_ID = 500
 EOI_TOKEN_ID = 501
@@ -88,14 +88,14 @@ def tiny_gemma3_config(**overrides) -> Gemma3Config:
     )
 
 
-def siglip_vision_cost(vc) -> VisionCost:
+def siglip_vision_cost(vc) -> EncoderCost:
     """SigLIP: a P w patch embedding, blocks 4 w^2 + 2 w I, full attention within the image (the
     projector's pooling and projection are small and the same for every unit)."""
     w = vc.hidden_size
     linear = vc.num_channels * vc.patch_size**2 * w + vc.num_hidden_layers * block_linear_macs(
         w, vc.intermediate_size, gated=False
     )
-    return VisionCost(linear_per_patch=linear, pair=2 * w, full_blocks=vc.num_hidden_layers)
+    return EncoderCost(linear_per_patch=linear, pair=2 * w, full_blocks=vc.num_hidden_layers)
 
 
 def untied_lm_head(config) -> tuple:
@@ -352,7 +352,7 @@ class FixedImageLayout(VLMAdapter):
         out = model.model.get_image_features(self._images(pixel_values), return_dict=True)
         return out.pooler_output.flatten(0, 1)
 
-    def vision_cost(self) -> VisionCost:
+    def vision_cost(self) -> EncoderCost:
         return siglip_vision_cost(self.config.vision_config)
 
 

@@ -77,12 +77,12 @@ from transformers.video_utils import VideoMetadata
 from cpvlm.data.audio import load_audio
 from cpvlm.data.errors import DataError
 from cpvlm.data.sample import AudioItem, VisionItem
+from cpvlm.encoders.cost import EncoderCost
 from cpvlm.hf.adapter import ModulePaths, VLMAdapter
 from cpvlm.hf.chat_media import ChatMedia, frame_pixels, frames_of, video_option
 from cpvlm.hf.kit import FamilyKit, TinyProcessor
 from cpvlm.hf.registration import register
 from cpvlm.hf.tiny import IMAGE_TOKEN_ID, TEXT, VIDEO_TOKEN_ID, split_overrides, with_overrides
-from cpvlm.vision.cost import VisionCost
 
 from .gemma3 import untied_lm_head
 
@@ -188,21 +188,21 @@ def tiny_gemma4_audio_config(**overrides) -> Gemma4Config:
     return tiny_gemma4_config(audio_config=audio, attn_implementation=attn, **overrides)
 
 
-def gemma4_vision_cost(vc) -> VisionCost:
+def gemma4_vision_cost(vc) -> EncoderCost:
     """Patch embedding P w; blocks w d (2 Hq + 2 Hkv) (q, o and k, v projections) + 3 w I (gated
     MLP); full attention within the image or frame (pooling and projection are small)."""
     w, d = vc.hidden_size, vc.head_dim
     attn = w * d * (2 * vc.num_attention_heads + 2 * vc.num_key_value_heads)
     mlp = 3 * w * vc.intermediate_size
     linear = 3 * vc.patch_size**2 * w + vc.num_hidden_layers * (attn + mlp)
-    return VisionCost(
+    return EncoderCost(
         linear_per_patch=linear,
         pair=2 * vc.num_attention_heads * d,
         full_blocks=vc.num_hidden_layers,
     )
 
 
-def gemma4_audio_cost(ac, text_width: int) -> VisionCost:
+def gemma4_audio_cost(ac, text_width: int) -> EncoderCost:
     """A clip of grid (1, 1, frames), in forward MACs per feature frame: the two subsampling
     convolutions (3 x 3 kernels; c0 and c0 x c1 per output, at F/2 x T/2 and F/4 x T/4 outputs),
     and per output row (one per 4 frames) the input projection, each block's
@@ -211,7 +211,7 @@ def gemma4_audio_cost(ac, text_width: int) -> VisionCost:
     right rows: q.k and the weighted sum of v, 2 w per key, and the relative-position logits, w
     per relative position), the output projection and ``embed_audio``. The attention is local
     with a fixed context per row, so it is linear in frames too: all of it is ``linear_per_patch``
-    (VisionCost's windowed blocks are square windows attending themselves, which these chunks are
+    (EncoderCost's windowed blocks are square windows attending themselves, which these chunks are
     not), rounded up to whole MACs per frame."""
     w, (c0, c1), f = ac.hidden_size, ac.subsampling_conv_channels, _mel_bins(ac)
     context = ac.attention_chunk_size + ac.attention_context_left - 1 + ac.attention_context_right
@@ -220,7 +220,7 @@ def gemma4_audio_cost(ac, text_width: int) -> VisionCost:
     per_row = (f // 4) * c1 * w + ac.num_hidden_layers * block
     per_row += w * ac.output_proj_dims + ac.output_proj_dims * text_width
     convs = 9 * c0 * (f // 2) / 2 + 9 * c0 * c1 * (f // 4) / 4
-    return VisionCost(linear_per_patch=math.ceil(convs + per_row / 2**SUBSAMPLING_CONVS))
+    return EncoderCost(linear_per_patch=math.ceil(convs + per_row / 2**SUBSAMPLING_CONVS))
 
 
 def _mel_bins(ac) -> int:
@@ -618,7 +618,7 @@ class Gemma4Adapter(VLMAdapter):
         out = model.model.get_image_features(pixels, positions.to(pixels.device), return_dict=True)
         return torch.cat(out.pooler_output)
 
-    def vision_cost(self) -> VisionCost:
+    def vision_cost(self) -> EncoderCost:
         return gemma4_vision_cost(self.config.vision_config)
 
     # ---- audio (module docstring, "Audio") ---------------------------------------------------
@@ -643,7 +643,7 @@ class Gemma4Adapter(VLMAdapter):
         out = model.model.get_audio_features(*(audio[k] for k in AUDIO_KEYS), return_dict=True)
         return out.pooler_output[out.attention_mask]
 
-    def audio_cost(self) -> VisionCost:
+    def audio_cost(self) -> EncoderCost:
         return gemma4_audio_cost(self.config.audio_config, self.config.text_config.hidden_size)
 
     # ---- positions, decoder, loss ------------------------------------------------------------

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from transformers import Glm4vConfig, Glm4vMoeConfig, Glm46VConfig
 
+from cpvlm.encoders.cost import EncoderCost, block_linear_macs
 from cpvlm.hf.adapter import ModulePaths, MoeRouter, VLMAdapter
 from cpvlm.hf.kit import FamilyKit, MoeKit
 from cpvlm.hf.registration import register
@@ -42,7 +43,6 @@ from cpvlm.hf.tiny import (
     with_overrides,
 )
 from cpvlm.hf.tower_cost import values_per_patch
-from cpvlm.vision.cost import VisionCost, block_linear_macs
 
 TIMESTAMP_TOKENS = 1
 """Text tokens of the timestamp the processor writes after every video frame (``int(seconds)``)."""
@@ -109,7 +109,7 @@ def tiny_glm4v_moe_config(**overrides) -> Glm4vMoeConfig:
     return _tiny(Glm4vMoeConfig, text, overrides)
 
 
-def glm4v_vision_cost(vc) -> VisionCost:
+def glm4v_vision_cost(vc) -> EncoderCost:
     w, m, o = vc.hidden_size, vc.spatial_merge_size, vc.out_hidden_size
     merger_per_token = o * o + 3 * o * vc.intermediate_size
     if merger_per_token % (m * m):
@@ -122,7 +122,7 @@ def glm4v_vision_cost(vc) -> VisionCost:
         + w * o
         + merger_per_token // (m * m)
     )
-    return VisionCost(linear_per_patch=linear, pair=2 * w, full_blocks=vc.depth)
+    return EncoderCost(linear_per_patch=linear, pair=2 * w, full_blocks=vc.depth)
 
 
 class _GlmKit(FamilyKit):

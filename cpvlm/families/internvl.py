@@ -51,6 +51,7 @@ from transformers import InternVLConfig
 
 from cpvlm.data.errors import DataError
 from cpvlm.data.sample import VisionItem
+from cpvlm.encoders.cost import EncoderCost, block_linear_macs
 from cpvlm.hf.adapter import ModulePaths, VLMAdapter
 from cpvlm.hf.chat_media import (
     OPENAI_CLIP_MEAN,
@@ -70,7 +71,6 @@ from cpvlm.hf.tiny import (
     split_overrides,
     with_overrides,
 )
-from cpvlm.vision.cost import VisionCost, block_linear_macs
 
 TILE = 32
 """Tile side of the tiny config in pixels: 4 x 4 patches of 8, 4 context tokens per tile."""
@@ -113,7 +113,7 @@ def _pair(value) -> tuple[int, int]:
     return tuple(value) if isinstance(value, (list, tuple)) else (value, value)
 
 
-def internvl_vision_cost(config) -> VisionCost:
+def internvl_vision_cost(config) -> EncoderCost:
     """Per tile: patch embedding (C p^2 w per patch), blocks 4 w^2 + 2 w I with full attention,
     the projector on pixel-shuffled tokens ((m^2 w) D + D^2 per token, i.e. w D + D^2 / m^2 per
     patch). The CLS token (one of s*s + 1 per tile) is left out: every tile is s x s, so it scales
@@ -127,7 +127,7 @@ def internvl_vision_cost(config) -> VisionCost:
         + vc.num_hidden_layers * block_linear_macs(w, vc.intermediate_size, gated=False)
         + projector
     )
-    return VisionCost(linear_per_patch=linear, pair=2 * w, full_blocks=vc.num_hidden_layers)
+    return EncoderCost(linear_per_patch=linear, pair=2 * w, full_blocks=vc.num_hidden_layers)
 
 
 # ---- a tiny processor (InternVL-hf's tokens, a chatml template, GotOcr2's tiling) ----------------
@@ -451,5 +451,5 @@ class InternVLAdapter(VLMAdapter):
             row += n
         return torch.cat(out)
 
-    def vision_cost(self) -> VisionCost:
+    def vision_cost(self) -> EncoderCost:
         return internvl_vision_cost(self.config)

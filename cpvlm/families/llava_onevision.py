@@ -67,6 +67,7 @@ from transformers.image_processing_utils import select_best_resolution
 
 from cpvlm.data.errors import DataError
 from cpvlm.data.sample import VisionItem
+from cpvlm.encoders.cost import EncoderCost, block_linear_macs
 from cpvlm.hf.adapter import ModulePaths, VLMAdapter
 from cpvlm.hf.chat_media import (
     OPENAI_CLIP_MEAN,
@@ -85,7 +86,6 @@ from cpvlm.hf.tiny import (
     split_overrides,
     with_overrides,
 )
-from cpvlm.vision.cost import VisionCost, block_linear_macs
 
 CROP = 32
 """Crop side of the tiny config in pixels: 4 x 4 patches of 8, 16 rows per crop."""
@@ -128,7 +128,7 @@ def tiny_llava_onevision_config(**overrides) -> LlavaOnevisionConfig:
 
 
 @dataclass(frozen=True)
-class CropCost(VisionCost):
+class CropCost(EncoderCost):
     """A unit of grid (t, H, W) is t crops of ``crop`` x ``crop`` patches (H, W: the original
     image size, which does not change the tower's work)."""
 
@@ -635,7 +635,7 @@ class LlavaOnevisionAdapter(VLMAdapter):
                 hook.remove()
         return torch.cat([caught[k % len(modules)] for k in wanted], dim=-1)
 
-    def vision_cost(self) -> VisionCost:
+    def vision_cost(self) -> EncoderCost:
         return llava_onevision_vision_cost(self.config)
 
 

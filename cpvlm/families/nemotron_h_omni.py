@@ -106,6 +106,7 @@ from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mi
 from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3_Config
 
 from cpvlm.attention.linear.mamba2 import cp_mamba2_mixer
+from cpvlm.encoders.cost import EncoderCost, block_linear_macs
 from cpvlm.hf.adapter import ModulePaths, VLMAdapter
 from cpvlm.hf.kit import FamilyKit
 from cpvlm.hf.registration import register
@@ -118,7 +119,6 @@ from cpvlm.hf.tiny import (
     split_overrides,
     with_overrides,
 )
-from cpvlm.vision.cost import VisionCost, block_linear_macs
 
 from .nemotron_h_omni_media import NemotronOmniMedia, tiny_nemotron_omni_processor
 
@@ -275,7 +275,7 @@ def tiny_nemotron_h_omni_config(**overrides) -> NemotronH_Omni_Reasoning_V3_Conf
 # ---- the vision cost model -----------------------------------------------------------------------
 
 
-def radio_vision_cost(config) -> VisionCost:
+def radio_vision_cost(config) -> EncoderCost:
     """Per patch: the patch projection (C p^2 w), each block's matrices (4 w^2 and the MLP:
     fc1/fc2 of w * mlp_ratio, or SwiGLU's three), the projector on pixel-shuffled tokens (m^2 w
     -> H -> D per token, i.e. w H + H D / m^2 per patch); full attention within the image. The P
@@ -288,10 +288,10 @@ def radio_vision_cost(config) -> VisionCost:
         mlp = (int(mlp * 2 / 3) + 7) // 8 * 8
     blocks = vc.num_hidden_layers * block_linear_macs(w, mlp, gated=vc.use_swiglu_ffn)
     linear = vc.patch_dim * w + blocks + w * h + h * d // (m * m)
-    return VisionCost(linear_per_patch=linear, pair=2 * w, full_blocks=vc.num_hidden_layers)
+    return EncoderCost(linear_per_patch=linear, pair=2 * w, full_blocks=vc.num_hidden_layers)
 
 
-def parakeet_audio_cost(config) -> VisionCost:
+def parakeet_audio_cost(config) -> EncoderCost:
     """Per clip of n mel frames (grid (1, 1, n)), in 1/64 MAC (costs only rank audio clips against
     each other), with r = n / 8 subsampled rows of width a, C conv channels, M mel bins, I the FFN
     width, k the conv kernel, H the projector width: the subsampling (a 3x3 conv to C channels at
@@ -315,12 +315,38 @@ def parakeet_audio_cost(config) -> VisionCost:
     block = 4 * a * ffn + 9 * a * a + ac.conv_kernel_size * a
     per_row = c * mel // 8 * a + ac.num_hidden_layers * block + a * ac.projection_hidden_size
     per_row += ac.projection_hidden_size * d
-    return VisionCost(
+    return EncoderCost(
         linear_per_patch=convs + 8 * per_row, pair=4 * a, full_blocks=ac.num_hidden_layers
     )
 
 
 # ---- published configs ---------------------------------------------------------------------------
+
+
+PUBLISHED_AUDIO = {
+    "hidden_size": 1024,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 8,
+    "intermediate_size": 4096,
+    "conv_kernel_size": 9,
+    "subsampling_factor": 8,
+    "subsampling_conv_channels": 256,
+    "subsampling_conv_kernel_size": 3,
+    "subsampling_conv_stride": 2,
+    "num_mel_bins": 128,
+    "projection_hidden_size": 4096,
+    "projection_bias": False,
+}
+"""The checkpoint's ``sound_config`` (Parakeet-TDT-0.6B's encoder, 24 Conformer blocks of 1024
+over 128 mel bins, subsampling by 8, and the projector 1024 -> 4096 -> 2688) as public copies of
+its config.json give it: a test fixture of the whole config.json in a Swift port (its
+``llm_config`` equal to the decoder below), TokenSpeed's ``ParakeetAudioConfig`` defaults and
+fairseq2's ``SoundProjection`` docstring agree on every value here. ``projection_bias`` is not
+in that copy: False assumed (TokenSpeed's default; NeMo AutoModel's ``SoundProjection`` builds
+it without bias by default). ``attention_bias`` and ``scale_input`` are False by
+``NemotronH_Omni_Reasoning_V3_Config``'s own defaults for released checkpoints; everything else
+(dropout, ``convolution_bias``) is ``ParakeetEncoderConfig``'s default, as the checkpoint gives
+none."""
 
 
 def nemotron_3_nano_omni_config() -> NemotronH_Omni_Reasoning_V3_Config:
@@ -329,8 +355,8 @@ def nemotron_3_nano_omni_config() -> NemotronH_Omni_Reasoning_V3_Config:
     ``projector_hidden_size`` 20480 as a published config.json copy gives them, the tower
     C-RADIOv4-H with ``RadioConfig``'s defaults for the rest. Not yet checked against the
     checkpoint's own config.json (no download here); ``num_nextn_predict_layers`` is left at 0.
-    Its Parakeet audio encoder is left out: its dimensions are not written out here yet (no copy
-    of the checkpoint's sound_config at hand), so this config has no audio tower."""
+    The audio encoder is ``PUBLISHED_AUDIO`` (its sources there), ``audio_token_id`` the
+    config.json's ``sound_context_token_id``."""
     pattern = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
     kinds = {"M": "linear_attention", "E": "moe", "*": "full_attention"}
     return NemotronH_Omni_Reasoning_V3_Config(
@@ -368,7 +394,12 @@ def nemotron_3_nano_omni_config() -> NemotronH_Omni_Reasoning_V3_Config:
             "num_registers": 7,
             "video_temporal_patch_size": 2,
         },
-        audio_config=None,
+        audio_config=PUBLISHED_AUDIO,
+        audio_token_id=27,  # <so_embedding>
+        # <so_start> and <so_end>: not in config.json (the tokenizer's; none at hand). Assumed:
+        # a plan only needs ids in the vocabulary, apart from the placeholders (docs/plan.md).
+        audio_start_token_id=28,
+        audio_end_token_id=29,
         vision_hidden_size=1280,
         projector_hidden_size=20480,
         downsample_ratio=0.5,
@@ -579,7 +610,7 @@ class NemotronHOmniAdapter(VLMAdapter):
         )
         return torch.cat(out.pooler_output)
 
-    def vision_cost(self) -> VisionCost:
+    def vision_cost(self) -> EncoderCost:
         return radio_vision_cost(self.config)
 
     # ---- audio ----------------------------------------------------------------------------------
@@ -609,7 +640,7 @@ class NemotronHOmniAdapter(VLMAdapter):
         inputs = _model_audio(features, lengths, longest)
         return model.get_audio_features(**inputs, return_dict=True).pooler_output
 
-    def audio_cost(self) -> VisionCost:
+    def audio_cost(self) -> EncoderCost:
         return parakeet_audio_cost(self.config)
 
 

@@ -16,13 +16,13 @@ import torch
 from transformers import Qwen2_5_VLConfig
 from transformers.vision_utils import get_vision_window_index
 
+from cpvlm.encoders.cost import EncoderCost, block_linear_macs
+from cpvlm.encoders.split import UnitOrder
 from cpvlm.hf.adapter import VLMAdapter
 from cpvlm.hf.kit import FamilyKit
 from cpvlm.hf.registration import register
 from cpvlm.hf.tiny import TEXT, VISION, VISION_TOKEN_IDS, split_overrides, with_overrides
 from cpvlm.hf.tower_cost import patch_merger_macs, values_per_patch
-from cpvlm.vision.cost import VisionCost, block_linear_macs
-from cpvlm.vision.split import UnitOrder
 
 from .qwen2_vl import QwenVLMedia, tiny_qwen_vl_processor
 
@@ -60,7 +60,7 @@ def tiny_qwen2_5_vl_config(**overrides) -> Qwen2_5_VLConfig:
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **top)
 
 
-def qwen2_5_vl_vision_cost(vc) -> VisionCost:
+def qwen2_5_vl_vision_cost(vc) -> EncoderCost:
     w, m = vc.hidden_size, vc.spatial_merge_size
     full = sorted(set(vc.fullatt_block_indexes))
     if any(not 0 <= i < vc.depth for i in full):
@@ -79,7 +79,7 @@ def qwen2_5_vl_vision_cost(vc) -> VisionCost:
             f"vision_config.window_size {vc.window_size} is smaller than one merged token "
             f"(spatial_merge_size {m} x patch_size {vc.patch_size}) but {windowed} blocks are windowed"
         )
-    return VisionCost(
+    return EncoderCost(
         linear_per_patch=linear,
         pair=2 * w,
         full_blocks=len(full),

@@ -37,14 +37,14 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import (
 
 from cpvlm.data.errors import DataError
 from cpvlm.data.sample import VisionItem
+from cpvlm.encoders.cost import EncoderCost, block_linear_macs
+from cpvlm.encoders.pieces import Groups, band_rows, group_band
 from cpvlm.hf.adapter import VLMAdapter
 from cpvlm.hf.chat_media import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ChatMedia, frames_of
 from cpvlm.hf.kit import FamilyKit, TinyProcessor
 from cpvlm.hf.registration import register
 from cpvlm.hf.tiny import TEXT, VISION, VISION_TOKEN_IDS, split_overrides, with_overrides
 from cpvlm.hf.tower_cost import patch_merger_macs, values_per_patch
-from cpvlm.vision.cost import VisionCost, block_linear_macs
-from cpvlm.vision.pieces import Groups, band_rows, group_band
 
 # ---- the Qwen-VL processors' rules (the data path) -----------------------------------------------
 
@@ -206,7 +206,7 @@ def image_piece_rows(
     A resize reads neighbouring pixels, so the whole image is resized as the processor does it;
     the steps after it (rescale and normalise, per pixel; patchify, a permutation) then run, in
     the processor's own ``_preprocess`` with the resize done, on the band of merged rows that
-    holds the piece (``cpvlm.vision.pieces.group_band``), and the piece's rows are taken from
+    holds the piece (``cpvlm.encoders.pieces.group_band``), and the piece's rows are taken from
     the band's: equal to the whole image's rows at those groups, bit for bit."""
     try:
         from transformers.image_processing_backends import PilBackend
@@ -483,14 +483,14 @@ def tiny_qwen2_vl_config(**overrides) -> Qwen2VLConfig:
     return Qwen2VLConfig(text_config=text, vision_config=vision, **top)
 
 
-def qwen2_vl_vision_cost(vc) -> VisionCost:
+def qwen2_vl_vision_cost(vc) -> EncoderCost:
     w, m = vc.embed_dim, vc.spatial_merge_size
     linear = (
         values_per_patch(vc) * w
         + vc.depth * block_linear_macs(w, int(w * vc.mlp_ratio), gated=False)
         + patch_merger_macs(w, m, vc.hidden_size)
     )
-    return VisionCost(linear_per_patch=linear, pair=2 * w, full_blocks=vc.depth)
+    return EncoderCost(linear_per_patch=linear, pair=2 * w, full_blocks=vc.depth)
 
 
 class Qwen2VLKit(FamilyKit):

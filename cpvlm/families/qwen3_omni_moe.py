@@ -73,12 +73,12 @@ from transformers import Qwen3OmniMoeThinkerConfig
 from cpvlm.data.audio import load_audio
 from cpvlm.data.errors import DataError
 from cpvlm.data.sample import AudioItem
+from cpvlm.encoders.cost import EncoderCost, block_linear_macs
 from cpvlm.hf.adapter import ModulePaths, MoeRouter
 from cpvlm.hf.chat_media import clip_features
 from cpvlm.hf.kit import FamilyKit, MoeKit, TinyProcessor
 from cpvlm.hf.registration import register
 from cpvlm.hf.tiny import VISION_TOKEN_IDS, split_overrides, with_overrides
-from cpvlm.vision.cost import VisionCost, block_linear_macs
 
 from .qwen2_vl import _TEMPLATE, SPECIAL_TOKENS, QwenVLMedia, _config_ids, _image_processor
 from .qwen3_vl import TINY_TEXT, Qwen3VLAdapter, Qwen3VLKit, tiny_vision
@@ -145,7 +145,7 @@ def tiny_qwen3_omni_moe_config(**overrides) -> Qwen3OmniMoeThinkerConfig:
 # ---- the audio encoder's cost ---------------------------------------------------------------------
 
 
-def qwen3_omni_audio_cost(ac) -> VisionCost:
+def qwen3_omni_audio_cost(ac) -> EncoderCost:
     """The audio encoder's forward MACs per clip of grid (1, 1, frames), per mel frame.
 
     A chunk of ``2 * n_window`` frames (the last one padded to the batch's longest chunk) runs
@@ -169,7 +169,7 @@ def qwen3_omni_audio_cost(ac) -> VisionCost:
         + d * ac.output_dim
     )
     tokens = t3  # rows of a full chunk (13 for 100 frames)
-    return VisionCost(
+    return EncoderCost(
         linear_per_patch=(convs + per_token * tokens) // chunk,
         pair=max(1, round(2 * d * (tokens / chunk) ** 2)),
         windowed_blocks=ac.encoder_layers,

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 from transformers import Qwen3VLConfig
 
+from cpvlm.encoders.cost import EncoderCost, block_linear_macs
 from cpvlm.hf.adapter import ModulePaths, VLMAdapter
 from cpvlm.hf.kit import FamilyKit
 from cpvlm.hf.registration import register
 from cpvlm.hf.tiny import TEXT, VISION, VISION_TOKEN_IDS, split_overrides, with_overrides
 from cpvlm.hf.tower_cost import patch_merger_macs, values_per_patch
-from cpvlm.vision.cost import VisionCost, block_linear_macs
 
 from .qwen2_vl import Qwen3VLMedia, tiny_qwen_vl_processor
 
@@ -80,7 +80,7 @@ def tiny_qwen3_vl_config(**overrides) -> Qwen3VLConfig:
     )
 
 
-def qwen3_vl_vision_cost(vc) -> VisionCost:
+def qwen3_vl_vision_cost(vc) -> EncoderCost:
     w, m = vc.hidden_size, vc.spatial_merge_size
     mergers = 1 + len(getattr(vc, "deepstack_visual_indexes", None) or ())
     linear = (
@@ -88,7 +88,7 @@ def qwen3_vl_vision_cost(vc) -> VisionCost:
         + vc.depth * block_linear_macs(w, vc.intermediate_size, gated=False)
         + mergers * patch_merger_macs(w, m, vc.out_hidden_size)
     )
-    return VisionCost(linear_per_patch=linear, pair=2 * w, full_blocks=vc.depth)
+    return EncoderCost(linear_per_patch=linear, pair=2 * w, full_blocks=vc.depth)
 
 
 def has_deepstack(config) -> bool:

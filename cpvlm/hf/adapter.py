@@ -78,10 +78,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from cpvlm.encoders.cost import EncoderCost
+from cpvlm.encoders.split import Piece, UnitOrder, pixel_order
 from cpvlm.hf.chat_media import ChatMedia
 from cpvlm.hf.kit import FamilyKit
-from cpvlm.vision.cost import VisionCost
-from cpvlm.vision.split import Piece, UnitOrder, pixel_order
 
 VisionRows = torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]
 """What ``encode`` returns: ``[R, D]`` rows, or ``([R, D], [[R, D_l], ...])`` with deepstack
@@ -373,11 +373,11 @@ class VLMAdapter:
         tower = self.vision_tower(model)
         return tower(pixel_values, grid_thw=grid_thw, return_dict=True, **kwargs).pooler_output
 
-    def vision_cost(self) -> VisionCost:
+    def vision_cost(self) -> EncoderCost:
         """The per-unit cost model of the tower, by which vision units are balanced over the CP
         ranks (EncoderDataParallel and a loader that decodes local pixels use it). Default: the
         patch count."""
-        return VisionCost.patches()
+        return EncoderCost.patches()
 
     split_vision: ClassVar[bool] = False
     """The tower can run sequence-parallel on a unit's patches (``vision="split"``): it takes
@@ -441,10 +441,10 @@ class VLMAdapter:
         batch's longest reproduces that padding), and depend on no other clip's features."""
         raise NotImplementedError(f"{self.family} has no audio encoder")
 
-    def audio_cost(self) -> VisionCost:
+    def audio_cost(self) -> EncoderCost:
         """The per-clip cost model of the audio encoder (a clip is grid (1, 1, frames)); default:
         its frames."""
-        return VisionCost.patches()
+        return EncoderCost.patches()
 
     # ---- positions and masks (prepare_batch, the attention) -------------------------------------
 

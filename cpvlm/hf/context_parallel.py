@@ -44,6 +44,7 @@ from cpvlm.attention import hybrid_groups
 from cpvlm.constants import IGNORE_INDEX, VISION_MODES
 from cpvlm.distributed.collectives import StepAgreement, agree, fingerprint
 from cpvlm.distributed.shard_plan import pad_and_shard
+from cpvlm.encoders import EncoderDataParallel, EncoderUnits
 from cpvlm.hf.adapter import VLMAdapter
 from cpvlm.hf.attention import CP_ATTENTION, CPAttentionContext, cp_forward
 from cpvlm.hf.inputs import PreparedBatch, batch_keys, prepare_batch
@@ -52,7 +53,6 @@ from cpvlm.hf.vision_attention import SplitTower
 from cpvlm.loss import chunked_token_mean_loss, token_mean_loss
 from cpvlm.options import CPOptions
 from cpvlm.router_loss import load_balancing_loss_share
-from cpvlm.vision import EncoderDataParallel, VisionUnits
 
 
 @dataclass
@@ -418,14 +418,14 @@ class ContextParallelVLM(nn.Module):
         )
         self._vision_rows(stand_in, step)
 
-    def vision_assignment(self, units: VisionUnits) -> list[list[int]]:
+    def vision_assignment(self, units: EncoderUnits) -> list[list[int]]:
         """The units whose pixels each CP rank reads, ascending: those it encodes,
         ``EncoderDataParallel``'s assignment balanced by the tower's modelled cost, and under
         ``vision="split"`` the units it holds pieces of (a loader that decodes only this rank's
         units must use this one)."""
         return self.vision_dp.pixel_assignment(units)
 
-    def vision_pieces(self, units: VisionUnits) -> list[dict[int, tuple[int, ...]]]:
+    def vision_pieces(self, units: EncoderUnits) -> list[dict[int, tuple[int, ...]]]:
         """Per CP rank, ``{unit: merge groups}`` of the sharded units it holds a piece of
         (``vision="split"``; else none): a loader may decode only those groups' pixel rows."""
         return self.vision_dp.pixel_pieces(units)

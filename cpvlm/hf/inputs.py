@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from cpvlm.distributed.shard_plan import ShardPlan
+from cpvlm.encoders.units import clip_grid, grid_list
 from cpvlm.hf.adapter import VLMAdapter, module_at
 from cpvlm.hf.registry import adapter_for
 from cpvlm.loss import count_valid_labels, shift_labels
-from cpvlm.vision.units import grid_list
 
 BASE_KEYS = (
     "attention_mask",
@@ -86,9 +86,7 @@ class PreparedBatch:
     @property
     def audio_grid(self) -> torch.Tensor:
         """``[clips, 3]``: each clip as an encoder unit of grid (1, 1, frames)."""
-        return torch.tensor([(1, 1, n) for n in self.audio_lengths], dtype=torch.long).reshape(
-            -1, 3
-        )
+        return clip_grid(self.audio_lengths)
 
     def pixel_values(self, dtype: torch.dtype) -> torch.Tensor:
         """``[patches, C]`` images then videos in ``dtype``. Build it only where it is used: it

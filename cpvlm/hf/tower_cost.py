@@ -1,4 +1,4 @@
-"""Pieces of the vision cost models that several families' towers share (``cpvlm.vision.cost``)."""
+"""Pieces of the vision cost models that several families' towers share (``cpvlm.encoders.cost``)."""
 
 from __future__ import annotations
 

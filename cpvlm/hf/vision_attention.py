@@ -30,7 +30,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from cpvlm.vision.split import Piece, SplitAttention, UnitOrder
+from cpvlm.encoders.split import Piece, SplitAttention, UnitOrder
 
 SPLIT_ATTENTION = "cpvlm_vision_split"
 """The vision tower's attention implementation name under ``vision="split"``."""

@@ -168,6 +168,9 @@ def _rank_of(setup: Setup) -> int:
 def _build(meta_model, setup: Setup):
     """The model as fake tensors on the CPU (under the fake mode): no bytes, no init."""
     model = meta_model.to_empty(device="cpu").train()
+    for module in model.modules():  # LayerDrop (a published Parakeet encoder's default 0.1)
+        if getattr(module, "layerdrop", 0):  # skips layers at random: a plan sizes every layer
+            module.layerdrop = 0.0
     if setup.activation_checkpointing:  # as cpvlm train enables it
         enable = getattr(model, "activation_checkpointing_enable", None)
         if enable is not None:

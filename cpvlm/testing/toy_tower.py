@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from cpvlm.vision.cost import VisionCost, block_linear_macs
+from cpvlm.encoders.cost import EncoderCost, block_linear_macs
 
 
 def frame_positions(grid_thw: torch.Tensor, merge_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,7 +112,7 @@ class ToyVisionTower(nn.Module):
     def pixel_dim(self) -> int:
         return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
-    def vision_cost(self) -> VisionCost:
+    def vision_cost(self) -> EncoderCost:
         """Forward MACs from the tower's shape (EncoderDataParallel balances units by it)."""
         width, m = self.patch_embed.out_channels, self.merge_size
         merger = m * m * width * width + width * self.merger.mlp[-1].out_features
@@ -121,7 +121,7 @@ class ToyVisionTower(nn.Module):
             + len(self.blocks) * block_linear_macs(width, 2 * width, gated=False)
             + (1 + len(self.deepstack)) * merger
         )
-        return VisionCost(linear_per_patch=linear, pair=2 * width, full_blocks=len(self.blocks))
+        return EncoderCost(linear_per_patch=linear, pair=2 * width, full_blocks=len(self.blocks))
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
         c, t, p = self.in_channels, self.temporal_patch_size, self.patch_size

@@ -1,36 +1,24 @@
-"""Vision data parallelism over CP ranks: each unit encoded once, rows moved where needed.
+"""Deprecated: the old name of ``cpvlm.encoders``, kept so that user code keeps working.
 
-Read in this order: units.py (images and frames), cost.py (what encoding a unit costs),
-assign.py (who encodes what), gather.py (all-gather, backward reduce-scatter), route.py (rows to
-position owners, backward transposed), parallel.py (EncoderDataParallel, the wrapper that puts
-them together); for units larger than a rank's share, split_assign.py (which units are sharded,
-where the cuts go) and split.py (the tower sequence-parallel on their patches).
+The package became ``cpvlm.encoders`` when audio clips joined images and video frames as units
+of encoder data parallelism; its generic names lost "vision". The old names below are the new
+objects (not copies); new code imports ``cpvlm.encoders``. The old submodules
+(``cpvlm.vision.units`` and so on) are gone: import them from ``cpvlm.encoders``.
 """
 
-from cpvlm.vision.assign import assign_vision_units, contiguous_assignment
-from cpvlm.vision.cost import VisionCost
-from cpvlm.vision.gather import gather_vision_embeddings
-from cpvlm.vision.parallel import EncoderDataParallel, VisionDataParallel
-from cpvlm.vision.route import RoutePlan, route_plan, route_to_owners
-from cpvlm.vision.split import SplitAttention, UnitOrder
-from cpvlm.vision.split_assign import SplitAssignment, split_assignment
-from cpvlm.vision.units import KINDS, VisionUnits, vision_units
+from cpvlm.encoders import *  # noqa: F403 (the new names too, as the old package had them)
+from cpvlm.encoders import __all__ as _new_names
+from cpvlm.encoders.assign import assign_units as assign_vision_units
+from cpvlm.encoders.cost import EncoderCost as VisionCost
+from cpvlm.encoders.gather import gather_embeddings as gather_vision_embeddings
+from cpvlm.encoders.parallel import EncoderDataParallel as VisionDataParallel
+from cpvlm.encoders.units import EncoderUnits as VisionUnits
 
 __all__ = [
-    "KINDS",
-    "RoutePlan",
-    "SplitAssignment",
-    "SplitAttention",
-    "UnitOrder",
+    *_new_names,
     "VisionCost",
-    "EncoderDataParallel",
     "VisionDataParallel",
     "VisionUnits",
     "assign_vision_units",
-    "contiguous_assignment",
     "gather_vision_embeddings",
-    "route_plan",
-    "route_to_owners",
-    "split_assignment",
-    "vision_units",
 ]

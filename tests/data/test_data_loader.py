@@ -19,9 +19,9 @@ from cpvlm.data import (
     pack_window,
     parse_data_args,
 )
+from cpvlm.encoders import assign_units, vision_units
 from cpvlm.hf.data.processor import ChatEncoder
 from cpvlm.hf.tiny_checkpoint import example_records, make_tiny_checkpoint, write_jsonl
-from cpvlm.vision import assign_vision_units, vision_units
 
 SEQ_LEN = 192
 
@@ -81,7 +81,7 @@ def test_each_image_and_frame_is_decoded_once_per_cp_group(setup):
                 if not ref.has_vision:
                     continue
                 units = vision_units(ref.grid_thw, 2)
-                assignment = assign_vision_units(units.pixel_counts, 4)
+                assignment = assign_units(units.pixel_counts, 4)
                 full_pixels = torch.cat(
                     [
                         ref.vision[k]

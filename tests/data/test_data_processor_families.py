@@ -199,7 +199,7 @@ def _plan(encoder, content, answer="a ball"):
 
 
 def _units(grids, split_frames: bool) -> list[tuple[int, int, int]]:
-    """The vision units of items of ``grids`` (``cpvlm.vision.units``' rule)."""
+    """The vision units of items of ``grids`` (``cpvlm.encoders.units``' rule)."""
     if not split_frames:
         return [tuple(g) for g in grids]
     return [(1, h, w) for t, h, w in grids for _ in range(t)]

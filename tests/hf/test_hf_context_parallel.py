@@ -361,11 +361,11 @@ def test_bad_input_raises_on_every_rank_before_any_collective():
 def _local_pixels(rank, world_size, batch, merge, cost):
     """This rank's share of the pixel rows, as a loader that decodes only its units gives it
     (units balanced by the tower's modelled cost, as ``ContextParallelVLM`` assigns them)."""
-    from cpvlm.vision import assign_vision_units, vision_units
+    from cpvlm.encoders import assign_units, vision_units
 
     grids = [batch[k] for k in ("image_grid_thw", "video_grid_thw") if k in batch]
     units = vision_units(torch.cat(grids), merge)
-    mine = assign_vision_units(cost.unit_costs(units), world_size)[rank]
+    mine = assign_units(cost.unit_costs(units), world_size)[rank]
     pixels = torch.cat([batch[k] for k in ("pixel_values", "pixel_values_videos") if k in batch])
     rows = pixels[units.pixel_index(mine)]
     n_image_items = len(batch["image_grid_thw"]) if "image_grid_thw" in batch else 0

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
+from cpvlm.encoders import vision_units  # noqa: E402
 from cpvlm.hf import (  # noqa: E402  # noqa: E402
     ContextParallelVLM,
     SampleSpec,
@@ -28,7 +29,6 @@ from cpvlm.hf import (  # noqa: E402  # noqa: E402
 from cpvlm.options import CPOptions  # noqa: E402
 from cpvlm.testing import rel_err, run_distributed  # noqa: E402
 from cpvlm.verify import reference_loss_and_grads  # noqa: E402
-from cpvlm.vision import vision_units  # noqa: E402
 
 FAMILIES = ("qwen3-vl-tiny", "qwen2.5-vl-tiny")
 SHAPES = ((12, 16), (10, 6), (14, 22))  # (h, w) in patches; merge size 2

@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 
 from hf_families import FAMILIES, cached_model  # noqa: E402
 
+from cpvlm.encoders import assign_units, gather_embeddings, vision_units  # noqa: E402
 from cpvlm.hf import ContextParallelVLM  # noqa: E402
 from cpvlm.hf.context_parallel import _local_row_order  # noqa: E402
 from cpvlm.options import CPOptions  # noqa: E402
@@ -24,7 +25,6 @@ from cpvlm.verify import (  # noqa: E402
     run_verify,
     verify_batches,
 )
-from cpvlm.vision import assign_vision_units, gather_vision_embeddings, vision_units  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["qwen3-vl-tiny", "qwen2.5-vl-tiny"])
@@ -101,7 +101,7 @@ class _LocalSliceGather(torch.autograd.Function):
     def forward(ctx, x, counts, rank, group):
         ctx.start, ctx.stop = sum(counts[:rank]), sum(counts[: rank + 1])
         with torch.no_grad():
-            return gather_vision_embeddings(x, counts, group)
+            return gather_embeddings(x, counts, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -112,7 +112,7 @@ class _BuggyVisionGatherVLM(ContextParallelVLM):
     def _vision_rows(self, prep, step=None):
         visual = self.adapter.vision_tower(self.model)
         units = vision_units(prep.grid_thw, self.adapter.merge_size)
-        assignment = assign_vision_units(units.pixel_counts, self.cp_size)
+        assignment = assign_units(units.pixel_counts, self.cp_size)
         mine = assignment[self.cp_rank]
         pixels = prep.pixel_values(visual.dtype)
         out = self.encode(pixels[units.pixel_index(mine)], units.grid_thw(mine))

@@ -72,6 +72,35 @@ def test_a_row_with_audio_clips():
     assert with_audio.saved > without.saved
 
 
+def test_published_nemotron_omni_has_its_audio_encoder():
+    """``cpvlm plan --model nemotron-3-nano-omni-30b-a3b --audios 600``: the published config
+    builds its Parakeet encoder and projector on the meta device (Parakeet-TDT-0.6B's 0.6 B
+    parameters; 1024 -> 4096 -> 2688), and a 600 s clip becomes 60000 mel frames and the
+    model's f(60001) = 7501 placeholders between <so_start> and <so_end>, costed by the
+    encoder's model. (The whole simulated step on this config: docs/plan.md, minutes.)"""
+    from cpvlm.hf import adapter_for
+    from cpvlm.simulate.batch import build_batch
+    from cpvlm.simulate.configs import load_config
+
+    config = load_config("nemotron-3-nano-omni-30b-a3b")
+    adapter = adapter_for(config)
+    model = meta_model(config, torch.bfloat16)
+    tower = sum(p.numel() for p in adapter.audio_tower(model).parameters())
+    assert 0.55e9 < tower < 0.65e9, tower
+    shapes = [tuple(p.shape) for p in model.embed_audio.parameters()]
+    assert shapes == [(1024,), (4096, 1024), (2688, 4096)], shapes
+    batch, _ = build_batch(config, SequenceSpec(16384, audios=(600.0,)))
+    assert batch["audio_features"].shape == (60000, 128)
+    ids = batch["input_ids"][0].tolist()
+    start, end = ids.index(adapter.audio_start_token_id), ids.index(adapter.audio_end_token_id)
+    assert ids[start + 1 : end] == [adapter.audio_token_id] * 7501 == [27] * 7501
+    assert ids.count(adapter.audio_token_id) == adapter.audio_rows(60000) == 7501
+    cost = adapter.audio_cost()
+    assert cost.full_blocks == 24 and cost.unit_cost((1, 1, 60000)) > 2 * cost.unit_cost(
+        (1, 1, 30000)
+    )  # attention over the whole clip: more than linear in its length
+
+
 def test_meta_parameters_become_fake_not_real():
     # Module.to_empty under the fake mode feeds meta tensors to empty_like: they must come out
     # fake (HostIntegers once ran them for real: an 8B rank allocated 17.7 GB).

@@ -1,4 +1,4 @@
-"""assign_vision_units and vision_units: pure functions of the grids, checked by hand, by property,
+"""assign_units and vision_units: pure functions of the grids, checked by hand, by property,
 on the benchmark's mixes with the published towers' cost models, and on real gloo ranks."""
 
 import functools
@@ -9,16 +9,16 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpvlm.testing import run_distributed
-from cpvlm.testing.toy_tower import ToyVisionTower
-from cpvlm.testing.vision_cases import MIXES, PUBLISHED_TOWERS
-from cpvlm.vision import (
+from cpvlm.encoders import (
     EncoderDataParallel,
-    assign_vision_units,
+    assign_units,
     contiguous_assignment,
     vision_units,
 )
-from cpvlm.vision.cost import VisionCost
+from cpvlm.encoders.cost import EncoderCost
+from cpvlm.testing import run_distributed
+from cpvlm.testing.toy_tower import ToyVisionTower
+from cpvlm.testing.vision_cases import MIXES, PUBLISHED_TOWERS
 
 
 def _loads(counts, per_rank):
@@ -31,7 +31,7 @@ def _balance(costs, per_rank):
 
 
 @functools.cache
-def cost_models() -> dict[str, VisionCost]:
+def cost_models() -> dict[str, EncoderCost]:
     """The published towers' cost models (read from their configs by the HF integration), the
     toy tower's and plain patch counts. Built here, not at import: gloo workers import this
     module to run ``_assign_on_rank`` and need neither transformers nor the configs."""
@@ -43,7 +43,7 @@ def cost_models() -> dict[str, VisionCost]:
         for name, (model_type, vc) in PUBLISHED_TOWERS.items()
     }
     toy = ToyVisionTower(hidden=16, depth=2).vision_cost()
-    return {**published, "toy tower": toy, "patches": VisionCost.patches()}
+    return {**published, "toy tower": toy, "patches": EncoderCost.patches()}
 
 
 @settings(max_examples=200, deadline=None)
@@ -52,11 +52,11 @@ def cost_models() -> dict[str, VisionCost]:
     cp=st.integers(1, 8),
 )
 def test_assignment_is_a_balanced_partition_in_ascending_order(counts, cp):
-    per_rank = assign_vision_units(counts, cp)
+    per_rank = assign_units(counts, cp)
     assert len(per_rank) == cp
     assert sorted(u for units in per_rank for u in units) == list(range(len(counts)))
     assert all(units == sorted(units) for units in per_rank)
-    assert per_rank == assign_vision_units(list(counts), cp)  # deterministic
+    assert per_rank == assign_units(list(counts), cp)  # deterministic
     # Greedy longest-first guarantees max load <= mean + the largest unit (Graham's bound).
     if counts:
         assert max(_loads(counts, per_rank)) <= sum(counts) / cp + max(counts)
@@ -73,7 +73,7 @@ def test_cost_balance_on_large_integer_costs(sides, cp):
     # Modelled costs reach 1e13 and beyond: the arithmetic must stay exact, the bounds hold.
     cost = cost_models()["Qwen3-VL-8B"]
     costs = [cost.unit_cost((t, 2 * h, 2 * w)) for t, h, w in sides]
-    per_rank = assign_vision_units(costs, cp)
+    per_rank = assign_units(costs, cp)
     assert sorted(u for units in per_rank for u in units) == list(range(len(costs)))
     if costs:
         assert max(_loads(costs, per_rank)) <= sum(costs) / cp + max(costs)
@@ -81,7 +81,7 @@ def test_cost_balance_on_large_integer_costs(sides, cp):
 
 def test_refinement_beats_plain_longest_first():
     # Longest-first gives {3, 2, 2} = 7 and {3, 2} = 5; one swap reaches 6 / 6.
-    per_rank = assign_vision_units([3, 3, 2, 2, 2], 2)
+    per_rank = assign_units([3, 3, 2, 2, 2], 2)
     assert _loads([3, 3, 2, 2, 2], per_rank) == [6, 6]
 
 
@@ -90,20 +90,20 @@ def test_refinement_looks_past_a_lightest_rank_it_cannot_improve():
     # exchange with the heaviest (every move or swap overshoots), the next one does: swapping
     # 4 and 3 gives 8 / 9 / 9, the optimum (the 8 stands alone, 26 - 8 = 18 over two ranks).
     counts = [3, 4, 5, 3, 3, 8]
-    assert sorted(_loads(counts, assign_vision_units(counts, 3))) == [8, 9, 9]
+    assert sorted(_loads(counts, assign_units(counts, 3))) == [8, 9, 9]
 
 
 def test_patch_balance_beats_count_balance_on_mixed_sizes():
     counts = [4096, 256, 256, 256, 1024, 1024, 256, 4096]
-    by_patch = max(_loads(counts, assign_vision_units(counts, 2)))
+    by_patch = max(_loads(counts, assign_units(counts, 2)))
     by_count = max(_loads(counts, contiguous_assignment(len(counts), 2)))
     assert by_patch == sum(counts) // 2 and by_count > by_patch
 
 
 def test_more_ranks_than_units_and_no_units():
-    assert assign_vision_units([5, 9], 4) == [[1], [0], [], []]
-    assert assign_vision_units([], 3) == [[], [], []]
-    assert assign_vision_units(torch.tensor([4, 4, 4]), 1) == [[0, 1, 2]]
+    assert assign_units([5, 9], 4) == [[1], [0], [], []]
+    assert assign_units([], 3) == [[], [], []]
+    assert assign_units(torch.tensor([4, 4, 4]), 1) == [[0, 1, 2]]
 
 
 @pytest.mark.parametrize(
@@ -117,7 +117,7 @@ def test_more_ranks_than_units_and_no_units():
 )
 def test_assignment_rejects_bad_input(counts, cp, message):
     with pytest.raises(ValueError, match=message):
-        assign_vision_units(counts, cp)
+        assign_units(counts, cp)
 
 
 @pytest.mark.parametrize("cp", [2, 4, 8])
@@ -126,7 +126,7 @@ def test_assignment_rejects_bad_input(counts, cp, message):
 def test_cost_balance_within_5_percent_where_the_largest_unit_allows(model, mix, cp):
     units = vision_units(torch.tensor(MIXES[mix]), 2)
     costs = cost_models()[model].unit_costs(units)
-    per_rank = assign_vision_units(costs, cp)
+    per_rank = assign_units(costs, cp)
     assert sorted(u for units_r in per_rank for u in units_r) == list(range(units.num_units))
     # No assignment of whole units beats max(unit cost) / mean; below 1.05 the goal is 1.05.
     # (Plain patch counts are not a cost model here: on the 12-image + video mix at cp 8 the
@@ -141,8 +141,8 @@ def test_cost_balance_fixes_what_patch_balance_misses():
     # 4096-patch image 8% above the mean (measured 1.088), cost balance reaches 1.005.
     units = vision_units(torch.tensor(MIXES["current"]), 2)
     costs = cost_models()["Qwen3-VL-8B"].unit_costs(units)
-    assert _balance(costs, assign_vision_units(units.pixel_counts, 4)) > 1.08
-    assert _balance(costs, assign_vision_units(costs, 4)) < 1.01
+    assert _balance(costs, assign_units(units.pixel_counts, 4)) > 1.08
+    assert _balance(costs, assign_units(costs, 4)) < 1.01
 
 
 def _assign_on_rank(rank, world_size, cost_models):
@@ -153,12 +153,12 @@ def _assign_on_rank(rank, world_size, cost_models):
         for mix, grids in MIXES.items():
             units = vision_units(torch.tensor(grids), 2)
             for cp in (2, 4, 8):
-                out[name, mix, cp] = assign_vision_units(cost.unit_costs(units), cp)
+                out[name, mix, cp] = assign_units(cost.unit_costs(units), cp)
     tower = ToyVisionTower(hidden=16, depth=2)
     units = vision_units(torch.tensor(MIXES["current"]), 2)
     out["vdp default"] = EncoderDataParallel(tower, dist.group.WORLD).assignment(units)
     out["vdp patches"] = EncoderDataParallel(
-        tower, dist.group.WORLD, cost=VisionCost.patches()
+        tower, dist.group.WORLD, cost=EncoderCost.patches()
     ).assignment(units)
     out["vdp plain tower"] = EncoderDataParallel(torch.nn.Identity(), None).assignment(units)
     return out
@@ -174,19 +174,19 @@ def test_assignment_is_identical_on_every_gloo_rank():
         for mix, grids in MIXES.items():
             mix_units = vision_units(torch.tensor(grids), 2)
             for cp in (2, 4, 8):
-                expected = assign_vision_units(cost.unit_costs(mix_units), cp)
+                expected = assign_units(cost.unit_costs(mix_units), cp)
                 assert results[0][name, mix, cp] == expected
     # EncoderDataParallel balances by the tower's vision_cost(); cost= and plain towers (no
     # vision_cost method: patch counts) override it.
     toy_costs = cost_models()["toy tower"].unit_costs(units)
-    assert results[0]["vdp default"] == assign_vision_units(toy_costs, 4)
-    assert results[0]["vdp patches"] == assign_vision_units(units.pixel_counts, 4)
+    assert results[0]["vdp default"] == assign_units(toy_costs, 4)
+    assert results[0]["vdp patches"] == assign_units(units.pixel_counts, 4)
     assert results[0]["vdp plain tower"] == results[0]["vdp patches"]
     assert results[0]["vdp default"] != results[0]["vdp patches"]
 
 
 def test_vision_data_parallel_rejects_a_cost_that_is_not_a_vision_cost():
-    with pytest.raises(ValueError, match="cost must be a VisionCost"):
+    with pytest.raises(ValueError, match="cost must be an EncoderCost"):
         EncoderDataParallel(torch.nn.Identity(), None, cost=[1, 2, 3])
 
 
@@ -222,9 +222,9 @@ def test_bad_grids_are_rejected(grid, message):
 def test_units_balance_around_base_loads():
     """Units of one encoder balance around the work another encoder already gave each rank:
     the heaviest clip goes to the rank with the least vision work, and the totals end even."""
-    assert assign_vision_units([5, 5], 2, base_loads=[10, 0]) == [[], [0, 1]]
-    per_rank = assign_vision_units([7, 4, 3, 2], 3, base_loads=[0, 6, 3])
+    assert assign_units([5, 5], 2, base_loads=[10, 0]) == [[], [0, 1]]
+    per_rank = assign_units([7, 4, 3, 2], 3, base_loads=[0, 6, 3])
     loads = [b + sum([7, 4, 3, 2][u] for u in mine) for b, mine in zip([0, 6, 3], per_rank)]
     assert 0 in per_rank[0] and max(loads) == 9  # 25 over 3 ranks: 9 is the best
     with pytest.raises(ValueError, match="one load per rank"):
-        assign_vision_units([1], 2, base_loads=[0])
+        assign_units([1], 2, base_loads=[0])

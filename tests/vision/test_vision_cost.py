@@ -1,4 +1,4 @@
-"""VisionCost: the model-agnostic cost of a unit, checked by hand, by brute force over windows,
+"""EncoderCost: the model-agnostic cost of a unit, checked by hand, by brute force over windows,
 and against torch's FLOP counter on the toy tower."""
 
 import pytest
@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
+from cpvlm.encoders import vision_units
+from cpvlm.encoders.cost import EncoderCost, block_linear_macs
 from cpvlm.testing.toy_tower import ToyVisionTower
-from cpvlm.vision import vision_units
-from cpvlm.vision.cost import VisionCost, block_linear_macs
 
 
 def _window_pairs_brute_force(h: int, w: int, window: int) -> int:
@@ -23,7 +23,7 @@ def _window_pairs_brute_force(h: int, w: int, window: int) -> int:
 
 
 def test_unit_cost_by_hand():
-    cost = VisionCost(linear_per_patch=100, pair=8, full_blocks=2, windowed_blocks=3, window=8)
+    cost = EncoderCost(linear_per_patch=100, pair=8, full_blocks=2, windowed_blocks=3, window=8)
     # A 20 x 12 frame: 240 patches; windows of 8: rows 8, 8, 4 and columns 8, 4, i.e. six
     # windows of 64, 32, 64, 32, 32, 16 patches.
     windows = 2 * 64**2 + 3 * 32**2 + 16**2
@@ -31,18 +31,18 @@ def test_unit_cost_by_hand():
     assert cost.frame_pairs(20, 12) == 2 * 240**2 + 3 * windows
     assert cost.unit_cost((1, 20, 12)) == frame
     assert cost.unit_cost((5, 20, 12)) == 5 * frame  # frames are encoded independently
-    assert VisionCost.patches().unit_cost((3, 4, 6)) == 72
+    assert EncoderCost.patches().unit_cost((3, 4, 6)) == 72
 
 
 @settings(max_examples=200, deadline=None)
 @given(h=st.integers(1, 60), w=st.integers(1, 60), window=st.integers(1, 20))
 def test_windowed_pairs_equal_the_brute_force_sum_over_windows(h, w, window):
-    cost = VisionCost(linear_per_patch=0, pair=1, windowed_blocks=1, window=window)
+    cost = EncoderCost(linear_per_patch=0, pair=1, windowed_blocks=1, window=window)
     assert cost.frame_pairs(h, w) == _window_pairs_brute_force(h, w, window)
 
 
 def test_attention_makes_one_large_image_cost_more_than_many_small_ones():
-    cost = VisionCost(linear_per_patch=1000, pair=10, full_blocks=1)
+    cost = EncoderCost(linear_per_patch=1000, pair=10, full_blocks=1)
     assert cost.unit_cost((1, 32, 32)) > 4 * cost.unit_cost((1, 16, 16))
     units = vision_units(torch.tensor([[1, 32, 32], [4, 16, 16]]), 2)
     assert units.pixel_counts == [1024, 256, 256, 256, 256]
@@ -50,7 +50,7 @@ def test_attention_makes_one_large_image_cost_more_than_many_small_ones():
 
 
 def test_part_cost_is_the_share_of_the_unit():
-    cost = VisionCost(linear_per_patch=7, pair=3, full_blocks=2)
+    cost = EncoderCost(linear_per_patch=7, pair=3, full_blocks=2)
     grid = (1, 6, 4)
     assert cost.part_cost(grid, 24) == cost.unit_cost(grid)
     assert cost.part_cost(grid, 0) == 0
@@ -74,7 +74,7 @@ def test_part_cost_is_the_share_of_the_unit():
 )
 def test_bad_cost_models_are_rejected_naming_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
-        VisionCost(**fields)
+        EncoderCost(**fields)
 
 
 def test_toy_tower_cost_counts_exactly_its_matrix_products():

@@ -10,11 +10,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 transformers = pytest.importorskip("transformers")
 
+from cpvlm.encoders.cost import EncoderCost  # noqa: E402
 from cpvlm.hf import TINY_MODELS, adapter_for, build_model  # noqa: E402
 from cpvlm.hf.adapter import VLMAdapter  # noqa: E402
 from cpvlm.hf.vision_cost import vision_cost  # noqa: E402
 from cpvlm.testing.vision_cases import PUBLISHED_TOWERS  # noqa: E402
-from cpvlm.vision.cost import VisionCost  # noqa: E402
 
 _TINY = {
     "depth": 3,
@@ -91,7 +91,7 @@ def test_every_family_has_its_own_cost_model_and_the_pixel_row_towers_are_counte
     for name, config in configs.items():
         adapter = adapter_for(config)
         assert type(adapter).vision_cost is not VLMAdapter.vision_cost, name
-        assert adapter.vision_cost() != VisionCost.patches(), name
+        assert adapter.vision_cost() != EncoderCost.patches(), name
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""gather_vision_embeddings on real gloo ranks: values, per-rank gradients, empty ranks, dtypes."""
+"""gather_embeddings on real gloo ranks: values, per-rank gradients, empty ranks, dtypes."""
 
 import re
 
@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 from cpvlm.distributed.collectives import all_gather_dim0
+from cpvlm.encoders import gather_embeddings
 from cpvlm.testing import rel_err, run_distributed
-from cpvlm.vision import gather_vision_embeddings
 
 WIDTHS = (5, 3, 2)  # main embeddings + two deepstack levels, gathered in one collective
 
@@ -25,7 +25,7 @@ def _upstream(rank, total):
 
 
 def _gather_and_backward(rank, world_size, counts, dtype=torch.float64, gather=None):
-    gather = gather or gather_vision_embeddings
+    gather = gather or gather_embeddings
     xs = [x.requires_grad_() for x in _rows(rank, counts[rank], dtype)]
     out = gather(xs, counts, dist.group.WORLD)
     loss = sum((o.double() * g).sum() for o, g in zip(out, _upstream(rank, sum(counts))))
@@ -106,12 +106,12 @@ def test_empty_rank_placeholders_in_every_dtype(dtype):
 
 def _gather_frozen_and_no_grad(rank, world_size, counts):
     xs = _rows(rank, counts[rank], torch.float64)  # nothing requires grad: a frozen tower
-    out = gather_vision_embeddings(xs, counts, dist.group.WORLD)
+    out = gather_embeddings(xs, counts, dist.group.WORLD)
     # The output requires grad on every rank (grad mode decides), so every rank runs backward.
     assert all(o.requires_grad for o in out)
     sum(o.sum() for o in out).backward()
     with torch.no_grad():
-        evaluated = gather_vision_embeddings(xs, counts, dist.group.WORLD)
+        evaluated = gather_embeddings(xs, counts, dist.group.WORLD)
     assert not any(o.requires_grad for o in evaluated)
     return [o.detach() for o in out], evaluated
 
@@ -126,7 +126,7 @@ def test_frozen_inputs_and_no_grad():
 
 def _gather_bad(rank, world_size, counts, rows):
     try:
-        gather_vision_embeddings(torch.zeros(rows, 2), counts, dist.group.WORLD)
+        gather_embeddings(torch.zeros(rows, 2), counts, dist.group.WORLD)
     except ValueError as e:
         return str(e)
     return None
@@ -147,7 +147,7 @@ def test_bad_counts_raise_on_every_rank(counts, rows, message):
 
 def _gather_mixed_dtypes(rank, world_size):
     try:
-        gather_vision_embeddings(
+        gather_embeddings(
             [torch.zeros(1, 2), torch.zeros(1, 2, dtype=torch.float64)], [1, 1], dist.group.WORLD
         )
     except ValueError as e:

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from cpvlm import ShardPlan
+from cpvlm.encoders import EncoderDataParallel, assign_units, vision_units
 from cpvlm.testing import rel_err, run_distributed
 from cpvlm.testing.toy_tower import ToyVisionTower
-from cpvlm.vision import EncoderDataParallel, assign_vision_units, vision_units
 
 MERGE = 2
 # Images of different sizes and two videos (t = 3 and t = 2): 8 units.
@@ -134,7 +134,7 @@ def test_wrapped_tower_matches_the_one_process_tower(world_size, mode):
 
 def test_a_video_split_across_ranks_equals_encoding_it_whole():
     units = vision_units(torch.tensor([[4, 4, 2]]), MERGE)
-    per_rank = assign_vision_units(units.pixel_counts, 4)
+    per_rank = assign_units(units.pixel_counts, 4)
     assert per_rank == [[0], [1], [2], [3]]  # one frame per rank
     for mode in ("allgather", "route"):
         results = run_distributed(_wrapped_step, 4, [[4, 4, 2]], mode)
@@ -238,7 +238,7 @@ def _message(vdp, *args, **kwargs):
     [
         ("grid not divisible", "divisible by the merge size 2"),
         ("pixel rows", "pixel_values has 11 rows but the grids have 12 patches"),
-        ("row positions", "2 row_positions for 3 vision rows"),
+        ("row positions", "2 row_positions for 3 encoder rows"),
         ("no plan", "needs plan= and row_positions="),
         ("wrong merge size", r"expected \d+ rows .* is merge_size right"),
     ],

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 from cpvlm import ShardPlan
+from cpvlm.encoders import route_plan, route_to_owners
 from cpvlm.testing import rel_err, run_distributed
-from cpvlm.vision import route_plan, route_to_owners
 
 WIDTHS = (4, 3)  # main rows + one deepstack level, one all-to-all
 
@@ -129,7 +129,7 @@ def test_bad_positions_raise_on_every_rank(positions, message):
 
 def test_row_positions_must_match_the_rows():
     plan = ShardPlan(8, 2)
-    with pytest.raises(ValueError, match="3 row_positions for 2 vision rows"):
+    with pytest.raises(ValueError, match="3 row_positions for 2 encoder rows"):
         route_plan(torch.zeros(2, dtype=torch.long), torch.arange(3), plan, 0)
     with pytest.raises(ValueError, match="row_ranks must lie in"):
         route_plan(torch.tensor([0, 2]), torch.arange(2), plan, 0)

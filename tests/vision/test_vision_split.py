@@ -19,6 +19,8 @@ import torch.distributed as dist
 pytest.importorskip("transformers")
 
 from cpvlm import ShardPlan  # noqa: E402
+from cpvlm.encoders import EncoderDataParallel, vision_units  # noqa: E402
+from cpvlm.encoders.split import Piece, SplitAttention  # noqa: E402
 from cpvlm.hf import adapter_for, build_model  # noqa: E402
 from cpvlm.hf.vision_attention import SplitTower  # noqa: E402
 from cpvlm.options import (
@@ -26,8 +28,6 @@ from cpvlm.options import (
     CPOptions,  # noqa: E402
 )
 from cpvlm.testing import rel_err, run_distributed  # noqa: E402
-from cpvlm.vision import EncoderDataParallel, vision_units  # noqa: E402
-from cpvlm.vision.split import Piece, SplitAttention  # noqa: E402
 
 FAMILIES = ("qwen2.5-vl-tiny", "qwen3-vl-tiny")
 # (name, grids, ranks): the grids in patches; what each case shows is in the test below.

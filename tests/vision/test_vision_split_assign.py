@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpvlm import ShardPlan
+from cpvlm.encoders import assign_units, vision_units
+from cpvlm.encoders.split_assign import split_assignment
 from cpvlm.testing.vision_cases import PUBLISHED_TOWERS, SPLIT_MIX
-from cpvlm.vision import assign_vision_units, vision_units
-from cpvlm.vision.split_assign import split_assignment
 
 
 def _qwen3_8b_cost():
@@ -25,7 +25,7 @@ def test_three_large_images_among_small_ones_balance_within_5_percent_at_cp8():
     units = vision_units(torch.tensor(SPLIT_MIX), 2)
     costs = _qwen3_8b_cost().unit_costs(units)
     mean = sum(costs) / 8
-    whole = assign_vision_units(costs, 8)
+    whole = assign_units(costs, 8)
     whole_max = max(sum(costs[u] for u in us) for us in whole)
     sa = split_assignment(costs, units.row_counts, 8)
     loads = sa.rank_costs(costs)
@@ -42,7 +42,7 @@ def test_small_units_stay_whole_and_the_mixed_test_batch_shards_its_largest():
     # Balanced whole: nothing is cut (route mode's assignment).
     sa = split_assignment([5, 5, 5, 5], [2, 2, 2, 2], 2)
     assert sa.split == () and sa.cuts == (0, 0, 0)
-    assert sa.whole == tuple(tuple(us) for us in assign_vision_units([5, 5, 5, 5], 2))
+    assert sa.whole == tuple(tuple(us) for us in assign_units([5, 5, 5, 5], 2))
     # The HF tests' mixed batch (tests/hf/hf_families.py): 4x4, 8x4 images and a 2-frame 4x4
     # video; the 8x4 image (8 groups) is sharded at cp 2 and 4, by patches as by a tower's cost.
     grids = [(1, 4, 4), (1, 8, 4), (1, 4, 4), (1, 4, 4)]

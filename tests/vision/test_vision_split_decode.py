@@ -21,6 +21,8 @@ from transformers import AutoConfig  # noqa: E402
 
 from cpvlm.data import Record  # noqa: E402
 from cpvlm.data.loader import select_groups  # noqa: E402
+from cpvlm.encoders import vision_units  # noqa: E402
+from cpvlm.encoders.pieces import pixel_rows_read  # noqa: E402
 from cpvlm.families.qwen2_vl import image_piece_rows  # noqa: E402
 from cpvlm.hf import (  # noqa: E402
     ContextParallelVLM,
@@ -34,8 +36,6 @@ from cpvlm.hf.tiny_checkpoint import make_tiny_checkpoint, write_frames  # noqa:
 from cpvlm.options import CPOptions  # noqa: E402
 from cpvlm.testing import rel_err, run_distributed  # noqa: E402
 from cpvlm.verify import reference_loss_and_grads  # noqa: E402
-from cpvlm.vision import vision_units  # noqa: E402
-from cpvlm.vision.pieces import pixel_rows_read  # noqa: E402
 
 
 def _rows_of(groups, m2=4):
@@ -188,10 +188,10 @@ def test_the_loader_decodes_only_the_pieces_rows(encoder, tmp_path):
     """A ``RankLoader`` given ``pieces``: each CP rank's pixel rows are exactly the rows it
     reads (``pixel_rows_read``) of the full decode, and some rank holds a piece."""
     from cpvlm.data import LoaderConfig, RankLoader, RowStream, open_source
+    from cpvlm.encoders import split_assignment
+    from cpvlm.encoders.pieces import piece_groups
+    from cpvlm.encoders.split import pixel_order
     from cpvlm.hf.tiny_checkpoint import example_records, write_jsonl
-    from cpvlm.vision import split_assignment
-    from cpvlm.vision.pieces import piece_groups
-    from cpvlm.vision.split import pixel_order
 
     jsonl = write_jsonl(tmp_path / "train.jsonl", example_records(tmp_path, 16, seed=4))
     source, cp = open_source(str(jsonl)), 3

@@ -6,7 +6,7 @@ matrices of D x I, gated; for a mixture of experts the experts a token runs, and
 over every layer, and the LM head (D x vocab); per attended pair, 2 * Hq * hd (q.k and the
 weighted sum of v) over the layers that attend over the sequence (linear-attention layers do
 not). Sliding-window layers are counted as full ones (an over-estimate for documents longer
-than the window). The vision part is the family's ``VisionCost`` (its adapter's).
+than the window). The vision part is the family's ``EncoderCost`` (its adapter's).
 """
 
 from __future__ import annotations

@@ -5,18 +5,18 @@ Legend: U units, R rows of all units (t*h*w/m**2 each), m merge size, W ranks, D
 A unit is what an encoder encodes independently of everything else in the batch: an image, a
 video frame, an audio clip. The same class serves each modality's encoder (the CP step builds one
 for the vision tower and one for an audio tower); an audio clip of n feature frames is a unit of
-grid (1, 1, n) with merge size 1, its feature frames its "pixel rows" (``cpvlm.vision.units``).
+grid (1, 1, n) with merge size 1, its feature frames its "pixel rows" (``cpvlm.encoders.units``).
 
 Every rank holds the same pixel_values and grid_thw (replicated inputs). Each rank splits them
-into units (images, video frames, clips), takes its share from ``assign_vision_units`` (balanced by
-the tower's modelled cost, ``VisionCost``), encodes only those, and then either
+into units (images, video frames, clips), takes its share from ``assign_units`` (balanced by
+the tower's modelled cost, ``EncoderCost``), encodes only those, and then either
 - ``mode="allgather"``: all-gathers every unit's rows; every rank gets all R rows in the
   unwrapped tower's order (backward: reduce-scatter), or
 - ``mode="route"``: sends each row only to the rank owning its sequence position; every rank
   gets the rows of its own visual positions (backward: the transposed all-to-all), or
 - ``mode="split"``: as route, but units that cost more than a rank's share are sharded across
   ranks at merge-group granularity and the tower runs sequence-parallel on them
-  (``cpvlm.vision.split``; the encoder must implement the split protocol below).
+  (``cpvlm.encoders.split``; the encoder must implement the split protocol below).
 
 A rank with no units still joins both collectives with ``[0, D]`` placeholders. By default it
 learns their dtype and widths by running the tower on one m x m dummy frame, in the caller's
@@ -39,15 +39,15 @@ from torch import nn
 from cpvlm.constants import VISION_DP_MODES
 from cpvlm.distributed.collectives import StepAgreement, agree
 from cpvlm.distributed.shard_plan import ShardPlan
+from cpvlm.encoders.assign import assign_units
+from cpvlm.encoders.cost import EncoderCost
+from cpvlm.encoders.gather import gather_embeddings
+from cpvlm.encoders.pieces import Groups, piece_groups, pixel_rows_read
+from cpvlm.encoders.route import route_plan, route_to_owners
+from cpvlm.encoders.split import LocalSplit, Piece, SplitAttention, check_orders, local_split
+from cpvlm.encoders.split_assign import SplitAssignment, split_assignment
+from cpvlm.encoders.units import EncoderUnits, UnitSizes, check_merge_size, vision_units
 from cpvlm.options import AttentionOptions, CPOptions
-from cpvlm.vision.assign import assign_vision_units
-from cpvlm.vision.cost import VisionCost
-from cpvlm.vision.gather import gather_vision_embeddings
-from cpvlm.vision.pieces import Groups, piece_groups, pixel_rows_read
-from cpvlm.vision.route import route_plan, route_to_owners
-from cpvlm.vision.split import LocalSplit, Piece, SplitAttention, check_orders, local_split
-from cpvlm.vision.split_assign import SplitAssignment, split_assignment
-from cpvlm.vision.units import UnitSizes, VisionUnits, check_merge_size, vision_units
 
 
 def _split_output(out: object) -> tuple[list[torch.Tensor], bool]:
@@ -68,7 +68,7 @@ def _split_output(out: object) -> tuple[list[torch.Tensor], bool]:
     )
 
 
-def _rows_within(units: VisionUnits, mine: list[int], index: torch.Tensor) -> torch.Tensor:
+def _rows_within(units: EncoderUnits, mine: list[int], index: torch.Tensor) -> torch.Tensor:
     """Where the batch's pixel rows ``index`` (rows of units ``mine``) lie in the rows of the
     units ``mine`` (ascending) one after another: in ``local_pixels``."""
     offsets = torch.tensor(units.pixel_offsets)
@@ -83,14 +83,14 @@ def _join_output(tensors: list[torch.Tensor], has_deepstack: bool):
     return (tensors[0], list(tensors[1:])) if has_deepstack else tensors[0]
 
 
-def _cost_model(encoder: nn.Module, cost: VisionCost | None) -> VisionCost:
+def _cost_model(encoder: nn.Module, cost: EncoderCost | None) -> EncoderCost:
     if cost is None:
         supplied = getattr(encoder, "vision_cost", None)
-        cost = supplied() if callable(supplied) else VisionCost.patches()
-    if not isinstance(cost, VisionCost):
+        cost = supplied() if callable(supplied) else EncoderCost.patches()
+    if not isinstance(cost, EncoderCost):
         raise ValueError(
-            f"EncoderDataParallel: cost must be a VisionCost (or encoder.vision_cost() return one), "
-            f"got {type(cost).__name__}"
+            f"EncoderDataParallel: cost must be an EncoderCost (or encoder.vision_cost() return "
+            f"one), got {type(cost).__name__}"
         )
     return cost
 
@@ -116,7 +116,7 @@ class EncoderDataParallel(nn.Module):
         dtype: the tower's output dtype; required with ``out_dims``.
         cost: the tower's cost model, by which units are balanced over ranks. Default: what
             ``encoder.vision_cost()`` returns if the encoder has that method, else the patch
-            count (``VisionCost.patches()``). Every rank must pass the same one.
+            count (``EncoderCost.patches()``). Every rank must pass the same one.
         unit_sizes: ``(grid, kind) -> (pixel rows, output rows)`` of a unit, for a tower whose
             layout is not t*h*w pixel rows and t*h*w/m**2 output rows (see ``vision_units``); it
             also sizes the dummy frame (1, m, m), an image, of a rank without units.
@@ -147,7 +147,7 @@ class EncoderDataParallel(nn.Module):
         split_frames: bool = True,
         out_dims: int | Sequence[int] | None = None,
         dtype: torch.dtype | None = None,
-        cost: VisionCost | None = None,
+        cost: EncoderCost | None = None,
         unit_sizes: UnitSizes | None = None,
         attention: AttentionOptions | None = None,
         dummy_unit: tuple[tuple[int, int, int], str] | None = None,
@@ -185,7 +185,7 @@ class EncoderDataParallel(nn.Module):
             except ValueError as err:
                 raise ValueError(f"EncoderDataParallel: {err}") from None
 
-    def units(self, grid_thw: torch.Tensor, kinds=None) -> VisionUnits:
+    def units(self, grid_thw: torch.Tensor, kinds=None) -> EncoderUnits:
         return vision_units(
             grid_thw,
             self.merge_size,
@@ -194,25 +194,25 @@ class EncoderDataParallel(nn.Module):
             kinds=kinds,
         )
 
-    def assignment(self, units: VisionUnits, base_loads=None) -> list[list[int]]:
+    def assignment(self, units: EncoderUnits, base_loads=None) -> list[list[int]]:
         """Whole units per rank (modes route and allgather), balanced around ``base_loads``
         (each rank's cost already given to it by another encoder; default none)."""
         world = dist.get_world_size(self.group)
-        return assign_vision_units(self.cost.unit_costs(units), world, base_loads)
+        return assign_units(self.cost.unit_costs(units), world, base_loads)
 
-    def rank_loads(self, units: VisionUnits) -> list[int]:
+    def rank_loads(self, units: EncoderUnits) -> list[int]:
         """Each rank's modelled cost of its units (modes route and allgather): what another
         encoder's units balance around (``base_loads``)."""
         costs = self.cost.unit_costs(units)
         return [sum(costs[u] for u in mine) for mine in self.assignment(units)]
 
-    def split_assignment(self, units: VisionUnits) -> SplitAssignment:
+    def split_assignment(self, units: EncoderUnits) -> SplitAssignment:
         """Whole units per rank and the sharded units' cuts (mode split)."""
         return split_assignment(
             self.cost.unit_costs(units), units.row_counts, dist.get_world_size(self.group)
         )
 
-    def pixel_assignment(self, units: VisionUnits) -> list[list[int]]:
+    def pixel_assignment(self, units: EncoderUnits) -> list[list[int]]:
         """The units whose pixel rows each rank reads, ascending: what ``local_pixels`` holds.
         Modes route and allgather: the units it encodes (``assignment``); split: its whole units
         and the sharded units it holds pieces of (a piece needs its unit decoded, as a frame
@@ -222,10 +222,10 @@ class EncoderDataParallel(nn.Module):
         sa = self.split_assignment(units)
         return [sa.units_of(r) for r in range(sa.cp_size)]
 
-    def pixel_pieces(self, units: VisionUnits) -> list[dict[int, Groups]]:
+    def pixel_pieces(self, units: EncoderUnits) -> list[dict[int, Groups]]:
         """Per rank, ``{unit: merge groups in pixel order}`` of the sharded units it holds a
         piece of (mode split; else none): with ``local_pixels`` a rank may pass only those
-        groups' rows of such a unit (``cpvlm.vision.pieces``)."""
+        groups' rows of such a unit (``cpvlm.encoders.pieces``)."""
         world = dist.get_world_size(self.group)
         if self.mode != "split":
             return [{} for _ in range(world)]
@@ -256,7 +256,7 @@ class EncoderDataParallel(nn.Module):
 
         allgather mode: all R rows in the tower's order (``plan``/``row_positions`` unused).
         route mode: ``plan`` is the batch's ShardPlan and ``row_positions[g]`` the position of
-        output row g in the padded batch, ``b * plan.padded_len + p`` (see ``cpvlm.vision.route``);
+        output row g in the padded batch, ``b * plan.padded_len + p`` (see ``cpvlm.encoders.route``);
         the result holds this rank's visual rows sorted by local index in its ``[B, S_loc]`` shard.
         ``step``: the CP step this belongs to (see ``cpvlm.distributed.collectives.StepAgreement``).
         ``with_unit_count``: return ``(result, units this rank encoded)`` (split mode: whole units
@@ -287,7 +287,7 @@ class EncoderDataParallel(nn.Module):
             moved = route_to_owners(tensors, rp, self.group, step=step)
         else:
             counts = [sum(units.row_counts[u] for u in units_r) for units_r in assignment]
-            gathered = gather_vision_embeddings(tensors, counts, self.group, step=step)
+            gathered = gather_embeddings(tensors, counts, self.group, step=step)
             # Rank order -> unit order (= the tower's order): rank-order row g is unit row
             # gathered_rows[g], so its inverse permutation puts every row back.
             gathered_rows = torch.cat([units.row_index(a) for a in assignment])
@@ -396,7 +396,7 @@ class EncoderDataParallel(nn.Module):
     # ---- pieces -------------------------------------------------------------------------------
 
     def _check_pixels(
-        self, pixel_values: torch.Tensor, units: VisionUnits, mine, pieces=None
+        self, pixel_values: torch.Tensor, units: EncoderUnits, mine, pieces=None
     ) -> None:
         if not isinstance(pixel_values, torch.Tensor) or pixel_values.dim() != 2:
             raise ValueError("EncoderDataParallel: pixel_values must be a 2-d tensor [patches, C]")
@@ -466,7 +466,3 @@ class EncoderDataParallel(nn.Module):
         # One m x m frame is one merged row: this catches a wrong merge_size on empty ranks too.
         self._check_output(tensors, has_deepstack, rows)
         return [t[:0] for t in tensors], has_deepstack
-
-
-VisionDataParallel = EncoderDataParallel
-"""The name of ``EncoderDataParallel`` from before it served audio towers too (kept as an alias)."""

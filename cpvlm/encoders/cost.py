@@ -1,4 +1,4 @@
-"""What encoding a vision unit costs: linear work per patch plus attention work per attended pair.
+"""What encoding a unit costs: linear work per patch plus attention work per attended pair.
 
 Legend: a frame of grid (h, w) has p = h*w patches; a unit of grid (t, h, w) is t such frames;
 W is the side of an attention window in patches; MAC = one multiply-accumulate.
@@ -27,12 +27,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cpvlm.vision.units import VisionUnits
+from cpvlm.encoders.units import EncoderUnits
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"VisionCost.{name} must be an int >= {minimum}, got {value!r}")
+        raise ValueError(f"EncoderCost.{name} must be an int >= {minimum}, got {value!r}")
 
 
 def _tile_squares(n: int, window: int) -> int:
@@ -48,8 +48,9 @@ def block_linear_macs(width: int, mlp_width: int, *, gated: bool) -> int:
 
 
 @dataclass(frozen=True)
-class VisionCost:
-    """The cost model of a vision tower, in forward MACs; built from the tower's shape.
+class EncoderCost:
+    """The cost model of an encoder (a vision tower; an audio encoder per feature frame), in
+    forward MACs; built from the encoder's shape.
 
     Args:
         linear_per_patch: MACs per patch of everything linear in patches, all blocks included.
@@ -73,19 +74,19 @@ class VisionCost:
             _check_int(name, getattr(self, name), 0)
         if self.windowed_blocks and self.window < 1:
             raise ValueError(
-                f"VisionCost: windowed_blocks={self.windowed_blocks} needs window >= 1 (the "
+                f"EncoderCost: windowed_blocks={self.windowed_blocks} needs window >= 1 (the "
                 f"window side in patches), got window={self.window}"
             )
         if self.linear_per_patch == 0 and (
             self.pair == 0 or self.full_blocks + self.windowed_blocks == 0
         ):
             raise ValueError(
-                "VisionCost: every unit would cost 0; give linear_per_patch > 0 or attention "
+                "EncoderCost: every unit would cost 0; give linear_per_patch > 0 or attention "
                 "(pair > 0 with full_blocks or windowed_blocks)"
             )
 
     @classmethod
-    def patches(cls) -> VisionCost:
+    def patches(cls) -> EncoderCost:
         """The cost of a unit is its patch count (what balancing by patches assumes)."""
         return cls(linear_per_patch=1)
 
@@ -122,6 +123,6 @@ class VisionCost:
             )
         return self.unit_cost(grid) * patches // total
 
-    def unit_costs(self, units: VisionUnits) -> list[int]:
-        """The cost of every unit of ``units``, in unit order (what ``assign_vision_units`` takes)."""
+    def unit_costs(self, units: EncoderUnits) -> list[int]:
+        """The cost of every unit of ``units``, in unit order (what ``assign_units`` takes)."""
         return [self.unit_cost(g) for g in units.grids]

@@ -1,11 +1,11 @@
-"""All-gather of vision rows with uneven per-rank counts; backward is a reduce-scatter.
+"""All-gather of encoder rows with uneven per-rank counts; backward is a reduce-scatter.
 
 Legend: W ranks, n_r rows on rank r (``counts[r]``, known on every rank), M = max n_r,
 N = sum n_r, D packed feature width.
 
 Every rank uses every gathered row, so the gradient of rank r's rows is the sum over ranks of the
 gradient of those rows: a reduce-scatter. Keeping only the local slice of the gradient (what some
-public frameworks shipped) silently drops the other ranks' contributions to the vision tower.
+public frameworks shipped) silently drops the other ranks' contributions to the encoder.
 gloo has no uneven all-gather, so each rank pads to M rows and the padding is trimmed.
 """
 
@@ -23,7 +23,7 @@ from cpvlm.distributed.collectives import (
     ensure_requires_grad_for_cp_collective,
     reduce_scatter_dim0,
 )
-from cpvlm.vision._pack import (
+from cpvlm.encoders._pack import (
     as_tensor_list,
     check_counts,
     check_rows,
@@ -68,7 +68,7 @@ class _GatherRows(torch.autograd.Function):
         return _backward(grad_ND.contiguous(), ctx.counts, ctx.rank, ctx.group), None, None, None
 
 
-def gather_vision_embeddings(
+def gather_embeddings(
     x_loc: torch.Tensor | Sequence[torch.Tensor],
     counts: Sequence[int] | torch.Tensor,
     group: dist.ProcessGroup | None,
@@ -90,7 +90,7 @@ def gather_vision_embeddings(
     Before any row moves, the ranks agree (one small all-reduce) on the counts, widths and dtype;
     a rank whose rows do not match ``counts`` makes every rank raise the same error.
     """
-    op = "gather_vision_embeddings"
+    op = "gather_embeddings"
     rank, facts, error = dist.get_rank(group), {}, None
     try:
         tensors, single = as_tensor_list(x_loc, op)

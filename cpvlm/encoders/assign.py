@@ -1,10 +1,10 @@
-"""Which CP rank encodes which vision unit: balanced by modelled cost, identical on every rank.
+"""Which CP rank encodes which unit: balanced by modelled cost, identical on every rank.
 
 A unit's encoder cost grows with its patches, and faster than linearly: attention within a frame
 grows with patches**2 (see cost.py). Balancing by the number of images, as contiguous splitting
 does, leaves one rank with the big images while the others wait at the next collective; so does
 balancing by patches when one image is large. The assignment balances the per-unit costs it is
-given (``VisionCost.unit_costs``, or plain patch counts) and is a pure function of them: integer
+given (``EncoderCost.unit_costs``, or plain patch counts) and is a pure function of them: integer
 costs, fixed tie-breaks, so every rank computes the same assignment without communicating.
 A unit is never split: the caller decides what a unit is (an image, or one frame of a video).
 """
@@ -33,7 +33,7 @@ def _check_costs(costs: Sequence[int] | torch.Tensor) -> list[int]:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(
                 f"costs[{u}] = {n!r}; unit costs must be ints >= 0 (patch counts or "
-                "VisionCost.unit_costs), so that every rank's arithmetic is exact and identical"
+                "EncoderCost.unit_costs), so that every rank's arithmetic is exact and identical"
             )
     return counts
 
@@ -80,12 +80,12 @@ def _best_exchange(
     return best
 
 
-def assign_vision_units(
+def assign_units(
     costs: Sequence[int] | torch.Tensor, cp_size: int, base_loads: Sequence[int] | None = None
 ) -> list[list[int]]:
     """One list of unit indices per rank, balanced by unit cost, each list ascending.
 
-    ``costs[u]`` is unit u's cost: ``VisionCost.unit_costs(units)`` (modelled encoder work), or
+    ``costs[u]`` is unit u's cost: ``EncoderCost.unit_costs(units)`` (modelled encoder work), or
     patch counts (``units.pixel_counts``) to balance patches. Greedy longest-first, then moves
     and swaps from the most loaded rank to the least loaded rank that one improves, while any
     does. No rank can end below max(costs), so max/mean is bounded by max(costs)/mean.

@@ -1,4 +1,4 @@
-"""Route vision rows from the rank that encoded them to the rank that owns their position.
+"""Route encoder rows from the rank that encoded them to the rank that owns their position.
 
 Legend: W ranks, R rows of all units (unit order = the unwrapped tower's output order),
 n rows encoded on this rank, k visual positions owned by this rank, P padded sequence length,
@@ -32,7 +32,7 @@ from cpvlm.distributed.collectives import (
     to_wire,
 )
 from cpvlm.distributed.shard_plan import ShardPlan
-from cpvlm.vision._pack import as_tensor_list, check_rows, pack_features, unpack_features
+from cpvlm.encoders._pack import as_tensor_list, check_rows, pack_features, unpack_features
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def _check_positions(row_positions: torch.Tensor, num_rows: int, plan: ShardPlan
         raise ValueError(f"route: row_positions must be integers, got {row_positions.dtype}")
     if row_positions.numel() != num_rows:
         raise ValueError(
-            f"route: {row_positions.numel()} row_positions for {num_rows} vision rows "
+            f"route: {row_positions.numel()} row_positions for {num_rows} encoder rows "
             f"(t*h*w/merge**2 summed over the grids)"
         )
     pos = row_positions.detach().to("cpu", torch.long)
@@ -75,7 +75,7 @@ def _check_positions(row_positions: torch.Tensor, num_rows: int, plan: ShardPlan
             f"padded batch as b * padded_len + p with p = plan.padded_index[token position]"
         )
     if torch.unique(pos).numel() != num_rows:
-        raise ValueError("route: two vision rows share a sequence position")
+        raise ValueError("route: two encoder rows share a sequence position")
     return pos
 
 

@@ -30,9 +30,9 @@ import torch.nn.functional as F
 from cpvlm.attention import cp_attention
 from cpvlm.distributed.collectives import StepAgreement
 from cpvlm.distributed.shard_plan import ShardPlan
+from cpvlm.encoders.split_assign import SplitAssignment
+from cpvlm.encoders.units import EncoderUnits
 from cpvlm.options import AttentionOptions
-from cpvlm.vision.split_assign import SplitAssignment
-from cpvlm.vision.units import VisionUnits
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,7 @@ class LocalSplit:
 
 
 def local_split(
-    units: VisionUnits, orders: Sequence[UnitOrder], sa: SplitAssignment, rank: int
+    units: EncoderUnits, orders: Sequence[UnitOrder], sa: SplitAssignment, rank: int
 ) -> LocalSplit:
     """Rank ``rank``'s share of ``sa`` (every rank computes every rank's row ranks alike)."""
     m2 = units.merge_size**2
@@ -186,7 +186,7 @@ def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
 
 
-def check_orders(units: VisionUnits, orders: Sequence[UnitOrder]) -> None:
+def check_orders(units: EncoderUnits, orders: Sequence[UnitOrder]) -> None:
     """Every unit order is a permutation of its groups; windows cover them."""
     for u, (order, rows) in enumerate(zip(orders, units.row_counts)):
         groups = order.groups

@@ -7,16 +7,16 @@ Whole-unit assignment cannot beat max(c_u) / mean: one 4K image at cp 8 is a ran
 ``split_assignment`` shards the units that stand in the way, at merge-group granularity:
 
 1. S = the units with c_u > T (no rank can hold them whole within its share). The others (R) are
-   assigned whole (``assign_vision_units``: longest first, then exchanges).
+   assigned whole (``assign_units``: longest first, then exchanges).
 2. While the heaviest rank's whole units cost more than T * (1 + 1/_SLACK), the largest unit of
    R (ties: lower index) moves to S and R is assigned again: the largest unit is what keeps the
    exchanges from balancing. R may end empty (then every unit is sharded).
 3. The units of S, in unit order, form one line of groups (a unit's groups in the tower's order:
-   see ``cpvlm.vision.split``). Each rank's room, T minus its whole units' cost (0 if over), is
+   see ``cpvlm.encoders.split``). Each rank's room, T minus its whole units' cost (0 if over), is
    a stretch of that line in rank order (McNaughton's wrap-around rule): rank r takes the groups
    between the cumulative rooms of ranks < r and <= r, each cut rounded to the nearest group
    boundary, with the cost of a group c_u / G_u (queries attend their whole unit or window, so a
-   group costs its share of the unit; ``VisionCost.part_cost``). A sharded unit thus lies on
+   group costs its share of the unit; ``EncoderCost.part_cost``). A sharded unit thus lies on
    consecutive ranks, each holding one contiguous range of the line, as ``ShardPlan.contiguous``
    needs; rank loads end within half a group of T, or at their whole units' cost when that is
    above T.
@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cpvlm.vision.assign import _check_costs, assign_vision_units
+from cpvlm.encoders.assign import _check_costs, assign_units
 
 _SLACK = 50
 """Whole units may leave a rank at most T / _SLACK above the fair share before one more is cut."""
@@ -72,7 +72,7 @@ class SplitAssignment:
 
     def rank_costs(self, costs: Sequence[int]) -> list[int]:
         """Modelled cost per rank: whole units plus each piece's share of its unit (rounded
-        down, as ``VisionCost.part_cost``)."""
+        down, as ``EncoderCost.part_cost``)."""
         out = []
         for r, units in enumerate(self.whole):
             cost = sum(costs[u] for u in units)
@@ -99,8 +99,7 @@ def split_assignment(costs: Sequence[int], groups: Sequence[int], cp_size: int) 
     while True:
         rest = [u for u in range(len(costs)) if u not in split]
         per_rank = [
-            [rest[i] for i in units]
-            for units in assign_vision_units([costs[u] for u in rest], cp_size)
+            [rest[i] for i in units] for units in assign_units([costs[u] for u in rest], cp_size)
         ]
         loads = [sum(costs[u] for u in units) for units in per_rank]
         if not rest or _SLACK * max(loads) <= (_SLACK + 1) * share:

@@ -24,9 +24,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from cpvlm.vision.split import UnitOrder
-from cpvlm.vision.split_assign import SplitAssignment
-from cpvlm.vision.units import VisionUnits
+from cpvlm.encoders.split import UnitOrder
+from cpvlm.encoders.split_assign import SplitAssignment
+from cpvlm.encoders.units import EncoderUnits
 
 Groups = tuple[int, ...]
 """A piece's groups, in pixel order, ascending."""
@@ -42,7 +42,7 @@ def piece_groups(orders: Sequence[UnitOrder], sa: SplitAssignment, rank: int) ->
 
 
 def pixel_rows_read(
-    units: VisionUnits, mine: Sequence[int], groups: Mapping[int, Groups]
+    units: EncoderUnits, mine: Sequence[int], groups: Mapping[int, Groups]
 ) -> torch.Tensor:
     """``[n]`` the batch's pixel rows that a rank reads, ascending: the units ``mine``, whole
     or, for a unit in ``groups``, only those groups' rows."""

@@ -6,9 +6,9 @@ and t*h*w/m**2 output rows (one per merged token). Every item and unit has a kin
 ``"video"`` (``KINDS``), carried beside its grid: a tower whose layout differs by kind
 (LLaVA-OneVision pools a video's frames, packs an image's crops) sizes and encodes a unit by both.
 
-An audio clip is an item of kind ``"audio"`` and grid (1, 1, n): n feature frames (its "pixel
-rows", one mel vector each), one unit (a clip is never split), sized by the audio encoder's own
-rule (``sizes``) under merge size 1. Its encoder is another ``EncoderDataParallel`` than the
+An audio clip is an item of kind ``"audio"`` and grid (1, 1, n) (``clip_grid``): n feature
+frames (its "pixel rows", one mel vector each), one unit (a clip is never split), sized by the
+audio encoder's own rule (``sizes``) under merge size 1. Its encoder is another ``EncoderDataParallel`` than the
 vision tower's, so a batch's units of one encoder are all vision or all audio.
 
 In the Qwen-VL layout the pixel rows of a video are frame-major, and so are its output rows. A
@@ -71,8 +71,9 @@ def grid_list(grid_thw: torch.Tensor, merge_size: int) -> list[tuple[int, int, i
 
 
 @dataclass(frozen=True)
-class VisionUnits:
-    """The units of a batch of vision items, identical on every rank (a function of the grids).
+class EncoderUnits:
+    """The units of a batch of one encoder's items (images and videos, or audio clips),
+    identical on every rank (a function of the grids).
 
     ``grids[u]`` is unit u's (t, h, w), ``kinds[u]`` its kind (its item's), ``items[u]`` the
     item it comes from. Units are in item order (frames of a video consecutive), so unit-order
@@ -154,6 +155,12 @@ UnitSizes = Callable[[tuple[int, int, int], str], tuple[int, int]]
 tower's own layout."""
 
 
+def clip_grid(frames) -> torch.Tensor:
+    """``[clips, 3]``: the ``grid_thw`` of audio clips of ``frames`` feature frames each, one
+    unit of grid (1, 1, n) per clip (the rows an audio ``EncoderDataParallel`` takes)."""
+    return torch.tensor([(1, 1, int(n)) for n in frames], dtype=torch.long).reshape(-1, 3)
+
+
 def vision_units(
     grid_thw: torch.Tensor,
     merge_size: int = 2,
@@ -161,13 +168,15 @@ def vision_units(
     split_frames: bool = True,
     sizes: UnitSizes | None = None,
     kinds=None,
-) -> VisionUnits:
+) -> EncoderUnits:
     """Units of the items of ``grid_thw``: one per image, one per temporal frame of a video.
 
     With ``split_frames=False`` a video stays one unit (for towers that attend across frames).
     ``sizes``: the pixel and output rows of a unit of a grid, for a tower whose layout is not the
     Qwen-VL one (LLaVA-OneVision: an image's crops and its packed rows); default t*h*w and
-    t*h*w/m**2. ``kinds``: each item's kind (``KINDS``; None: every item an image).
+    t*h*w/m**2. ``kinds``: each item's kind (``KINDS``; None: every item an image). Audio clips
+    (``clip_grid``, kind ``"audio"``) are units of it too under merge size 1 and
+    ``split_frames=False``: what ``EncoderDataParallel.units`` builds for an audio encoder.
     Raises ValueError for a malformed grid or one whose h, w are not multiples of ``merge_size``.
     """
     merge_size = check_merge_size(merge_size)
@@ -179,7 +188,7 @@ def vision_units(
         grids.extend([(1, h, w)] * t if split_frames else [(t, h, w)])
         unit_kinds.extend([kind] * n)
         items.extend([i] * n)
-    return VisionUnits(
+    return EncoderUnits(
         grids=tuple(grids),
         kinds=tuple(unit_kinds),
         items=tuple(items),
