@@ -32,6 +32,7 @@ rank raises its error.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -166,6 +167,20 @@ def _options(options: CPOptions | None, cp_size: int) -> CPOptions:
         raise ValueError(f"ContextParallelVLM: {err}") from None
 
 
+@dataclass(frozen=True)
+class RowGroup:
+    """What a forward on one CP group uses: the group, its size, this rank's place in it, the
+    options at that size, and the encoders' data parallelism over it (``ContextParallelVLM``
+    keeps one per row CP size, ``row_groups``)."""
+
+    group: dist.ProcessGroup | None
+    size: int
+    rank: int
+    options: CPOptions
+    vision_dp: EncoderDataParallel
+    audio_dp: EncoderDataParallel | None
+
+
 class ContextParallelVLM(nn.Module):
     """Wrap a transformers VLM (``*ForConditionalGeneration`` of a supported family) for training
     on a CP group.
@@ -190,6 +205,13 @@ class ContextParallelVLM(nn.Module):
         loss_chunk: compute the loss ``loss_chunk`` rows at a time from the final hidden states
             (``cpvlm.loss.chunked_token_mean_loss``: the same loss and gradients, no
             ``[S_loc, V]`` logits); ``None``: the whole local logits at once.
+        row_groups: dynamic CP (``docs/training.md``, "Dynamic CP"): ``{c: group}``, this rank's
+            group of ``c`` ranks for each smaller row CP size ``c`` it may run a row on (each a
+            divisor of the CP size, made once, collectively: ``cpvlm.parallelize.row_groups``);
+            ``forward(..., cp_size=c)`` then runs the row on that group. Every collective of
+            the forward (sharding, agreement, attention, linear-attention state passing, vision
+            and audio routing, router statistics) follows it; the module and its parameters are
+            the same. Not with ``attn="hybrid"``.
 
     ``forward(**batch)`` takes the same full batch on every CP rank and returns a
     ``ContextParallelOutput`` whose ``loss`` is this rank's share. With ``local_pixels=True``
@@ -206,6 +228,7 @@ class ContextParallelVLM(nn.Module):
         *,
         options: CPOptions | None = None,
         loss_chunk: int | None = None,
+        row_groups: Mapping[int, dist.ProcessGroup] | None = None,
     ):
         super().__init__()
         self.adapter = adapter_for(model)
@@ -238,12 +261,25 @@ class ContextParallelVLM(nn.Module):
         self.encode = TowerCall(self.adapter, model)
         self.vision_cost = self.adapter.vision_cost()  # units balanced by the tower's cost
         # "replicate" with no units at all runs the same dummy frame as the other modes.
+        self.vision_dp = self._vision_data_parallel(cp_group, options, model)
+        self.audio_dp = audio_data_parallel(self.adapter, model, cp_group, vision)
+        self.batch_keys = batch_keys(self.adapter)
+        full = RowGroup(
+            cp_group, self.cp_size, self.cp_rank, options, self.vision_dp, self.audio_dp
+        )
+        # A plain dict: the other sizes' encoders hold no parameters and stay out of the
+        # module tree (state_dict, FSDP units are the static model's).
+        self._row_groups = {self.cp_size: full, **self._more_row_groups(row_groups or {})}
+        self._row = full  # the group of the forward under way
+
+    def _vision_data_parallel(self, group, options: CPOptions, model) -> EncoderDataParallel:
+        vision = options.vision
         split = {}
         if vision == "split":  # the tower's attention: SDPA per unit, cp_attention when sharded
             split = {"attention": options.attention}
-        self.vision_dp = EncoderDataParallel(
+        return EncoderDataParallel(
             SplitTower(self.adapter, model) if vision == "split" else self.encode,
-            cp_group,
+            group,
             mode="allgather" if vision == "replicate" else vision,
             merge_size=self.adapter.merge_size,
             split_frames=self.adapter.split_frames,
@@ -252,8 +288,44 @@ class ContextParallelVLM(nn.Module):
             unit_sizes=None if vision == "split" else self.adapter.item_sizes,
             **split,
         )
-        self.audio_dp = audio_data_parallel(self.adapter, model, cp_group, vision)
-        self.batch_keys = batch_keys(self.adapter)
+
+    def _more_row_groups(self, row_groups: Mapping[int, dist.ProcessGroup]) -> dict:
+        """``RowGroup`` of each of ``row_groups``, checked: sizes that divide the CP size, groups
+        of that size holding this rank."""
+        if row_groups and self.attn == "hybrid":
+            raise ValueError(
+                "ContextParallelVLM: row_groups (dynamic CP) cannot run attn='hybrid' (its "
+                "Ulysses size need not divide a row's CP size); use ring, allgather or ulysses"
+            )
+        out = {}
+        for c, group in sorted(row_groups.items()):
+            if isinstance(c, bool) or not isinstance(c, int) or c < 1 or self.cp_size % c:
+                raise ValueError(
+                    f"ContextParallelVLM: row_groups size {c!r} does not divide the CP size "
+                    f"{self.cp_size}"
+                )
+            if dist.get_world_size(group) != c or dist.get_rank(group) < 0:
+                raise ValueError(
+                    f"ContextParallelVLM: row_groups[{c}] must be a group of {c} ranks holding "
+                    f"this rank; got {dist.get_world_size(group)} ranks"
+                )
+            if c == self.cp_size:
+                continue
+            options = self.options.replace(cp_size=c)
+            out[c] = RowGroup(
+                group,
+                c,
+                dist.get_rank(group),
+                options,
+                self._vision_data_parallel(group, options, self.model),
+                audio_data_parallel(self.adapter, self.model, group, self.vision),
+            )
+        return out
+
+    @property
+    def row_sizes(self) -> list[int]:
+        """The CP sizes ``forward(cp_size=)`` can run a row at (the CP size and ``row_groups``)."""
+        return sorted(self._row_groups)
 
     def forward(
         self,
@@ -264,12 +336,16 @@ class ContextParallelVLM(nn.Module):
         doc_lens=None,
         num_batches: int = 1,
         local_pixels: bool = False,
+        cp_size: int | None = None,
         **batch,
     ) -> ContextParallelOutput:
         """One forward batch. ``num_valid``: the step's global count of valid shifted labels
         (default: this batch's); ``num_batches``: the step's forward batches (microbatches x DP
-        replicas) that per-batch extra losses are averaged over."""
-        self._check_call(batch, num_batches, local_pixels)
+        replicas) that per-batch extra losses are averaged over; ``cp_size``: the CP size to run
+        it at (default: the CP group's; a smaller one of ``row_sizes``: on this rank's group of
+        that size, the same batch on each of its ranks)."""
+        self._check_call(batch, num_batches, local_pixels, cp_size)
+        row = self._row = self._row_groups[self.cp_size if cp_size is None else cp_size]
         # The record_function ranges name the phases in a torch.profiler trace (nothing when
         # no profiler runs): benchmarks/train.py --part profile reads them.
         with record_function("cpvlm.prepare"):
@@ -277,7 +353,7 @@ class ContextParallelVLM(nn.Module):
                 prep = prepare_batch(
                     self.model,
                     {"input_ids": input_ids, "labels": labels, **batch},
-                    self.cp_size,
+                    row.size,
                     doc_lens=doc_lens,
                     num_valid=num_valid,
                     layout=self.layout,
@@ -298,7 +374,7 @@ class ContextParallelVLM(nn.Module):
                     **audio,
                 },
                 prep.plan,
-                self.cp_rank,
+                row.rank,
                 seq_dims={"visual_mask": 1, "real_mask": 1, "audio_mask": 1},
             )
         visual_mask_loc = local["visual_mask"]
@@ -320,8 +396,8 @@ class ContextParallelVLM(nn.Module):
         )
         context = CPAttentionContext(
             prep.plan,
-            self.cp_group,
-            self.options.attention,
+            row.group,
+            row.options.attention,
             step=step,
             spans=prep.spans,
             span_layers=self.adapter.span_layers,
@@ -346,7 +422,7 @@ class ContextParallelVLM(nn.Module):
                     decoder_out.router_logits,
                     local["real_mask"],
                     top_k=router.top_k,
-                    group=self.cp_group,
+                    group=row.group,
                 )
                 loss = loss + extras["router_aux"] * (router.weight / num_batches)
         return ContextParallelOutput(
@@ -360,8 +436,13 @@ class ContextParallelVLM(nn.Module):
             extra_losses=extras,
         )
 
-    def _check_call(self, batch, num_batches, local_pixels) -> None:
+    def _check_call(self, batch, num_batches, local_pixels, cp_size) -> None:
         """The forward's own arguments (the batch itself is checked by ``prepare_batch``)."""
+        if cp_size is not None and cp_size not in self._row_groups:
+            raise ValueError(
+                f"ContextParallelVLM: cp_size={cp_size!r} is not one of this module's row CP "
+                f"sizes {self.row_sizes} (the CP size, and those of row_groups)"
+            )
         unknown = set(batch) - set(self.batch_keys)
         if unknown:
             raise ValueError(
@@ -405,7 +486,7 @@ class ContextParallelVLM(nn.Module):
         """
         step = StepAgreement()
         step.fail(error)
-        n = 2 * self.cp_size
+        n = 2 * self._row.size
         text = next(t for t in range(8) if t not in self.adapter.special_token_ids)
         stand_in = prepare_batch(
             self.model,
@@ -413,7 +494,7 @@ class ContextParallelVLM(nn.Module):
                 "input_ids": torch.full((1, n), text, dtype=torch.long),
                 "labels": torch.full((1, n), IGNORE_INDEX, dtype=torch.long),
             },
-            self.cp_size,
+            self._row.size,
             adapter=self.adapter,
         )
         self._vision_rows(stand_in, step)
@@ -461,23 +542,24 @@ class ContextParallelVLM(nn.Module):
             x_full = x_full.masked_scatter(
                 prep.audio_mask.unsqueeze(-1), audio.index_select(0, order).to(x_full.dtype)
             )
-        mine = _local_row_order(prep, self.cp_rank).to(x_full.device)
+        mine = _local_row_order(prep, self._row.rank).to(x_full.device)
         deepstack = [t.index_select(0, mine) for t in rows[1:]]
-        x_loc = prep.plan.shard(prep.plan.pad(x_full), self.cp_rank)
+        x_loc = prep.plan.shard(prep.plan.pad(x_full), self._row.rank)
         return x_loc, deepstack, encoded, encoded_audio
 
     def _audio_rows(self, prep: PreparedBatch, step: StepAgreement):
         """``(rows, clips encoded here)``: this rank's audio rows in its shard's order (scalable
         flow) or every clip's rows in clip order (compat); None without an audio encoder. The
         audio tower runs on every rank, on a dummy clip where it has none (as the vision tower)."""
-        if self.audio_dp is None:
+        audio_dp, vision_dp = self._row.audio_dp, self._row.vision_dp
+        if audio_dp is None:
             return None, 0
         dtype = next(self.adapter.audio_tower(self.model).parameters()).dtype
         n = len(prep.audio_lengths)
         width = self.adapter.audio_feature_width
         features = prep.audio_features.to(dtype) if n else torch.zeros(0, width, dtype=dtype)
-        self.audio_dp.encoder.batch_lengths = prep.audio_lengths
-        routed = self.audio_dp.mode == "route"  # scalable only (compat needs every row)
+        audio_dp.encoder.batch_lengths = prep.audio_lengths
+        routed = audio_dp.mode == "route"  # scalable only (compat needs every row)
         empty = torch.zeros(0, dtype=torch.long)
         positions = prep.audio_row_positions if n else empty
         route = {"plan": prep.plan, "row_positions": positions} if routed else {}
@@ -485,8 +567,8 @@ class ContextParallelVLM(nn.Module):
         if n and self.vision in ("route", "allgather") and len(prep.grid_thw):
             # Clips balance around the vision units' modelled cost per rank (both in MACs), so
             # that the two encoders' heaviest units do not meet on one rank.
-            base = self.vision_dp.rank_loads(self.vision_dp.units(prep.grid_thw, prep.kinds))
-        rows, encoded = self.audio_dp(
+            base = vision_dp.rank_loads(vision_dp.units(prep.grid_thw, prep.kinds))
+        rows, encoded = audio_dp(
             features,
             prep.audio_grid,
             kinds=("audio",) * n,
@@ -496,7 +578,7 @@ class ContextParallelVLM(nn.Module):
             **route,
         )
         if self.flow == "scalable" and not routed and n:
-            mine = _local_row_order(prep, self.cp_rank, prep.audio_row_positions)
+            mine = _local_row_order(prep, self._row.rank, prep.audio_row_positions)
             rows = rows.index_select(0, mine.to(rows.device))
         return rows, encoded
 
@@ -510,9 +592,10 @@ class ContextParallelVLM(nn.Module):
         FSDP's per-module collectives and the set of gradients match across DP ranks.
         """
         pixel_values = prep.pixel_values(self.adapter.vision_tower(self.model).dtype)
+        row = self._row
         if self.vision == "replicate" and len(prep.grid_thw):
             rows = _as_rows(self.encode(pixel_values, prep.grid_thw, prep.kinds))
-            encoded = self.vision_dp.units(prep.grid_thw, prep.kinds).num_units
+            encoded = row.vision_dp.units(prep.grid_thw, prep.kinds).num_units
             # The step's agreement right after the tower, as in the other modes (before their
             # rows' collective): a rank whose tower output or batch is wrong raises everywhere.
             need = int(prep.visual_mask.sum())
@@ -522,11 +605,11 @@ class ContextParallelVLM(nn.Module):
                 if rows[0].shape[0] != need
                 else None
             )
-            agree("ContextParallelVLM vision", self.cp_group, {}, error=wrong, step=step)
+            agree("ContextParallelVLM vision", row.group, {}, error=wrong, step=step)
         else:
             route = {"plan": prep.plan, "row_positions": prep.row_positions}
             routed = self.vision in ("route", "split")
-            out, encoded = self.vision_dp(
+            out, encoded = row.vision_dp(
                 pixel_values,
                 prep.grid_thw,
                 kinds=prep.kinds,
@@ -537,6 +620,6 @@ class ContextParallelVLM(nn.Module):
             )
             rows = _as_rows(out)
         if self.flow == "scalable" and self.vision not in ("route", "split"):
-            mine = _local_row_order(prep, self.cp_rank).to(rows[0].device)
+            mine = _local_row_order(prep, row.rank).to(rows[0].device)
             rows = [t.index_select(0, mine) for t in rows]
         return rows, encoded
