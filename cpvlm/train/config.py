@@ -248,6 +248,16 @@ class ParallelConfig:
         "(attention heads, MLP columns; the rest replicated); N divides the heads, key-value "
         "heads and MLP width",
     )
+    dynamic_cp: bool = arg(
+        False,
+        help="dynamic CP: each packed row over as few of its CP group's ranks as it needs (a "
+        "divisor of --cp), a step's rows in rounds of rows side by side (docs/training.md)",
+    )
+    dynamic_cp_tokens: int | None = arg(
+        None,
+        help="--dynamic-cp: the most tokens of a row a rank holds (default: ceil(--seq-len / "
+        "--cp), what a full row leaves each rank under static CP)",
+    )
 
     def __post_init__(self):
         _ = self.options  # CPOptions checks the CP options (the same rules as the library)
@@ -282,6 +292,41 @@ class ParallelConfig:
                 self.tp,
                 "tensor parallelism runs with --data-parallel fsdp or none, not ddp",
             )
+        if self.dynamic_cp_tokens is not None:
+            _positive_int(
+                "parallel.dynamic_cp_tokens", "--dynamic-cp-tokens", self.dynamic_cp_tokens
+            )
+        if self.dynamic_cp:
+            self._check_dynamic_cp()
+
+    def _check_dynamic_cp(self) -> None:
+        """What dynamic CP cannot run: each row's collectives on its own block of CP ranks."""
+        refused = {
+            "tp": (self.tp > 1, "a block of CP ranks would split a TP group's rows; use --tp 1"),
+            "ep": (
+                self.ep > 1,
+                "an EP group's ranks would run different rows with different token counts at "
+                "once; use --ep 1",
+            ),
+            "attn": (
+                self.attn == "hybrid",
+                "--attn hybrid's Ulysses groups need not divide a row's CP size; use ring, "
+                "allgather, ulysses or auto",
+            ),
+            "vision": (
+                self.vision == "split",
+                "--vision split decodes pieces of images per static CP rank; use route, "
+                "allgather or replicate",
+            ),
+        }
+        for name, (bad, why) in refused.items():
+            if bad:
+                _fail(
+                    f"parallel.{name}",
+                    f"--{name}",
+                    getattr(self, name),
+                    f"does not run with --dynamic-cp: {why}",
+                )
 
     @property
     def options(self) -> CPOptions:
@@ -539,6 +584,8 @@ RESUMABLE_CHANGES = (
     "parallel.attn",
     "parallel.vision",
     "parallel.flow",
+    "parallel.dynamic_cp",  # which ranks run a row, not which rows a step has
+    "parallel.dynamic_cp_tokens",
     "data.grad_accum",
     "model.activation_checkpointing",
     "model.loss_chunk",

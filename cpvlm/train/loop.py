@@ -50,6 +50,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from cpvlm.data import ErrorLog, RankLoader
+from cpvlm.data.balance import RowCost
 from cpvlm.distributed import compat
 from cpvlm.hf import ContextParallelVLM, adapter_for, build_model
 from cpvlm.hf.registry import kit_for
@@ -57,6 +58,7 @@ from cpvlm.hf.tensor_plan import apply_tensor_parallel
 from cpvlm.loss import count_valid_labels, shift_labels
 from cpvlm.parallelize import MeshGroups, build_mesh, mesh_groups, parallelize
 from cpvlm.parallelize.gradients import by_mesh, global_grad_norm, sync_step_gradients
+from cpvlm.parallelize.row_groups import row_groups
 from cpvlm.train import faults
 from cpvlm.train.checkpoint import (
     PendingSave,
@@ -70,6 +72,7 @@ from cpvlm.train.checkpoint import (
     step_dir,
 )
 from cpvlm.train.config import TrainConfig
+from cpvlm.train.dynamic_cp import plan_step, rank_tokens, row_costs
 from cpvlm.train.loader import agree_on_decode_failures, build_loader, report_planning_errors
 from cpvlm.train.metrics import MetricsLog, Progress, StepMemory, summarize
 
@@ -191,6 +194,7 @@ class _Run:
     save_group: dist.ProcessGroup | None = None  # --async-save: the background writes' group
     pending: PendingSave | None = None  # the checkpoint being written in the background
     tp_summed: list[nn.Module] = field(default_factory=list)  # gradients summed over TP
+    row_cost: RowCost | None = None  # --dynamic-cp: the plan's cost model
 
     @property
     def lead(self) -> bool:
@@ -225,9 +229,22 @@ def _setup_model(config: TrainConfig, device: torch.device, groups, mesh):
     tp_summed = []
     if groups.tp_mesh is not None:  # before FSDP2, which shards the TP shards over dp x cp
         tp_summed = apply_tensor_parallel(model, groups.tp_mesh)
+    blocks = None
+    if p.dynamic_cp:  # every block group of the CP groups, made now on every rank alike
+        blocks = row_groups(groups, timeout=timedelta(seconds=config.run.dist_timeout))
     cp_model = ContextParallelVLM(
-        model, groups.cp_group, options=p.options, loss_chunk=m.loss_chunk or None
+        model,
+        groups.cp_group,
+        options=p.options,
+        loss_chunk=m.loss_chunk or None,
+        row_groups=blocks,
     )
+    if p.dynamic_cp and cp_model.adapter.router_loss() is not None:
+        raise ValueError(
+            f"--dynamic-cp does not train {cp_model.family} yet: its router loss is a mean "
+            "over forward batches, and a rank that idles in a round runs a blank row whose "
+            "router loss would count; use static CP"
+        )
     # FSDP2 units from the adapter: each decoder layer and the vision tower (the root keeps
     # embeddings, head, norm). The tower is a safe unit because ContextParallelVLM calls it exactly
     # once per forward on every rank, at the same point, with a dummy frame where there is nothing
@@ -257,10 +274,16 @@ def _setup(config: TrainConfig, device: torch.device, resume_from: str | None) -
     optimizer = torch.optim.AdamW(
         params, lr=config.optim.lr, weight_decay=config.optim.weight_decay
     )
-    if config.parallel.vision == "replicate":  # every rank encodes every unit
+    if config.parallel.vision == "replicate" or config.parallel.dynamic_cp:
+        # every rank encodes every unit; --dynamic-cp: a rank runs rows at several CP sizes and
+        # ranks, so it gets every unit of its replica's rows (docs/training.md, Dynamic CP)
         config = config.replace(data={"decode": "all"})
     run = _Run(config, device, groups, cp_model, runner, params, optimizer, None)
     run.tp_summed = tp_summed
+    if config.parallel.dynamic_cp:
+        from cpvlm.hf.data.row_cost import row_cost
+
+        run.row_cost = row_cost(model.config)
     run.phases = _Phases(config.run.dist_timeout)
     run.phases.enter(run.start_step + 1, "data")
     if config.run.async_save:
@@ -303,18 +326,46 @@ def _restore(run: _Run, path: Path) -> dict:
     return meta["data"]
 
 
-def _forward_backward(run: _Run, step: int, rows) -> tuple[torch.Tensor, int, int, int, set[str]]:
+def _step_jobs(run: _Run, rows) -> tuple[list, dict | None]:
+    """``([(row, CP size or None), ...], dynamic_cp record)``: what this rank runs in the step,
+    in order. Static CP: every row on the CP group. ``--dynamic-cp``: a row or a blank per round
+    (``cpvlm.train.dynamic_cp``; collective)."""
+    if not run.config.parallel.dynamic_cp:
+        return [(row, None) for row in rows], None
+    p = run.config.parallel
+    rounds = plan_step(
+        rows,
+        row_costs(run.row_cost, rows),
+        cp=p.cp,
+        budget=rank_tokens(run.config.data.seq_len, p.cp, p.dynamic_cp_tokens),
+        dp=p.dp,
+        dp_rank=run.groups.dp_rank,
+        device=run.device,
+    )
+    blank = rows[0].blank()
+    jobs = []
+    for k in range(rounds.rounds):
+        job = rounds.job(k, run.groups.cp_rank)
+        jobs.append((blank, 1) if job is None else (rows[job[0]], job[1]))
+    return jobs, rounds.record
+
+
+def _forward_backward(
+    run: _Run, step: int, rows
+) -> tuple[torch.Tensor, int, int, int, set[str], dict | None]:
     """Every row of step ``step`` (1-based) through the CP model: ``(loss sum, valid labels, units encoded,
-    visual tokens held, the CP attention the rows ran)`` on this rank (``--attn auto`` picks per
-    row). The ``record_function`` ranges name the phases in a torch.profiler trace
-    (benchmarks/train.py --part profile); without a profiler they cost nothing measurable."""
+    visual tokens held, the CP attention the rows ran, the dynamic CP record)`` on this rank
+    (``--attn auto`` picks per row). The ``record_function`` ranges name the phases in a
+    torch.profiler trace (benchmarks/train.py --part profile); without a profiler they cost
+    nothing measurable."""
     with record_function("cpvlm.labels"):
         shifted = [shift_labels(r.labels.view(1, -1), doc_lens=r.doc_lens) for r in rows]
         num_valid = count_valid_labels(shifted, run.groups.dp_group)
+    jobs, dynamic = _step_jobs(run, rows)
     loss_sum = torch.zeros((), dtype=torch.float64)
     units = visual_tokens = 0
     ran = set()
-    for row in rows:
+    for row, cp_size in jobs:
         run.phases.enter(step, "forward")
         with record_function("cpvlm.forward"):
             out = run.runner(
@@ -322,6 +373,7 @@ def _forward_backward(run: _Run, step: int, rows) -> tuple[torch.Tensor, int, in
                 doc_lens=row.doc_lens,
                 num_valid=num_valid,
                 num_batches=len(rows) * run.config.parallel.dp,  # per-row losses average
+                **({} if cp_size is None else {"cp_size": cp_size}),
             )
         run.phases.enter(step, "backward")
         with record_function("cpvlm.backward"):
@@ -331,7 +383,7 @@ def _forward_backward(run: _Run, step: int, rows) -> tuple[torch.Tensor, int, in
         visual_tokens += out.local_visual_tokens
         ran.update(out.attn_impl.split(","))
     sync_step_gradients(run.cp_model, run.groups, run.config.parallel.data_parallel, run.tp_summed)
-    return loss_sum, num_valid, units, visual_tokens, ran
+    return loss_sum, num_valid, units, visual_tokens, ran, dynamic
 
 
 def _step_stats(run: _Run, rows, loss_sum, units, visual_tokens, replaced) -> dict:
@@ -394,7 +446,7 @@ def _train_step(
     data_s = time.perf_counter() - t0  # waiting for rows: what the loader did not hide
     run.phases.enter(step + 1, "forward")
     faults.inject(step + 1, dist.get_rank())
-    loss_sum, num_valid, units, visual_tokens, ran = _forward_backward(run, step + 1, rows)
+    loss_sum, num_valid, units, visual_tokens, ran, dynamic = _forward_backward(run, step + 1, rows)
     run.phases.enter(step + 1, "optimizer")
     with record_function("cpvlm.optimizer"):
         grad_norm = global_grad_norm(run.params)
@@ -442,6 +494,8 @@ def _train_step(
         "skipped_nonfinite": skipped,
         "attn_impl": ",".join(sorted(ran)),
     }
+    if dynamic is not None:
+        record["dynamic_cp"] = dynamic
     return record, int(signum), bool(writing)
 
 

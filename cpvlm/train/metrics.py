@@ -119,6 +119,10 @@ class Progress:
         text = (
             f"loss {r['loss']:.4f}  {r['tokens_per_s']:,.0f} tok/s  {r['step_time_s']:.2f} s/step"
         )
+        if "dynamic_cp" in r:  # rows per CP size, rounds: "cp 1x3 2x1 4x1 in 3 rounds"
+            d = r["dynamic_cp"]
+            sizes = " ".join(f"{c}x{n}" for c, n in d["sizes"].items() if n)
+            text += f"  cp {sizes} in {d['rounds']} rounds"
         if self.bar is not None:
             self.bar.set_postfix_str(text, refresh=False)
             self.bar.update(1)

@@ -57,3 +57,30 @@ def nan_pixels(model_config, seed):
 
 def text_only(model_config, seed):
     return [_sample(model_config, SampleSpec(text_len=30), seed * 100 + i) for i in range(4)]
+
+
+# (images, videos, text tokens) per sample, in patch units: one row per sample under
+# --pack-window 1, from 16 to ~590 tokens. At --seq-len 600 --cp 4 (a rank's budget 150 tokens)
+# every 4-row step has rows of CP size 1, 2 and 4; at --cp 2 of sizes 1 and 2.
+LONG_TAILED = [
+    ((), ((4, 8, 8),), 500),
+    (((8, 8),), (), 220),
+    (((4, 4),), (), 100),
+    ((), (), 16),
+    ((), (), 40),
+    ((), ((2, 4, 8),), 350),
+    (((8, 4),), (), 120),
+    ((), (), 260),
+    (((4, 8),), ((2, 4, 4),), 560),
+    ((), (), 30),
+    (((4, 4),), (), 180),
+    ((), ((2, 8, 8),), 90),
+]
+
+
+def long_tailed(model_config, seed):
+    """Rows from 16 to ~590 tokens, with images and videos (``LONG_TAILED``): dynamic CP's mix."""
+    return [
+        _sample(model_config, SampleSpec(images=i, videos=v, text_len=n), seed * 100 + k)
+        for k, (i, v, n) in enumerate(LONG_TAILED)
+    ]
