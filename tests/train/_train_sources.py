@@ -84,3 +84,22 @@ def long_tailed(model_config, seed):
         _sample(model_config, SampleSpec(images=i, videos=v, text_len=n), seed * 100 + k)
         for k, (i, v, n) in enumerate(LONG_TAILED)
     ]
+
+
+class _OtherOnRank3:
+    """``long_tailed``, but global rank 3 gets another third sample: the same sizes, other ids
+    (as if a shard differed on one node)."""
+
+    def __init__(self, model_config, seed):
+        self.samples = long_tailed(model_config, seed)
+        self.other = long_tailed(model_config, seed + 1)[2]
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        return self.other if i == 2 and dist.get_rank() == 3 else self.samples[i]
+
+
+def long_tailed_other_on_rank3(model_config, seed):
+    return _OtherOnRank3(model_config, seed)
