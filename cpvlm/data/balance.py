@@ -64,6 +64,13 @@ class RowCost:
             cost += sum(self.vision.unit_cost(g) for g in meta.image_grids + meta.video_grids)
         return cost
 
+    def row(self, doc_lens: Sequence[int], grids: Sequence[Sequence[int]]) -> int:
+        """The cost of a packed row: its documents' lengths and its vision items' grids."""
+        cost = sum(self.token * n + self.pair * (n * (n + 1) // 2) for n in doc_lens)
+        if self.vision is not None:
+            cost += sum(self.vision.unit_cost(g) for g in grids)
+        return cost
+
 
 def dp_deal(costs: Sequence[int], dp: int) -> list[list[int]]:
     """Indices (into ``costs``, one step's rows) for each of ``dp`` ranks, balanced by cost, the

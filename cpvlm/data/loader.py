@@ -41,6 +41,7 @@ import torch
 
 from cpvlm.constants import DECODE_MODES, DP_BALANCE, IGNORE_INDEX
 from cpvlm.data.balance import RowCost, dp_deal, plan_split
+from cpvlm.data.dynamic_cp import plan_dynamic_cp
 from cpvlm.data.errors import DataError
 from cpvlm.data.exchange import pack_plans, unpack_plans
 from cpvlm.data.packing import dp_split
@@ -58,15 +59,18 @@ patches ``temporal`` (``None``: all of them), in the processor's layout; raises 
 Under ``vision="split"`` also ``decode(item, temporal, groups)``: of a temporal patch j in
 ``groups`` only the rows of the merge groups ``groups[j]`` (``cpvlm.encoders.pieces``)."""
 
-Assign = Callable[[EncoderUnits], list[list[int]]]
+Assign = Callable[..., list[list[int]]]
+"""``assign(units)``: the units each CP rank encodes; ``assign(units, c)``: each rank of a block
+of ``c`` ranks (dynamic CP; ``ContextParallelVLM.vision_assignment``)."""
 Pieces = Callable[[EncoderUnits], list[dict[int, tuple[int, ...]]]]
 """Per CP rank, ``{unit: merge groups}`` of the sharded units whose pieces alone it decodes
 (``ContextParallelVLM.vision_pieces``)."""
 
 
 def patch_balanced(cp_size: int) -> Assign:
-    """The assignment ``EncoderDataParallel`` uses by default: balanced by patch counts."""
-    return lambda units: assign_units(units.pixel_counts, cp_size)
+    """The assignment ``EncoderDataParallel`` uses by default: balanced by patch counts (over
+    ``cp_size`` ranks, or a dynamic-CP row's own size)."""
+    return lambda units, size=cp_size: assign_units(units.pixel_counts, size)
 
 
 @dataclass
@@ -329,6 +333,9 @@ class LoaderConfig:
     num_workers, prefetch: DataLoader workers decoding media, and rows each prepares ahead.
     temporal_patch: frames per video temporal patch (the names of the media decoded).
     balance: a step's rows dealt to DP ranks by "tokens", or by modelled "cost" (``row_cost``).
+    dynamic_cp_tokens: dynamic CP's per-rank token budget (``cpvlm.data.dynamic_cp``): this rank
+        decodes, of each row, the units it encodes in the job that runs the row on its block
+        (none of a row it does not run); None: static CP.
     """
 
     rows_per_step: int = 1
@@ -341,6 +348,7 @@ class LoaderConfig:
     prefetch: int = 2
     temporal_patch: int = 2
     balance: str = "tokens"
+    dynamic_cp_tokens: int | None = None
 
     def __post_init__(self):
         if self.decode_mode not in DECODE_MODES:
@@ -382,6 +390,8 @@ class RankLoader:
         balance, dp_size = config.balance, config.dp_size
         if balance == "cost" and row_cost is None:
             raise ValueError("balance='cost' needs row_cost (cpvlm.hf.data.row_cost)")
+        if config.dynamic_cp_tokens is not None and row_cost is None:
+            raise ValueError("dynamic CP needs row_cost (cpvlm.hf.data.row_cost)")
         if exchange is not None and exchange.size != dp_size:
             raise ValueError(f"the exchange has {exchange.size} ranks, dp is {dp_size}")
         self.balance, self.row_cost = balance, row_cost
@@ -390,6 +400,7 @@ class RankLoader:
         self.stream, self.ids = stream, ids
         self.rows_per_step = config.rows_per_step
         self.dp_rank, self.dp_size, self.cp_rank = config.dp_rank, dp_size, config.cp_rank
+        self.cp_size, self.dynamic_cp_tokens = config.cp_size, config.dynamic_cp_tokens
         self.assign = assign or patch_balanced(config.cp_size)
         self.pieces = pieces
         self.decode_mode = config.decode_mode
@@ -411,17 +422,35 @@ class RankLoader:
         )
         self._iter = None
 
-    def _units(self, row: PackedPlan) -> tuple[list[int] | None, dict]:
+    def _units(self, row: PackedPlan, job=False) -> tuple[list[int] | None, dict]:
         """This rank's units of ``row`` (None: all), and the merge groups of those it decodes
-        in part (``pieces``)."""
+        in part (``pieces``). ``job``: under dynamic CP, ``(c, rank in the block)`` of the job
+        that runs the row here, or None (no job here: no units)."""
         if self.decode_mode == "all":
             return None, {}
         grids = row.grid_thw()
-        if not len(grids):
+        if not len(grids) or job is None:
             return [], {}
         units = vision_units(grids, self.ids.merge, **_unit_layout(self.ids, row))
+        if job:
+            return sorted(self.assign(units, job[0])[job[1]]), {}
         groups = self.pieces(units)[self.cp_rank] if self.pieces is not None else {}
         return sorted(self.assign(units)[self.cp_rank]), groups
+
+    def _dynamic_jobs(self, rows: list[PackedPlan]) -> list:
+        """Under dynamic CP, per row ``(c, rank in the block)`` of its job on this CP rank, or
+        None; the trainer plans the same rows alike (``cpvlm.train.dynamic_cp``). Static: False."""
+        if self.dynamic_cp_tokens is None:
+            return [False] * len(rows)
+        costs = [self.row_cost.row(r.doc_lens, r.grid_thw().tolist()) for r in rows]
+        tokens = [r.num_tokens for r in rows]
+        plan = plan_dynamic_cp(tokens, costs, self.cp_size, self.dynamic_cp_tokens)
+        out = [None] * len(rows)
+        for jobs in plan.rounds:
+            for job in jobs:
+                if self.cp_rank in job.ranks:
+                    out[job.row] = (job.size, self.cp_rank - job.ranks.start)
+        return out
 
     def deal(self, slots: list[RowSlot]) -> list[list[int]]:
         """Indices into ``slots`` (one step's) for every DP rank; the same on every rank."""
@@ -478,8 +507,9 @@ class RankLoader:
             done = batch[-1].slot.positions[0] // window * window  # earlier windows: all dealt
             for p in [p for p in kept if p < done]:
                 del kept[p]  # plans of rows before a resumed position
+            jobs = self._dynamic_jobs([row for row, _ in planned])
             for n, (row, error) in enumerate(planned):
-                units, groups = self._units(row)
+                units, groups = self._units(row, jobs[n])
                 yield RowJob(
                     step, row, self.ids, units, batch[-1].state_after,
                     errors if n == 0 else [], truncated if n == 0 else 0, error, groups,

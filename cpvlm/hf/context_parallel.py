@@ -499,12 +499,14 @@ class ContextParallelVLM(nn.Module):
         )
         self._vision_rows(stand_in, step)
 
-    def vision_assignment(self, units: EncoderUnits) -> list[list[int]]:
+    def vision_assignment(self, units: EncoderUnits, cp_size: int | None = None) -> list[list[int]]:
         """The units whose pixels each CP rank reads, ascending: those it encodes,
         ``EncoderDataParallel``'s assignment balanced by the tower's modelled cost, and under
         ``vision="split"`` the units it holds pieces of (a loader that decodes only this rank's
-        units must use this one)."""
-        return self.vision_dp.pixel_assignment(units)
+        units must use this one). ``cp_size``: of each rank of a group of that size
+        (``row_groups``), for a row run at that size."""
+        size = self.cp_size if cp_size is None else cp_size
+        return self._row_groups[size].vision_dp.pixel_assignment(units)
 
     def vision_pieces(self, units: EncoderUnits) -> list[dict[int, tuple[int, ...]]]:
         """Per CP rank, ``{unit: merge groups}`` of the sharded units it holds a piece of

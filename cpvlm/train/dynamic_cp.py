@@ -38,20 +38,7 @@ _NONE = torch.iinfo(torch.int64).min  # a slot another replica fills (all-reduce
 def row_costs(cost: RowCost, rows: list[LocalRow]) -> list[int]:
     """Each row's modelled forward MACs: its documents' decoder work and its vision units'
     (``RowCost``, as the DP deal counts them)."""
-    out = []
-    for row in rows:
-        n = row.doc_lens or [row.num_tokens]
-        macs = sum(cost.token * d + cost.pair * (d * (d + 1) // 2) for d in n)
-        if cost.vision is not None:
-            macs += sum(cost.vision.unit_cost(g.tolist()) for g in row.grid_thw)
-        out.append(macs)
-    return out
-
-
-def rank_tokens(seq_len: int, cp: int, tokens: int | None) -> int:
-    """The per-rank token budget of a row: ``tokens``, or by default what a full row of
-    ``seq_len`` leaves each rank at CP ``cp``, so no rank holds more of a row than under static CP."""
-    return tokens if tokens is not None else -(-seq_len // cp)
+    return [cost.row(r.doc_lens or [r.num_tokens], r.grid_thw.tolist()) for r in rows]
 
 
 @dataclass(frozen=True)

@@ -120,6 +120,17 @@ def dp_exchange(groups, dp: int, cp: int) -> DPExchange | None:
     return DPExchange(slices[groups.cp_rank * groups.sizes.tp + groups.tp_rank])
 
 
+def dynamic_cp_tokens(config: TrainConfig) -> int | None:
+    """``--dynamic-cp``'s per-rank token budget of a row (``--dynamic-cp-tokens``, by default
+    what a full row leaves each rank under static CP: no rank holds more); None: static CP."""
+    p = config.parallel
+    if not p.dynamic_cp:
+        return None
+    return (
+        p.dynamic_cp_tokens if p.dynamic_cp_tokens is not None else -(-config.data.seq_len // p.cp)
+    )
+
+
 def build_loader(
     config: TrainConfig, model_config, groups, *, assign, pieces=None, state=None
 ) -> RankLoader:
@@ -147,6 +158,7 @@ def build_loader(
         prefetch=d.prefetch,
         temporal_patch=temporal_patch,
         balance=d.dp_balance,
+        dynamic_cp_tokens=dynamic_cp_tokens(config),
     )
     return RankLoader(
         stream,
@@ -156,7 +168,9 @@ def build_loader(
         assign=assign,
         pieces=pieces,
         state=state,
-        row_cost=row_cost(model_config) if d.dp_balance == "cost" else None,
+        row_cost=row_cost(model_config)
+        if d.dp_balance == "cost" or config.parallel.dynamic_cp
+        else None,
         exchange=None
         if stream.has_meta
         else dp_exchange(groups, config.parallel.dp, config.parallel.cp),

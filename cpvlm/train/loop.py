@@ -72,8 +72,13 @@ from cpvlm.train.checkpoint import (
     step_dir,
 )
 from cpvlm.train.config import TrainConfig
-from cpvlm.train.dynamic_cp import plan_step, rank_tokens, row_costs
-from cpvlm.train.loader import agree_on_decode_failures, build_loader, report_planning_errors
+from cpvlm.train.dynamic_cp import plan_step, row_costs
+from cpvlm.train.loader import (
+    agree_on_decode_failures,
+    build_loader,
+    dynamic_cp_tokens,
+    report_planning_errors,
+)
 from cpvlm.train.metrics import MetricsLog, Progress, StepMemory, summarize
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -274,9 +279,7 @@ def _setup(config: TrainConfig, device: torch.device, resume_from: str | None) -
     optimizer = torch.optim.AdamW(
         params, lr=config.optim.lr, weight_decay=config.optim.weight_decay
     )
-    if config.parallel.vision == "replicate" or config.parallel.dynamic_cp:
-        # every rank encodes every unit; --dynamic-cp: a rank runs rows at several CP sizes and
-        # ranks, so it gets every unit of its replica's rows (docs/training.md, Dynamic CP)
+    if config.parallel.vision == "replicate":  # every rank encodes every unit
         config = config.replace(data={"decode": "all"})
     run = _Run(config, device, groups, cp_model, runner, params, optimizer, None)
     run.tp_summed = tp_summed
@@ -327,45 +330,43 @@ def _restore(run: _Run, path: Path) -> dict:
 
 
 def _step_jobs(run: _Run, rows) -> tuple[list, dict | None]:
-    """``([(row, CP size or None), ...], dynamic_cp record)``: what this rank runs in the step,
-    in order. Static CP: every row on the CP group. ``--dynamic-cp``: a row or a blank per round
-    (``cpvlm.train.dynamic_cp``; collective)."""
+    """``([(row index, CP size), ...], dynamic_cp record)``: what this rank runs in the step, in
+    order. Static CP: every row on the CP group (size None). ``--dynamic-cp``: a row or a blank
+    (index None, size 1) per round (``cpvlm.train.dynamic_cp``; collective). Planned from the
+    rows as the loader planned them (its pixels are those of these jobs), before failed rows
+    are replaced by blanks."""
     if not run.config.parallel.dynamic_cp:
-        return [(row, None) for row in rows], None
+        return [(k, None) for k in range(len(rows))], None
     p = run.config.parallel
     rounds = plan_step(
         rows,
         row_costs(run.row_cost, rows),
         cp=p.cp,
-        budget=rank_tokens(run.config.data.seq_len, p.cp, p.dynamic_cp_tokens),
+        budget=dynamic_cp_tokens(run.config),
         dp=p.dp,
         dp_rank=run.groups.dp_rank,
         device=run.device,
     )
-    blank = rows[0].blank()
-    jobs = []
-    for k in range(rounds.rounds):
-        job = rounds.job(k, run.groups.cp_rank)
-        jobs.append((blank, 1) if job is None else (rows[job[0]], job[1]))
+    jobs = [rounds.job(k, run.groups.cp_rank) or (None, 1) for k in range(rounds.rounds)]
     return jobs, rounds.record
 
 
 def _forward_backward(
-    run: _Run, step: int, rows
-) -> tuple[torch.Tensor, int, int, int, set[str], dict | None]:
-    """Every row of step ``step`` (1-based) through the CP model: ``(loss sum, valid labels, units encoded,
-    visual tokens held, the CP attention the rows ran, the dynamic CP record)`` on this rank
-    (``--attn auto`` picks per row). The ``record_function`` ranges name the phases in a
+    run: _Run, step: int, rows, jobs
+) -> tuple[torch.Tensor, int, int, int, set[str]]:
+    """The ``jobs`` (``_step_jobs``) of step ``step`` (1-based) through the CP model: ``(loss
+    sum, valid labels, units encoded, visual tokens held, the CP attention the rows ran)`` on this
+    rank (``--attn auto`` picks per row). The ``record_function`` ranges name the phases in a
     torch.profiler trace (benchmarks/train.py --part profile); without a profiler they cost
     nothing measurable."""
     with record_function("cpvlm.labels"):
         shifted = [shift_labels(r.labels.view(1, -1), doc_lens=r.doc_lens) for r in rows]
         num_valid = count_valid_labels(shifted, run.groups.dp_group)
-    jobs, dynamic = _step_jobs(run, rows)
     loss_sum = torch.zeros((), dtype=torch.float64)
     units = visual_tokens = 0
     ran = set()
-    for row, cp_size in jobs:
+    for k, cp_size in jobs:
+        row = rows[0].blank() if k is None else rows[k]
         run.phases.enter(step, "forward")
         with record_function("cpvlm.forward"):
             out = run.runner(
@@ -383,7 +384,7 @@ def _forward_backward(
         visual_tokens += out.local_visual_tokens
         ran.update(out.attn_impl.split(","))
     sync_step_gradients(run.cp_model, run.groups, run.config.parallel.data_parallel, run.tp_summed)
-    return loss_sum, num_valid, units, visual_tokens, ran, dynamic
+    return loss_sum, num_valid, units, visual_tokens, ran
 
 
 def _step_stats(run: _Run, rows, loss_sum, units, visual_tokens, replaced) -> dict:
@@ -440,13 +441,14 @@ def _train_step(
     with record_function("cpvlm.data"):
         rows = run.loader.next_step()
         bad = report_planning_errors(rows, run.errors, step + 1)
+        jobs, dynamic = _step_jobs(run, rows)
         rows, replaced = agree_on_decode_failures(
             rows, run.groups, config.parallel.dp, run.device, run.errors, step + 1
         )
     data_s = time.perf_counter() - t0  # waiting for rows: what the loader did not hide
     run.phases.enter(step + 1, "forward")
     faults.inject(step + 1, dist.get_rank())
-    loss_sum, num_valid, units, visual_tokens, ran, dynamic = _forward_backward(run, step + 1, rows)
+    loss_sum, num_valid, units, visual_tokens, ran = _forward_backward(run, step + 1, rows, jobs)
     run.phases.enter(step + 1, "optimizer")
     with record_function("cpvlm.optimizer"):
         grad_norm = global_grad_norm(run.params)
