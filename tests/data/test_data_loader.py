@@ -19,6 +19,8 @@ from cpvlm.data import (
     pack_window,
     parse_data_args,
 )
+from cpvlm.data.balance import RowCost
+from cpvlm.data.dynamic_cp import plan_dynamic_cp
 from cpvlm.encoders import assign_units, vision_units
 from cpvlm.hf.data.processor import ChatEncoder
 from cpvlm.hf.tiny_checkpoint import example_records, make_tiny_checkpoint, write_jsonl
@@ -36,12 +38,14 @@ def setup(tmp_path_factory):
     return encoder, jsonl, records
 
 
-def _loader(encoder, source, *, dp=(0, 1), cp=(0, 1), rows=2, state=None, window=16, **kw):
+def _loader(
+    encoder, source, *, dp=(0, 1), cp=(0, 1), rows=2, state=None, window=16, row_cost=None, **kw
+):
     stream = RowStream(source, encoder.plan, seq_len=SEQ_LEN, window=window, seed=5)
     config = LoaderConfig(
         rows_per_step=rows, dp_rank=dp[0], dp_size=dp[1], cp_rank=cp[0], cp_size=cp[1], **kw
     )
-    return RankLoader(stream, encoder.decode, encoder.ids, config, state=state)
+    return RankLoader(stream, encoder.decode, encoder.ids, config, state=state, row_cost=row_cost)
 
 
 def test_packing_and_dp_split_are_balanced_and_complete():
@@ -100,6 +104,36 @@ def test_each_image_and_frame_is_decoded_once_per_cp_group(setup):
                     )
                     assert torch.equal(mine, full_pixels[units.pixel_index(assignment[c])])
     assert decoded_once > 20
+
+
+def test_dynamic_cp_decodes_each_unit_once_on_the_block_of_its_row(setup):
+    """--dynamic-cp at cp 4 (a rank's budget 48 tokens): of each row only the ranks of the block
+    that runs it (the plan of the full rows) decode, each the units it encodes at the row's CP
+    size; together every medium exactly once; a rank outside the block decodes nothing."""
+    encoder, jsonl, _ = setup
+    source = open_source(str(jsonl))
+    cost = RowCost(token=1, pair=1)
+    dynamic = {"dynamic_cp_tokens": SEQ_LEN // 4, "rows": 4}
+    ranks = [_loader(encoder, source, cp=(c, 4), row_cost=cost, **dynamic) for c in range(4)]
+    full = _loader(encoder, source, decode_mode="all", rows=4)
+    sizes = set()
+    for _ in range(3):
+        steps = [r.next_step() for r in ranks]
+        whole = full.next_step()
+        costs = [cost.row(r.doc_lens, r.grid_thw.tolist()) for r in whole]
+        plan = plan_dynamic_cp([r.num_tokens for r in whole], costs, 4, SEQ_LEN // 4)
+        for job in (j for jobs in plan.rounds for j in jobs):
+            ref, rows = whole[job.row], [s[job.row] for s in steps]
+            sizes.add(job.size)
+            names = [n for r in rows for n in r.decoded]
+            assert sorted(names) == sorted(ref.decoded)  # every medium, exactly once
+            outside = [r for c, r in enumerate(rows) if c not in job.ranks]
+            assert all(r.decoded == [] and r.units == [] for r in outside)
+            if not ref.has_vision:
+                continue
+            assignment = assign_units(vision_units(ref.grid_thw, 2).pixel_counts, job.size)
+            assert [rows[c].units for c in job.ranks] == assignment
+    assert len(sizes) > 1, sizes
 
 
 def test_resume_continues_with_exactly_the_next_rows_at_another_dp(setup):
