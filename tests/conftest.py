@@ -48,7 +48,8 @@ SLOW_MODULES = {
     *(
         f"tests/train/test_train_{name}.py"
         for name in (
-            "exact", "failure", "families_realdata", "faults", "guards", "lora", "memory",
+            "dynamic_cp", "exact", "failure", "families_realdata", "faults", "guards", "lora",
+            "memory",
             "memory_options", "prepared", "realdata", "reshard", "resume", "torchrun",
         )
     ),
