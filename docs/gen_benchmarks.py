@@ -851,6 +851,36 @@ def dynamic_cp() -> str:
     )
 
 
+def dynamic_cp_cpu() -> str:
+    data = _load("dynamic_cp_cpu")
+    rows = []
+    for r in data["rows"]:
+        steps = r["dynamic_cp"]
+        sizes = {c: sum(s["sizes"][c] for s in steps) for c in steps[0]["sizes"]}
+        rows.append(
+            [
+                r["mix"],
+                f"{r['static tok/s']:,.0f}",
+                f"{r['dynamic tok/s']:,.0f}",
+                f"{r['ratio']:.2f}x",
+                f"{r['static s/step']:.2f}",
+                f"{r['dynamic s/step']:.2f}",
+                " ".join(f"{c}:{n}" for c, n in sizes.items()),
+                " / ".join(str(s["rounds"]) for s in steps),
+            ]
+        )
+    c = data["config"]
+    head = ["mix", "static tok/s", "dynamic tok/s", "ratio", "static s/step", "dynamic s/step"]
+    head += [f"rows per c over {len(steps)} steps (c:rows)", "rounds a step (static: 16)"]
+    load = " / ".join(f"{x:.1f}" for x in c["load_average_before"])
+    return (
+        _table(head, rows)
+        + f"\n\n{c['rows_per_step']} rows a step, seq_len {c['seq_len']}, {c['steps']} steps "
+        f"({c['warmup_steps']} warm-up); load average before the run {load} (1 / 5 / 15 min) on "
+        f"{data['machine']['cpus']} cores."
+    )
+
+
 TABLES = {
     "balance": balance,
     "attention": attention,
@@ -885,6 +915,7 @@ TABLES = {
     "ep_tp_measured": ep_tp_measured,
     "ep_tp_memory": ep_tp_memory,
     "dynamic_cp": dynamic_cp,
+    "dynamic_cp_cpu": dynamic_cp_cpu,
 }
 
 
