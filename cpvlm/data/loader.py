@@ -97,7 +97,7 @@ class LocalRow:
     labels: torch.Tensor  # [S] unshifted
     doc_lens: list[int]
     ids: TokenIds
-    vision: dict[str, torch.Tensor]  # grids (all items), pixel rows (this rank's units), seconds,
+    media: dict[str, torch.Tensor]  # grids (all items), pixel rows (this rank's units), seconds,
     # audio_features / audio_lengths (every clip)
     local: bool  # pixel rows are this rank's units only (else every unit's)
     units: list[int]
@@ -112,13 +112,18 @@ class LocalRow:
         return int(self.input_ids.numel())
 
     @property
+    def vision(self) -> dict[str, torch.Tensor]:
+        """The old name of ``media`` (deprecated: it holds the audio clips too)."""
+        return self.media
+
+    @property
     def has_vision(self) -> bool:
-        return "image_grid_thw" in self.vision or "video_grid_thw" in self.vision
+        return "image_grid_thw" in self.media or "video_grid_thw" in self.media
 
     @property
     def grid_thw(self) -> torch.Tensor:
         """``[items, 3]``: the images, then the videos (the order of the units)."""
-        grids = [self.vision[k] for k in ("image_grid_thw", "video_grid_thw") if k in self.vision]
+        grids = [self.media[k] for k in ("image_grid_thw", "video_grid_thw") if k in self.media]
         return torch.cat(grids) if grids else torch.zeros(0, 3, dtype=torch.long)
 
     def batch(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
@@ -126,7 +131,7 @@ class LocalRow:
         ids = self.input_ids.view(1, -1)
         mm_types = self.ids.mm_token_type_ids(ids)
         out = {"input_ids": ids, "labels": self.labels.view(1, -1), "mm_token_type_ids": mm_types}
-        out.update(self.vision)
+        out.update(self.media)
         out = {k: v.to(device) for k, v in out.items()}
         if self.local and self.has_vision:
             out["local_pixels"] = True

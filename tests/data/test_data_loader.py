@@ -88,18 +88,18 @@ def test_each_image_and_frame_is_decoded_once_per_cp_group(setup):
                 assignment = assign_units(units.pixel_counts, 4)
                 full_pixels = torch.cat(
                     [
-                        ref.vision[k]
+                        ref.media[k]
                         for k in ("pixel_values", "pixel_values_videos")
-                        if k in ref.vision
+                        if k in ref.media
                     ]
                 )
                 for c, r in enumerate(rows):
                     assert r.units == assignment[c]
                     mine = torch.cat(
                         [
-                            r.vision[k]
+                            r.media[k]
                             for k in ("pixel_values", "pixel_values_videos")
-                            if k in r.vision
+                            if k in r.media
                         ]
                     )
                     assert torch.equal(mine, full_pixels[units.pixel_index(assignment[c])])
@@ -163,8 +163,8 @@ def test_workers_give_the_same_rows(setup):
     for _ in range(4):
         for a, b in zip(inline.next_step(), workers.next_step(), strict=True):
             assert torch.equal(a.input_ids, b.input_ids) and a.decoded == b.decoded
-            assert a.vision.keys() == b.vision.keys()
-            assert all(torch.equal(a.vision[k], b.vision[k]) for k in a.vision)
+            assert a.media.keys() == b.media.keys()
+            assert all(torch.equal(a.media[k], b.media[k]) for k in a.media)
     assert workers.state_dict() == inline.state_dict()
     workers.close()
 

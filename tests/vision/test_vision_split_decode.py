@@ -218,10 +218,10 @@ def test_the_loader_decodes_only_the_pieces_rows(encoder, tmp_path):
         if not ref.has_vision:
             continue
         units = vision_units(ref.grid_thw, encoder.ids.merge)
-        keys = [k for k in ("pixel_values", "pixel_values_videos") if k in ref.vision]
-        whole = torch.cat([ref.vision[k] for k in keys])
+        keys = [k for k in ("pixel_values", "pixel_values_videos") if k in ref.media]
+        whole = torch.cat([ref.media[k] for k in keys])
         for c, row in enumerate(rows):
             read = pixel_rows_read(units, assign(units)[c], pieces(units)[c])
-            assert torch.equal(torch.cat([row.vision[k] for k in keys]), whole[read])
+            assert torch.equal(torch.cat([row.media[k] for k in keys]), whole[read])
         sharded += len(split(units).split)
     assert sharded > 0
