@@ -127,6 +127,24 @@ def test_train_from_prepared_equals_train_from_jsonl_cp2(data):
     assert errors[0] == errors[1]
 
 
+def test_dynamic_cp_from_prepared_gives_the_losses_of_jsonl_cp1(data):
+    """``--dynamic-cp`` plans from the rows the prepared folder gives, with one sample a row
+    (``--pack-window 1``: rows of varied length, CP sizes 1 and 2 at a budget of 80 tokens): the
+    float64 losses of the one-process run on the JSONL file, relative 1e-10 (the CP run sums the
+    same terms in another order)."""
+    root, ckpt, jsonl, out = data
+    flags = ["--model", str(ckpt), "--pack-window", "1", "--grad-accum", "4"]
+    one = _train(root / "jsonl_cp1", *flags, "--data", str(jsonl), "--cp", "1")
+    dyn = _train(root / "cached_dyn", *flags, "--data", str(out), "--cp", "2", "--dynamic-cp")
+    for key in ("tokens", "rows", "bad_samples"):
+        assert [r[key] for r in dyn] == [r[key] for r in one], key
+    for a, b in zip(one, dyn, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-10 * abs(a["loss"]), (a, b)
+    sizes = [r["dynamic_cp"]["sizes"] for r in dyn]
+    assert sum(s.get("1", 0) for s in sizes) > 0 and sum(s.get("2", 0) for s in sizes) > 0, sizes
+    assert sum(r["rows"] > r["rows_text_only"] for r in dyn) >= 2  # images or videos in most steps
+
+
 def _edit_json(path: Path, edit) -> None:
     value = json.loads(path.read_text())
     edit(value)
