@@ -1,7 +1,7 @@
 """Dynamic CP against static CP on long-tailed steps: modelled GPU step time, measured CPU tokens/s.
 
     python benchmarks/dynamic_cp.py                  # --part modelled: about a minute
-    python benchmarks/dynamic_cp.py --part cpu       # about 15 minutes: cpvlm train, world 4
+    python benchmarks/dynamic_cp.py --part cpu       # 4 to 15 minutes: cpvlm train, world 4
 
 Part "modelled" (``dynamic_cp.json``): the step of one DP replica (dp 1, world = cp) of
 Qwen3-VL-8B's published config at cp 8, 16 and 64, the longest row ``PER_RANK`` x cp tokens
@@ -27,8 +27,7 @@ and ``--cp 4 --dynamic-cp`` run one after the other on the same data in one invo
 long-tailed mixes of JSONL conversations: text (log-normal lengths up to the row) and video (a
 few long videos of JPEG frames beside many short conversations about one image). tokens/s is the
 median over the steps after ``WARMUP`` of ``tokens_per_s`` in ``metrics.jsonl``; the dynamic
-run's ``dynamic_cp`` record (rows per c, rounds, modelled balance) is kept. It needs a trainer
-with ``--dynamic-cp`` and stops with a message where ``cpvlm train`` has none.
+run's ``dynamic_cp`` record (rows per c, rounds, modelled balance) is kept.
 """
 
 from __future__ import annotations
@@ -120,13 +119,6 @@ def modelled_main(args) -> None:
     )
 
 
-def _trainer_has_dynamic_cp() -> bool:
-    help_text = subprocess.run(
-        [sys.executable, "-m", "cpvlm.train", "--help"], capture_output=True, text=True
-    ).stdout
-    return "--dynamic-cp" in help_text
-
-
 def _photo(path: Path, h: int, w: int, seed: int) -> None:
     import numpy as np
     from PIL import Image
@@ -190,11 +182,6 @@ def train(ckpt: Path, data: Path, dynamic: bool, steps: int) -> list[dict]:
 
 
 def cpu_main(args) -> None:
-    if not _trainer_has_dynamic_cp():
-        sys.exit(
-            "benchmarks/dynamic_cp.py --part cpu: `cpvlm train` has no --dynamic-cp here; run it "
-            "on a tree with the dynamic-CP trainer (issue 47), or --part modelled"
-        )
     from cpvlm.hf.tiny_checkpoint import make_tiny_checkpoint
 
     load_before = os.getloadavg()
