@@ -27,6 +27,12 @@ def _pid(rank, world_size):
     return os.getpid()
 
 
+def _pid_after_new_groups(rank, world_size, count):
+    for _ in range(count):
+        dist.new_group(backend="gloo")
+    return os.getpid()
+
+
 def _hang_on_rank_0(rank, world_size):
     if rank == 0:
         time.sleep(3600)
@@ -56,6 +62,26 @@ def test_results_from_8_ranks_and_the_pooled_ranks_stay(monkeypatch):
     assert run_distributed(_rank_and_sum, 8, 10) == _expected(8)
     assert run_distributed(_pid, 4) == pids
     assert 8 not in runner._pools
+
+
+def test_a_pool_that_holds_too_many_process_groups_is_replaced(monkeypatch):
+    """Groups a task leaves behind keep polling threads: once a worker holds more than the bound
+    (the default group and 3 new ones > 3) its pool is closed after the call and the next call
+    gets fresh processes; a pool under the bound keeps its processes."""
+    from cpvlm.verify import runner
+
+    monkeypatch.setattr(runner, "_MAX_GROUPS_PER_WORKER", 3)
+    if 2 in runner._pools:  # its workers may hold the groups of earlier tests
+        runner._pools.pop(2).close()
+    first = run_distributed(_pid_after_new_groups, 2, 0)
+    assert runner._pools[2].groups == 1
+    assert run_distributed(_pid_after_new_groups, 2, 2) == first  # 3 groups: kept
+    assert runner._pools[2].groups == 3
+    assert run_distributed(_pid_after_new_groups, 2, 1) == first  # now 4, closed after the call
+    assert 2 not in runner._pools
+    fresh = run_distributed(_pid, 2)
+    assert set(fresh).isdisjoint(first)
+    assert runner._pools[2].groups == 1
 
 
 def test_failing_rank_reports_its_traceback_and_pool_recovers():

@@ -10,7 +10,7 @@ never by version string. Each module's docstring names what it wraps:
 - cuda_kernels.py: the fused CUDA flash and memory-efficient kernels, as custom ops;
 - torch_ring.py: PyTorch's own context-parallel ring attention and head-tail balancer;
 - dcp.py: DCP's asynchronous saves, their errors, checkpoint metadata;
-- process.py: the default store, collective timeouts, dying with the parent process;
+- process.py: the default store, collective timeouts, dying with the parent process, group count;
 - fake.py: fake tensors and a fake process group for dry runs, real host integers among them;
 - memory_tracker.py: torch's MemTracker with cpvlm's categories and global peak.
 
@@ -59,7 +59,12 @@ from cpvlm.distributed.compat.memory_tracker import (
     TorchDispatchMode,
     memory_tracker,
 )
-from cpvlm.distributed.compat.process import default_store, die_with_parent, is_collective_timeout
+from cpvlm.distributed.compat.process import (
+    default_store,
+    die_with_parent,
+    is_collective_timeout,
+    process_group_count,
+)
 from cpvlm.distributed.compat.torch_ring import (
     torch_head_tail_indices,
     torch_ring_attention_backward,
@@ -96,6 +101,7 @@ __all__ = [
     "lse_rows_from_sequences",
     "lse_sequences_from_rows",
     "memory_tracker",
+    "process_group_count",
     "real_tensors",
     "reduce_scatter_tensor",
     "torch_head_tail_indices",

@@ -1,6 +1,8 @@
-"""Process helpers: the default process group's store, collective timeouts, dying with the parent.
+"""Process helpers: the default process group's store, collective timeouts, dying with the parent,
+how many process groups a process holds.
 
-Wraps ``distributed_c10d._get_default_store`` (private, in torch 2.11 to 2.15) and
+Wraps ``distributed_c10d._get_default_store`` (private, in torch 2.11 to 2.15),
+``distributed_c10d._world.pg_map`` (private; detected with ``getattr``, else ``None``) and
 ``torch.multiprocessing._prctl_pr_set_pdeathsig`` (private, Linux; detected with ``getattr``,
 elsewhere nothing happens); a timeout is recognised by its message (gloo and NCCL).
 """
@@ -13,6 +15,16 @@ def default_store():
     from torch.distributed import distributed_c10d
 
     return distributed_c10d._get_default_store()
+
+
+def process_group_count() -> int | None:
+    """How many process groups this process holds, the default one included (``None`` where the
+    private registry is not found). Each gloo group keeps threads that poll while idle, so a
+    long-lived process that keeps creating groups slows the whole machine."""
+    from torch.distributed import distributed_c10d
+
+    pg_map = getattr(getattr(distributed_c10d, "_world", None), "pg_map", None)
+    return None if pg_map is None else len(pg_map)
 
 
 def is_collective_timeout(err: BaseException) -> bool:
