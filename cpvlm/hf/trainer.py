@@ -81,6 +81,7 @@ def check_trainer_args(
     check_tp_size(tp, check_ep(ep, world_size // (cp_size * tp), cp_size, where=where), where)
     if ep > 1 or tp > 1:
         sharded = f"ep={ep}" if ep > 1 else f"tp={tp}"
+        _check_gradient_hooks(sharded)
         if getattr(args, "fsdp", None):
             _fail(
                 f"{sharded} with fsdp: cpvlm sums the gradients of the sharded experts / layers "
@@ -123,6 +124,24 @@ def check_trainer_args(
             "mean over sharded sequences (no label smoothing or custom loss), batches are "
             "sharded by DP rank in the data loader, and the data parallelism is DDP or "
             "accelerate's FSDP2 over dp x cp (drop the option)"
+        )
+
+
+# The Trainer methods that cpvlm overrides to sum and clip the gradients of sharded parameters
+# (``ContextParallelTrainer.training_step`` and the two below): private ones, so a release that
+# renames them would leave the Trainer clipping by this rank's norm alone, silently.
+_GRADIENT_HOOKS = ("training_step", "_clip_grad_norm", "_get_grad_norm")
+
+
+def _check_gradient_hooks(sharded: str) -> None:
+    import transformers
+
+    missing = [h for h in _GRADIENT_HOOKS if not callable(getattr(transformers.Trainer, h, None))]
+    if missing:
+        _fail(
+            f"{sharded} needs transformers.Trainer.{', .'.join(missing)}, which transformers "
+            f"{transformers.__version__} does not have (cpvlm sums and clips the sharded "
+            "gradients there); use a transformers release inside cpvlm's tested window"
         )
 
 

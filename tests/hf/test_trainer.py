@@ -225,6 +225,13 @@ def test_ep_and_tp_sizes_and_combinations_that_cannot_work_are_refused_by_name(t
     with pytest.raises(ValueError, match="checkpoints .save_strategy. with tp=2"):
         check_trainer_args(_args(tmp_path, save_strategy="steps"), 2, 4, tp=2)
     check_trainer_args(args, 2, 8, ep=4)  # dp 4 x cp 2: EP groups of 4 of those 8 ranks
+    import transformers
+
+    with pytest.MonkeyPatch.context() as mp:  # a release without the hook cpvlm overrides
+        mp.delattr(transformers.Trainer, "_clip_grad_norm")
+        with pytest.raises(ValueError, match=r"ep=4 needs transformers.Trainer._clip_grad_norm"):
+            check_trainer_args(args, 2, 8, ep=4)
+        check_trainer_args(args, 2, 8)  # without ep / tp the Trainer's own clipping is right
     check_trainer_args(args, 2, 8, tp=2)  # dp 2 x cp 2 x tp 2
 
     dense, moe = build_model("qwen3-vl-tiny"), build_model("qwen3-vl-moe-tiny")
