@@ -5,11 +5,12 @@ Legend: p patch side, m = 1 / downsample_ratio, (gh, gw) an image's grid in patc
 Images. transformers' ``NemotronH_Omni_Reasoning_V3ImageProcessor`` needs torchvision (a
 ``TorchvisionBackend``), which cpvlm's data path does not require, so its steps are written out
 here (``NemotronOmniImages``, the checkpoint's image processor entries; the tests compare them
-with the class's own functions): every image of a call gets one patch budget
+with the class itself where torchvision works, else with its module's functions): every image of a call gets one patch budget
 (``patch_budget``: the context length in patches, within ``[min_num_patches, max_num_patches]``);
 an image's grid is its own grid (``floor(side / p) + 1`` where ``side / p`` is not whole) scaled
 down into the budget, up to ``min_num_patches``, each side rounded to a multiple of m
-(``patch_grid``); the RGB image, as float32, is resized bicubic with antialias to ``(gh p, gw p)``
+(``patch_grid``); the RGB image (one with transparency composited onto white, as the class's
+``convert_to_rgb``), as float32, is resized bicubic with antialias to ``(gh p, gw p)``
 (kept in float32: no clamp), rescaled and normalised in one step, and cut into row-major patches
 of ``C * p * p`` (channel-major), which are cpvlm's pixel rows. The processor writes ``<img>``,
 ``gh * gw / m**2`` ``<image>``, ``</img>`` per image (its own ``replace_image_token``).
@@ -140,7 +141,7 @@ class NemotronOmniImages:
     def pixels(self, image, grid) -> torch.Tensor:
         """``[gh * gw, C * p * p]`` float32: a PIL image's pixel rows at ``grid``."""
         p, (gh, gw) = self.patch_size, grid
-        x = torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)[None]
+        x = torch.from_numpy(np.array(to_rgb(image))).permute(2, 0, 1)[None]
         x = x.to(torch.float32)  # resized in float32: the bicubic overshoot is kept
         if tuple(x.shape[-2:]) != (gh * p, gw * p):
             x = F.interpolate(x, size=(gh * p, gw * p), mode="bicubic", antialias=True)
@@ -175,6 +176,21 @@ def parakeet_features(feature_extractor, samples) -> torch.Tensor:
         return_tensors="pt",
     )
     return out["input_features"][0][out["attention_mask"][0].bool()].contiguous()
+
+
+def to_rgb(image):
+    """An RGB PIL image as the class's ``do_convert_rgb`` makes it (transformers'
+    ``convert_to_rgb``): an image with transparency (an alpha band, or a palette or grayscale
+    image with a ``transparency`` entry) composited onto white, any other converted."""
+    from PIL import Image
+
+    if image.mode == "RGB":
+        return image
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return image.convert("RGB")
 
 
 def _flat_pil(images) -> list:
