@@ -1,13 +1,20 @@
 """Nemotron Omni on the data path (its tiny checkpoint): images by the image processor's steps
 written out (transformers' class needs torchvision), audio clips through Parakeet's extractor.
 
-The grid rule, the patch cut and the pixels are compared with transformers' image processor
-module itself, imported with a stand-in for ``torchvision.transforms.v2.functional`` (its
-``normalize``; the resize as torchvision's on float32 images, ``interpolate`` bicubic with
-antialias), and with a hand-computed case (an image already at its grid: no resize, each row
-``(x - 255 mean) / (255 std)`` of its patch). Ids and features are
-compared with ``NemotronH_Omni_Reasoning_V3Processor`` itself called on the images and the
-decoded samples (built around the written-out image steps and the checkpoint's extractor).
+Where torchvision imports, the written-out steps are compared with transformers'
+``NemotronH_Omni_Reasoning_V3ImageProcessor`` itself (its own torchvision resize, rescale and
+normalise) on awkward images: tiny, odd sizes, extreme aspect ratios, several images of one call
+(one patch budget), images with transparency; grids and pixels equal exactly (the same float32
+operations: torchvision's resize of a float32 image is ``interpolate`` bicubic with antialias).
+Where transformers finds no torchvision, its image processor module is imported with a stand-in
+for ``torchvision.transforms.v2.functional`` (its ``normalize``; the resize as torchvision's on
+float32 images, ``interpolate`` bicubic with antialias) and the grid rule, the patch cut and the
+pixels are compared with the module's functions and the class's ``_preprocess``; with a
+hand-computed case (an image already at its grid: no resize, each row
+``(x - 255 mean) / (255 std)`` of its patch) either way. Ids and features are compared with
+``NemotronH_Omni_Reasoning_V3Processor`` itself called on the images and the decoded samples
+(built around the checkpoint's extractor and its image processor class where torchvision
+imports, the written-out steps elsewhere).
 """
 
 import importlib
@@ -43,14 +50,31 @@ def _normalize(x, mean, std, inplace=False):  # torchvision's normalize: (x - me
     return x.sub(mean).div(std)
 
 
+def _no_torchvision() -> str | None:
+    """None where torchvision imports, else why it does not."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception as err:  # missing, or a wheel that does not match torch (RuntimeError)
+        return f"torchvision does not import ({type(err).__name__}: {err})"
+    return None
+
+
+NO_TORCHVISION = _no_torchvision()  # asked before any fixture stands in for it
+
+
 @pytest.fixture
 def image_module(monkeypatch):
-    """transformers' image processor module, its torchvision import stood in for (a module
-    with ``normalize``; transformers' own check still finds no torchvision: asked first, cached)."""
+    """transformers' image processor module: as it is where torchvision imports; where
+    transformers finds no torchvision, its torchvision import stood in for (a module with
+    ``normalize``; transformers' own check still finds no torchvision)."""
     import transformers.image_processing_backends as backends
     from transformers.utils import is_torchvision_available
 
-    assert not is_torchvision_available()
+    if NO_TORCHVISION is None:
+        yield importlib.import_module(MODULE)
+        return
+    if is_torchvision_available():  # installed but broken: its import cannot be stood in for
+        pytest.skip(f"{NO_TORCHVISION}, but transformers takes it as installed")
     names = ("torchvision", "torchvision.transforms", "torchvision.transforms.v2")
     for name in (*names, names[-1] + ".functional"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
@@ -137,6 +161,69 @@ def test_pixels_equal_the_classs_own_preprocess(image_module):
     assert torch.equal(got["pixel_values"], out["pixel_values"])
 
 
+def _images_with_transparency(rng) -> dict:
+    rgba = rng.integers(0, 256, (21, 34, 4), dtype=np.uint8)
+    rgba[:7, :, 3] = 0  # fully transparent rows: white after compositing
+    palette = Image.fromarray(rgba[..., :3]).quantize(16)
+    palette.info["transparency"] = 3  # palette entry 3 transparent
+    grey = Image.fromarray(rgba[..., 0], "L")
+    grey_alpha = Image.fromarray(rgba[..., [0, 3]], "LA")
+    return {"RGBA": Image.fromarray(rgba, "RGBA"), "P": palette, "L": grey, "LA": grey_alpha}
+
+
+# (image processor settings, calls of (height, width) image sizes)
+AWKWARD = [
+    (
+        {"patch_size": 8, "min_num_patches": 16, "max_num_patches": 64},
+        [[(1, 1)], [(3, 5)], [(7, 90)], [(255, 3)], [(97, 161)], [(500, 333)], [(16, 32)],
+         [(33, 17), (16, 32)], [(40, 56), (40, 56), (12, 12)]],
+    ),
+    (  # the class defaults: a 1024-patch floor, every image resized up
+        {"patch_size": 16},
+        [[(1, 1)], [(31, 47)], [(7, 900)], [(33, 17), (640, 481)]],
+    ),
+    (  # no cap, a context of 7 tokens: the budget is the floor, times the images
+        {"patch_size": 8, "min_num_patches": 4, "max_num_patches": 0, "max_model_len": 7},
+        [[(1, 1)], [(97, 161)], [(33, 17), (16, 32), (5, 5)]],
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.skipif(NO_TORCHVISION is not None, reason=str(NO_TORCHVISION))
+def test_grids_and_pixels_equal_the_class_itself(image_module):
+    """``NemotronOmniImages`` against ``NemotronH_Omni_Reasoning_V3ImageProcessor`` built from its
+    ``to_dict`` and called on the same PIL images (its own torchvision resize, its convert to
+    RGB): grids and pixels equal exactly, on tiny, odd-sized and extreme images, several images
+    of one call, and images with transparency (composited onto white: a plain convert to RGB,
+    which drops the alpha, differs)."""
+    cls = image_module.NemotronH_Omni_Reasoning_V3ImageProcessor
+    rng = np.random.default_rng(5)
+    for settings, calls in AWKWARD:
+        mine = NemotronOmniImages(**settings)
+        reference = cls(**mine.to_dict())
+        for sizes in calls:
+            images = [
+                Image.fromarray(rng.integers(0, 256, (*hw, 3), dtype=np.uint8)) for hw in sizes
+            ]
+            got, want = mine(images), reference(images, return_tensors="pt")
+            assert got["image_grid_hw"].tolist() == want["image_grid_hw"].tolist(), sizes
+            assert torch.equal(got["pixel_values"], want["pixel_values"]), sizes
+    mine = NemotronOmniImages(**AWKWARD[0][0])
+    reference = cls(**mine.to_dict())
+    for mode, image in _images_with_transparency(rng).items():
+        got, want = mine([image]), reference([image], return_tensors="pt")
+        assert torch.equal(got["pixel_values"], want["pixel_values"]), mode
+        if mode != "L":  # the test sees the compositing
+            plain = mine([image.convert("RGB")])["pixel_values"]
+            assert not torch.equal(plain, want["pixel_values"]), mode
+    thin = [Image.new("RGB", (1, 255))]  # too thin for a budget of 4 patches: both refuse
+    mine = NemotronOmniImages(**AWKWARD[2][0])
+    with pytest.raises(ValueError, match="too thin"):
+        mine(thin)
+    with pytest.raises(ZeroDivisionError):
+        cls(**mine.to_dict())(thin, return_tensors="pt")
+
+
 def test_a_resized_image_keeps_the_bicubic_overshoot():
     """Resized in float32 (no clamp to uint8): a sharp edge rings past the input range."""
     ip = NemotronOmniImages(patch_size=8, min_num_patches=16, max_num_patches=64)
@@ -184,8 +271,13 @@ def test_ids_pixels_and_features_equal_the_processor(encoder, tmp_path):
     samples = load_audio(AudioRef(str(tmp_path / "a.wav")), RATE)
     cls = transformers.NemotronH_Omni_Reasoning_V3Processor
     lenient = type(cls.__name__, (cls,), {"check_argument_for_proper_class": lambda *a: None})
+    # the class itself where torchvision imports, else the written-out steps
+    image_processor = enc.image_processor
+    if NO_TORCHVISION is None:
+        image_processor = transformers.AutoImageProcessor.from_pretrained(path)
+        assert type(image_processor).__name__ == "NemotronH_Omni_Reasoning_V3ImageProcessor"
     reference = lenient(
-        image_processor=enc.image_processor,
+        image_processor=image_processor,
         feature_extractor=transformers.AutoFeatureExtractor.from_pretrained(path),
         tokenizer=AutoTokenizer.from_pretrained(path),
         chat_template=(path / "chat_template.jinja").read_text(),
