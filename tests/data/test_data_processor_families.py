@@ -8,11 +8,13 @@ adapter's ``from_model_batch``) and the rows of an item (its ``item_sizes``). A 
 tiny processor is tested here without editing this file.
 
 The reference is the checkpoint's processor class running its own ``apply_chat_template(...,
-tokenize=True, return_dict=True)`` around the PIL image processor (the family's
-``chat_media.load_image_processor``: Nemotron Omni's steps written out; AutoProcessor where
-torchvision works; video processors need it, so without it the reference takes videos through
-a stand-in for a fixed-size video processor on frames of its size; Gemma 4's video ids are
-checked in tests/hf/test_gemma.py). The data path reads grids from headers, expands the text
+tokenize=True, return_dict=True)`` around the image processor (the family's
+``chat_media.load_image_processor``: Nemotron Omni's steps written out; AutoProcessor where it
+builds). Video processors need torchvision: where it imports the reference takes videos through
+the checkpoint's own video processor, and the data path's videos are compared with it on
+awkward clips (odd and tiny frames, one frame, a long odd clip), ids, grids and pixels exactly;
+without it, through a stand-in for a fixed-size video processor on frames of its size (Gemma
+4's video ids are then checked in tests/hf/test_gemma.py). The data path reads grids from headers, expands the text
 itself and decodes each image alone. Ids and pixels must be equal exactly (the same float32
 operations on the same pixels); labels are checked against their definition: each run of
 labelled tokens decodes to one assistant answer and its end-of-turn token. Video frames
@@ -64,11 +66,27 @@ def video_checkpoint(request, tmp_path_factory):
     return _encoder(request.param, tmp_path_factory)
 
 
+def _no_torchvision() -> str | None:
+    """None where torchvision imports, else why it does not."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception as err:  # missing, or a wheel that does not match torch (RuntimeError)
+        return f"torchvision does not import ({type(err).__name__}: {err})"
+    return None
+
+
+NO_TORCHVISION = _no_torchvision()
+
+
 def _reference(encoder: ChatEncoder, path: Path):
-    """The processor class itself, around a freshly loaded tokenizer and PIL image processor."""
+    """The processor class itself, around a freshly loaded tokenizer and image processor and,
+    where torchvision imports, the checkpoint's video processor. ``AutoProcessor`` where it
+    builds; it does not without torchvision (no video processor) nor for a checkpoint without a
+    part its class requires (Gemma 4's feature extractor, none without audio): then the class
+    with its part checks waived, the missing parts None."""
     try:
         return transformers.AutoProcessor.from_pretrained(path)
-    except Exception:  # torchvision missing: the video processor cannot be built
+    except Exception:
         pass
     config = json.loads((path / "processor_config.json").read_text())
     cls = getattr(transformers, config.pop("processor_class"))
@@ -76,6 +94,8 @@ def _reference(encoder: ChatEncoder, path: Path):
     lenient = type(cls.__name__, (cls,), {"check_argument_for_proper_class": lambda *a: None})
     if encoder.adapter.takes_videos:  # the family's processor class takes a video processor
         config["video_processor"] = None
+        if NO_TORCHVISION is None:
+            config["video_processor"] = transformers.AutoVideoProcessor.from_pretrained(path)
     return lenient(
         image_processor=encoder.media.load_image_processor(path),  # AutoImageProcessor's
         tokenizer=AutoTokenizer.from_pretrained(path),
@@ -267,25 +287,59 @@ def test_video_tokens_and_frames(video_checkpoint, tmp_path):
     torch.testing.assert_close(frames[0], picture[:n], rtol=0, atol=1e-6)
 
 
-def test_video_pixels_equal_the_video_processor(video_checkpoint, tmp_path):
-    pytest.importorskip("torchvision", exc_type=ImportError)
+# awkward videos: (frames, height, width, fps); fps None: the processor's default
+CLIPS = [
+    (3, 30, 40, None),
+    (1, 31, 47, None),  # one frame of odd sides
+    (7, 5, 3, None),  # tiny frames, 3 pixels wide (a side as long as the channels)
+    (2, 1, 1, None),  # frames of one pixel
+    (61, 33, 17, 2.0),  # a long odd clip at 2 fps: Gemma 4's timestamps up to 00:30
+]
+
+
+@pytest.mark.skipif(NO_TORCHVISION is not None, reason=str(NO_TORCHVISION))
+@pytest.mark.parametrize("clip", CLIPS, ids=lambda c: "x".join(map(str, c[:3])) + f"@{c[3]}")
+def test_video_pixels_equal_the_video_processor(video_checkpoint, clip, tmp_path):
+    """The data path's video (its own resize, rescale and normalise: ``frame_pixels``) against the
+    checkpoint's video processor itself (torchvision's resize) on awkward clips: ids, grids (the
+    vision units) and pixels equal exactly (both resize the uint8 frames with torch's native
+    bicubic antialias kernel, then the same float32 steps). Without fps the processor loads the
+    frame files itself (``apply_chat_template``); with it, it is called on the frames and their
+    metadata."""
     family, path, encoder = video_checkpoint
-    processor = transformers.AutoProcessor.from_pretrained(path)
-    clip = write_frames(tmp_path / "clip", 3, 30, 40, seed=2)
-    frames = sorted(str(p) for p in clip.iterdir())
+    processor = _reference(encoder, path)
+    assert type(processor.video_processor).__name__.endswith("VideoProcessor")
+    n, height, width, fps = clip
+    folder = write_frames(tmp_path / "clip", n, height, width, seed=n + height)
+    frames = sorted(str(p) for p in folder.iterdir())
+    video = {"type": "video", "video": frames, **({"fps": fps} if fps else {})}
     messages = [
-        {"role": "user", "content": [{"type": "video", "video": frames}]},
+        {"role": "user", "content": [video]},
         {"role": "assistant", "content": [{"type": "text", "text": "a ball"}]},
     ]
-    ref = processor.apply_chat_template(
-        messages, tokenize=True, return_dict=True, return_tensors="pt",
-        processor_kwargs={"do_sample_frames": False},
-    )  # fmt: skip
+    if fps is None:
+        ref = processor.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_tensors="pt",
+            processor_kwargs={"do_sample_frames": False},
+        )  # fmt: skip
+    else:
+        from PIL import Image
+        from transformers.video_utils import VideoMetadata
+
+        pixels = np.stack([np.array(Image.open(f).convert("RGB")) for f in frames])
+        metadata = VideoMetadata(total_num_frames=n, fps=fps, frames_indices=list(range(n)))
+        ref = processor(
+            text=[processor.apply_chat_template(messages, tokenize=False)],
+            videos=[pixels], video_metadata=[metadata], do_sample_frames=False,
+            return_tensors="pt",
+        )  # fmt: skip
     plan = encoder.plan(Record(0, "test", {"messages": messages}, None))
     assert torch.equal(plan.input_ids, ref["input_ids"][0])
-    item = (plan.images + plan.videos)[0]  # the video (or its frames as an image)
-    rows = encoder.decode(item, None)
+    (item,) = plan.images + plan.videos  # the video (or its frames as images)
     core = encoder.adapter.from_model_batch(dict(ref))
-    assert torch.equal(
-        rows, core["pixel_values" if item.kind == "image" else "pixel_values_videos"]
-    )
+    kind = "image" if item.kind == "image" else "video"
+    split = encoder.adapter.split_frames
+    assert _units(core[f"{kind}_grid_thw"].tolist(), split) == _units([item.grid], split)
+    rows = encoder.decode(item, None)
+    want = core["pixel_values" if kind == "image" else "pixel_values_videos"]
+    assert rows.dtype == want.dtype and torch.equal(rows, want)
