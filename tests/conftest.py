@@ -1,8 +1,11 @@
 import json
+import os
+import platform
 import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -36,6 +39,19 @@ def no_training_process(monkeypatch):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _pooled_training(request, monkeypatch):
+    """``cpvlm train`` in a test runs its ranks on the pooled gloo workers
+    (``cpvlm.testing.pooled_train``), not on dp * cp new processes: a test launches processes
+    only where the launch is what it tests, marked ``launch``."""
+    if request.node.get_closest_marker("launch"):
+        return
+    from cpvlm.testing.pooled_train import launch_pooled
+    from cpvlm.train import launcher
+
+    monkeypatch.setattr(launcher, "launch_local", launch_pooled)
 
 
 # The fast lane, `python -m pytest -m "not slow"` (docs/testing.md): these launch training
@@ -73,6 +89,81 @@ def pytest_collection_modifyitems(config, items):
         module, _, name = item.nodeid.partition("::")
         if module in SLOW_MODULES or f"{module}::{name.split('[')[0]}" in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--durations-json",
+        metavar="PATH",
+        help="write every test's time (setup + call + teardown), outcome and lane to PATH, with "
+        "the machine and its load (benchmarks/results/test_durations.json: the README's test "
+        "command; docs/testing.md's tables are generated from it)",
+    )
+
+
+class _Durations:
+    """What ``--durations-json`` writes: each test's seconds and outcome, the run's wall time,
+    the machine and its 1-minute load at the start and the end."""
+
+    def __init__(self, path: Path):
+        self.path, self.tests = path, {}
+        self.start, self.load = time.monotonic(), [os.getloadavg()[0]]
+
+    def pytest_runtest_logreport(self, report):
+        entry = self.tests.setdefault(report.nodeid, {"seconds": 0.0, "outcome": "passed"})
+        entry["seconds"] += report.duration
+        if report.failed:
+            entry["outcome"] = "failed" if report.when == "call" else "error"
+        elif report.skipped and entry["outcome"] == "passed":
+            entry["outcome"] = "skipped"
+
+    def pytest_sessionfinish(self, session):
+        import transformers
+
+        self.load.append(os.getloadavg()[0])
+        slow = {item.nodeid for item in session.items if item.get_closest_marker("slow")}
+        outcomes = [t["outcome"] for t in self.tests.values()]
+        payload = {
+            "command": "python -m pytest",
+            "date": time.strftime("%Y-%m-%d"),
+            "wall_s": round(time.monotonic() - self.start, 1),
+            "counts": {o: outcomes.count(o) for o in sorted(set(outcomes))},
+            "machine": {
+                "cores": len(os.sched_getaffinity(0)),
+                "cpu": _cpu_model(),
+                "load_1min": [round(x, 2) for x in self.load],
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            },
+            "tests": {
+                nodeid: {
+                    "seconds": round(t["seconds"], 2),
+                    "outcome": t["outcome"],
+                    "lane": "slow" if nodeid in slow else "fast",
+                }
+                for nodeid, t in sorted(self.tests.items())
+            },
+        }
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(payload, indent=1) + "\n")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def pytest_configure(config):
+    path = config.getoption("--durations-json")
+    if path and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(_Durations(Path(path)), "cpvlm-durations-json")
 
 
 def pytest_report_header(config):

@@ -44,7 +44,28 @@ _MAX_GROUPS_PER_WORKER = 24
 
 
 class DistributedTestError(AssertionError):
-    """A rank raised, or ranks did not finish in time."""
+    """A rank raised, or ranks did not finish in time. ``errors``: the traceback of each rank
+    that raised (empty when ranks only timed out)."""
+
+    def __init__(self, message: str, errors: dict[int, str] | None = None):
+        super().__init__(message)
+        self.errors = dict(errors or {})
+
+
+def _exit_when_orphaned() -> None:
+    """Exit once the process that started this worker is gone (killed, say, with no chance to
+    stop its pool): a worker is not a daemon (its tasks may start processes of their own, as a
+    training rank's DataLoader does), so nothing else would end it."""
+    import threading
+
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="cpvlm-pool-orphan-watch").start()
 
 
 def _worker_main(rank: int, world_size: int, init_file: str, tasks, results) -> None:
@@ -53,6 +74,7 @@ def _worker_main(rank: int, world_size: int, init_file: str, tasks, results) -> 
 
     from cpvlm.distributed.compat import process_group_count
 
+    _exit_when_orphaned()
     torch.set_num_threads(1)
     try:
         store = dist.FileStore(init_file, world_size)
@@ -92,7 +114,7 @@ class _Pool:
             ctx.Process(
                 target=_worker_main,
                 args=(rank, world_size, init_file, self.tasks[rank], self.results),
-                daemon=True,
+                daemon=False,  # a task may start processes (DataLoader workers); see above
             )
             for rank in range(world_size)
         ]
@@ -168,7 +190,7 @@ class _Pool:
                 lines.append(f"rank(s) {unfinished} did not finish {why}")
             for rank, tb in sorted(errors.items()):
                 lines.append(f"\n--- rank {rank} ---\n{tb}")
-            raise DistributedTestError("\n".join(lines))
+            raise DistributedTestError("\n".join(lines), errors)
         return [values[r] for r in range(self.world_size)]
 
     def kill(self) -> None:

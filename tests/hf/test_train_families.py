@@ -43,6 +43,7 @@ def test_train_runs_on_every_family(tmp_path, name):
     assert summary is not None
 
 
+@pytest.mark.launch  # the local launcher's processes, as a user's command starts them
 def test_train_command_on_an_moe_family(tmp_path):
     """The command users run, with the router loss on (the tiny Qwen3-VL-MoE's default)."""
     flags = ["--model", "qwen3-vl-moe-tiny", "--cp", "2", "--steps", "2", "--seq-len", "160"]

@@ -8,9 +8,12 @@ stopped by the launcher.
 
 import time
 
+import pytest
+
 from cpvlm.train.command import main as train_main
 
 
+@pytest.mark.launch  # the local launcher's processes: it must stop the ranks blocked behind rank 2
 def test_a_rank_that_raises_stops_the_job_with_its_error(tmp_path, capsys):
     flags = ["--cp", "2", "--dp", "2", "--seq-len", "64", "--steps", "6"]
     flags += ["--data", "_train_sources:unreadable_on_rank2", "--out", str(tmp_path / "run")]

@@ -3,10 +3,13 @@
 SIGTERM to the whole process group (Slurm's preemption, ``kill %job``, a terminal's Ctrl-C: the
 DataLoader workers get it too), and to torchrun's; SIGINT; a second signal; a rank killed
 (SIGKILL); a rank that stops (SIGSTOP) under ``--dist-timeout``; a rank that crashes under
-``torchrun --max-restarts 1``; a disk that fills up during a save; asynchronous saves. Faults other than signals are injected with ``CPVLM_FAULT`` (cpvlm/train/faults.py), so
-those runs are subprocesses (the variable must reach the ranks). Every run is CP=2 on the tiny
-default model and synthetic data, compared with one uninterrupted run: on CPU the losses of an
-interrupted and resumed run equal it bit for bit.
+``torchrun --max-restarts 1``; a disk that fills up during a save; asynchronous saves. Faults other
+than signals are injected with ``CPVLM_FAULT`` (cpvlm/train/faults.py). The runs whose subject is
+the processes (signals, killed and stopped ranks, torchrun's restarts) are subprocesses; the
+full-disk and asynchronous-save runs, the reference and the resumes run on pooled ranks
+(``cpvlm.testing.pooled_train``, which passes ``CPVLM_FAULT`` on to them). Every run is CP=2 on
+the tiny default model and synthetic data, compared with one uninterrupted run: on CPU the losses
+of an interrupted and resumed run equal it bit for bit.
 """
 
 import contextlib
@@ -316,14 +319,15 @@ def test_a_crash_under_torchrun_restarts_exactly_and_sigterm_to_torchruns_group(
     assert elapsed < 30, elapsed
 
 
-@linux_only
-def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path):
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys):
     """Rank 1's files of the step-4 checkpoint come out short with ENOSPC: with --on-save-error
-    stop the run ends there with one line, step 2 stays the newest checkpoint and loads."""
+    stop the run ends there with one line, step 2 stays the newest checkpoint and loads. (On
+    pooled ranks: the fault is the save's, not the launch's; ``CPVLM_FAULT`` reaches them.)"""
     out = tmp_path / "run"
-    proc = _start(_train_cmd(out, "--steps", "6", "--on-save-error", "stop"), fault="enospc@4:1")
-    _, stderr = _finish(proc, timeout=300)
-    assert proc.returncode == 1, stderr[-3000:]
+    monkeypatch.setenv("CPVLM_FAULT", "enospc@4:1")
+    flags = ["--out", str(out), *FLAGS, "--steps", "6", "--on-save-error", "stop"]
+    assert train_main(flags) == 1
+    stderr = capsys.readouterr().err
     line = stderr.strip().splitlines()[-1]
     assert line.startswith(
         "cpvlm train: stopped after step 4: checkpoint step_00000004 was not written: rank 1: "
@@ -358,17 +362,20 @@ def _same_bits(a, b, key="checkpoint"):
         assert a == b, key
 
 
-@linux_only
-def test_async_saves_equal_sync_saves_bit_for_bit_and_resume_exactly(tmp_path, reference):
+def test_async_saves_equal_sync_saves_bit_for_bit_and_resume_exactly(
+    tmp_path, reference, monkeypatch, capfd
+):
     """--async-save with a full disk at step 4 (--on-save-error continue: a warning, the next
     interval saves): the same losses and the same checkpoint as the synchronous reference, and
     a resume from the checkpoint before the failed one (step 2, written asynchronously) equals
-    the uninterrupted run."""
+    the uninterrupted run. (On pooled ranks, as the full-disk test above.)"""
     ref_out, ref_records = reference
     out = tmp_path / "run"
-    proc = _start(_train_cmd(out, "--steps", str(STEPS), "--async-save"), fault="enospc@4:0")
-    _, stderr = _finish(proc, timeout=300)
-    assert proc.returncode == 0, stderr[-3000:]
+    with monkeypatch.context() as env:
+        env.setenv("CPVLM_FAULT", "enospc@4:0")
+        flags = ["--out", str(out), *FLAGS, "--steps", str(STEPS), "--async-save"]
+        assert train_main(flags) == 0
+    stderr = capfd.readouterr().err  # rank 0's line, on the ranks' file descriptor 2
     assert (
         "cpvlm train: warning: checkpoint step_00000004 was not written: rank 0: OSError: "
         "[Errno 28] No space left on device"
