@@ -50,6 +50,22 @@ RESERVE_S = 10.0
 DOCS = {"single": [4001], "packed": [1, 15, 700, 37, 1200, 48, 2000]}
 
 
+LIBRARIES = ("transformers", "trl", "peft", "accelerate", "tokenizers", "huggingface_hub")
+"""Whose versions the JSON's environment names (read from the metadata: nothing is imported)."""
+_CARRIED = (
+    "accelerate annotated-doc annotated-types anyio click datasets dill filelock fsspec h11 hf-xet "
+    "httpcore2 httpx2 huggingface-hub idna jinja2 kernels markdown-it-py markupsafe mdurl "
+    "multiprocess packaging peft psutil pydantic pydantic-core pygments pyyaml regex rich "
+    "safetensors shellingham tokenizers tomlkit tqdm transformers trl truststore typer "
+    "typing-extensions typing-inspection xxhash"
+)
+CHECK_WHEELS = tuple(_CARRIED.split())
+"""What ``--wheels`` carries to a GPU machine: transformers, trl, peft, accelerate and everything
+they need (at the versions of constraints.txt) but torch and the large compiled libraries the
+machine has with its torch (numpy, pandas, pyarrow; tests/gpu checks this list against the
+dependencies). ``--requirements`` prints their lines of constraints.txt for ``pip download``."""
+
+
 class SectionTimeout(Exception):
     """A section ran past its budget."""
 
@@ -61,9 +77,64 @@ def skipped(reason: str) -> dict:
 # ---- what can run here -------------------------------------------------------------------------
 
 
+def _normalized(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def requirements() -> list[str]:
+    """The lines of constraints.txt that pin CHECK_WHEELS (SystemExit naming any unpinned)."""
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        name, sep, _ = line.partition("==")
+        if sep and not line.startswith("#"):
+            pins[_normalized(name.strip())] = line.strip()
+    missing = [n for n in CHECK_WHEELS if _normalized(n) not in pins]
+    if missing:
+        raise SystemExit(f"check.py: constraints.txt pins none of {', '.join(missing)}")
+    return [pins[_normalized(n)] for n in CHECK_WHEELS]
+
+
+def versions(names) -> dict:
+    """{name: installed version, or None}, from the metadata of the running interpreter."""
+    from importlib import metadata
+
+    found = {}
+    for name in names:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def carried_wheels() -> dict | None:
+    """What check.sh --wheels did (None without it): the folder, its number of wheels, whether
+    they went in, and the distributions found here at another version than their wheel's."""
+    folder = os.environ.get("CPVLM_CHECK_WHEELS")
+    if not folder:
+        return None
+    wheels = sorted(Path(folder).glob("*.whl"))
+    carried = {w.name.split("-")[0]: w.name.split("-")[1] for w in wheels}
+    found = versions(carried)
+    info = {"dir": folder, "wheels": len(wheels)}
+    info["installed"] = "CPVLM_CHECK_WHEELS_ERROR" not in os.environ
+    # Each wheel's distribution whose version found here is not the carried one (a wheel not
+    # installed, or shadowed): empty where all went well.
+    info["other_version"] = {n: found[n] for n, v in sorted(carried.items()) if found[n] != v}
+    if not info["installed"]:
+        info["error"] = os.environ["CPVLM_CHECK_WHEELS_ERROR"]
+    if "CPVLM_CHECK_WHEELS_NO_DEPS" in os.environ:
+        info["no_deps"] = os.environ["CPVLM_CHECK_WHEELS_NO_DEPS"]
+    return info
+
+
 def probe() -> tuple[dict, str | None]:
     """(the environment, why no section can run here or None)."""
     env = {"python": sys.version.split()[0], "executable": sys.executable, "cpus": os.cpu_count()}
+    env["libraries"] = versions(LIBRARIES)
+    wheels = carried_wheels()
+    if wheels is not None:
+        env["wheels"] = wheels
     try:
         import torch
     except Exception as e:  # noqa: BLE001 (the check reports every failure, it never dies)
@@ -321,7 +392,12 @@ def main() -> int:
     p.add_argument("--train-steps", type=int, default=4)
     p.add_argument("--text-layers", type=int, default=8, help="train: decoder layers (2B: 28)")
     p.add_argument("--vision-depth", type=int, default=8, help="train: vision blocks (2B: 24)")
+    p.add_argument("--requirements", action="store_true",
+                   help="print the pins of what check.sh --wheels carries, and exit")  # fmt: skip
     args = p.parse_args()
+    if args.requirements:
+        print("\n".join(requirements()))
+        return 0
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -361,6 +437,12 @@ def main() -> int:
     print()
     print_table(statuses, ["section", "status", "seconds", "result"], title="summary")
     print(f"wrote {out} ({results['seconds']:.0f} s of {args.deadline:.0f})")
+    wheels = env.get("wheels")
+    if wheels is not None:
+        print(f"libraries: {json.dumps(env['libraries'])}")
+        if not wheels["installed"]:
+            print(f"the wheels of {wheels['dir']} were not installed: {wheels['error']}")
+            return 1
     return 1 if any(s["status"] in ("failed", "timeout") for s in statuses) else 0
 
 

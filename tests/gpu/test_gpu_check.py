@@ -125,3 +125,122 @@ def test_an_in_process_section_stops_between_rows_at_its_budget():
     assert not complete and 1 <= len(rows) <= 3 and len(made) == len(rows)
     with pytest.raises(check.SectionTimeout), check._alarm(1):
         time.sleep(5)
+
+
+# ---- --wheels: the carried libraries, installed over the machine's torch ------------------------
+
+
+def _wheel(folder: Path, name: str, version: str, requires=()) -> Path:
+    """A minimal pure-python wheel of one module ``name`` (``VERSION = version``), made by hand:
+    no build backend, no network."""
+    import base64
+    import hashlib
+    import zipfile
+
+    info = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}.py": f"VERSION = {version!r}\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+        + "".join(f"Requires-Dist: {r}\n" for r in requires),
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\n"
+        "Tag: py3-none-any\n",
+    }
+    record = []
+    for path, text in files.items():
+        digest = hashlib.sha256(text.encode()).digest()
+        b64 = base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+        record.append(f"{path},sha256={b64},{len(text.encode())}")
+    files[f"{info}/RECORD"] = "\n".join([*record, f"{info}/RECORD,,"]) + "\n"
+    folder.mkdir(exist_ok=True)
+    wheel = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for path, text in files.items():
+            z.writestr(path, text)
+    return wheel
+
+
+def _check_with_wheels(tmp_path: Path, wheels: Path):
+    out = tmp_path / "gpu.json"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHON=sys.executable, TMPDIR=str(tmp_path))
+    # pip as on a GPU machine: none of this machine's pip configuration (its constraints, its
+    # links), only the wheels folder.
+    env = {k: v for k, v in env.items() if not k.startswith("PIP_")}
+    env["PIP_CONFIG_FILE"] = os.devnull
+    proc = subprocess.run(
+        ["bash", str(ROOT / "benchmarks/gpu/check.sh"), "--wheels", str(wheels), "--out", str(out),
+         "--skip", "train"],
+        env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert list(tmp_path.glob("cpvlm-gpu-check.*")) == []  # the venv is gone
+    return proc, json.loads(out.read_text())["environment"]
+
+
+def test_check_sh_installs_the_carried_wheels_over_the_machines_torch_and_runs_on_them(tmp_path):
+    import torch
+
+    # The wheel needs torch, which only the running interpreter has (a venv here, as on a GPU
+    # machine whose torch lives in one): resolved offline against the machine's packages.
+    _wheel(tmp_path / "wheels", "cpvlm_probe_wheel", "1.2.3", requires=["torch>=2"])
+    proc, env = _check_with_wheels(tmp_path, tmp_path / "wheels")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert env["executable"].startswith(str(tmp_path / "cpvlm-gpu-check."))  # the venv's python
+    assert env["torch"] == torch.__version__  # the machine's torch, kept
+    assert env["wheels"] == {
+        "dir": str(tmp_path / "wheels"), "wheels": 1, "installed": True, "other_version": {}
+    }  # fmt: skip
+    assert set(env["libraries"]) == {
+        "transformers", "trl", "peft", "accelerate", "tokenizers", "huggingface_hub"
+    }  # fmt: skip
+    from importlib.metadata import version
+
+    assert env["libraries"]["transformers"] == version("transformers")  # the machine's, not carried
+    assert importlib.util.find_spec("cpvlm_probe_wheel") is None  # nothing went into this env
+    assert "libraries: {" in proc.stdout
+
+
+@pytest.mark.parametrize("case", ["missing-dependency", "not-a-wheel"])
+def test_check_sh_says_when_the_wheels_cannot_go_in_as_they_are(tmp_path, case):
+    wheels = tmp_path / "wheels"
+    if case == "missing-dependency":  # installed with --no-deps, the JSON names what is missing
+        _wheel(wheels, "cpvlm_probe_wheel", "1.2.3", requires=["cpvlm-no-such-dependency>=1"])
+    else:  # nothing installs: the check runs on the machine's packages, exit status 1
+        wheels.mkdir()
+        (wheels / "cpvlm_probe_wheel-1.2.3-py3-none-any.whl").write_text("not a zip")
+    proc, env = _check_with_wheels(tmp_path, wheels)
+    info = env["wheels"]
+    if case == "missing-dependency":
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert info["installed"] and info["other_version"] == {}
+        assert "cpvlm-no-such-dependency" in info["no_deps"]
+    else:
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert not info["installed"] and info["error"]
+        assert info["other_version"] == {"cpvlm_probe_wheel": None}
+        assert env["executable"] == sys.executable
+        assert "were not installed" in proc.stdout
+
+
+def test_the_carried_set_is_what_the_libraries_need_beyond_torch_and_its_numpy_stack():
+    # CHECK_WHEELS against the dependency closure of the installed transformers, trl, peft and
+    # accelerate (this environment: the pinned one), stopping at what the GPU machine has with
+    # its torch; and every name of it is pinned by constraints.txt (--requirements).
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    check = _check_module()
+    stop = {"torch", "numpy", "pandas", "pyarrow"}
+    seen, todo = set(), ["transformers", "trl", "peft", "accelerate"]
+    while todo:
+        name = check._normalized(todo.pop())
+        if name in seen or name in stop:
+            continue
+        seen.add(name)
+        for line in metadata.requires(name) or []:
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    assert {check._normalized(n) for n in check.CHECK_WHEELS} == seen
+    pins = check.requirements()
+    assert len(pins) == len(check.CHECK_WHEELS) and all("==" in p for p in pins)
+    assert any(p.startswith("transformers==") for p in pins)
