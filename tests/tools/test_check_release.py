@@ -84,12 +84,16 @@ def test_peft_widens_in_every_extra_and_is_pinned(tmp_path):
     assert py.replace("<0.23", "<0.22") == PYPROJECT  # nothing else moved
     assert pins == CONSTRAINTS.replace("peft==0.21.2", "peft==0.22.0")
     assert changes == ["peft>=0.21,<0.22 -> peft>=0.21,<0.23", "constraints.txt: peft==0.22.0"]
-    # the same on a copy of the real files
+    # the same on a copy of the real files: one release past the upper bound, in every extra
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     real = (tmp_path / "pyproject.toml").read_text()
-    py, _, _ = cr.widen_text(real, CONSTRAINTS, {"peft": "0.22.0"})
-    assert cr.declared_in(py, "peft") == ["peft>=0.21,<0.23"]
-    assert py.count("peft>=0.21,<0.23") == real.count("peft>=0.21,<0.22") == 2
+    (old,) = cr.declared_in(real, "peft")
+    lower, upper = cr.bounds(old)
+    major, minor = cr._minor(upper)
+    py, _, _ = cr.widen_text(real, CONSTRAINTS, {"peft": f"{major}.{minor}.0"})
+    (new,) = cr.declared_in(py, "peft")
+    assert new == f"peft>={lower},<{major}.{minor + 1}"
+    assert py.count(f'"{new}"') == real.count(f'"{old}"') >= 2  # [trainer] and [test]
 
 
 def test_a_version_inside_the_window_changes_nothing():
