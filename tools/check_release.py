@@ -418,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         resolved = resolve_newest(window)
         installed = installed_versions()
         skip = newest_skip(resolved, installed)
-        if skip:
+        if skip and not reqs:  # nothing else asked for: the main run has tested all of it
             print(skip)
             if args.json:
                 args.json.write_text(json.dumps({"versions": resolved, "ok": True,

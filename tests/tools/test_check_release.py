@@ -239,3 +239,19 @@ def test_a_model_that_never_ran_or_a_crashed_process_fails():
     assert cr.verify_failures(outcomes, -9) == ["verify b: not run"]
     assert cr.verify_failures({"a": "ok"}, -9) == ["the verify process exited -9"]
     assert cr.verify_outcomes(["a"], {"a": {"rc": True}}) == {"a": "True"}  # not an exit code
+
+
+def test_window_newest_with_a_package_is_not_skipped(monkeypatch):
+    pins = {"transformers": "5.25.0"}
+    monkeypatch.setattr(cr, "resolve_newest", lambda reqs: dict(pins))
+    monkeypatch.setattr(cr, "installed_versions", lambda python=None: dict(pins))
+
+    class Ran(Exception):
+        pass
+
+    def make_venv(folder):
+        raise Ran
+
+    monkeypatch.setattr(cr, "make_venv", make_venv)
+    with pytest.raises(Ran):
+        cr.main(["--window", "newest", "--package", "peft==0.22.0"])
