@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 # Every page with generated blocks; tests/test_docs.py checks that no other page has one.
-PAGES = [ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "plan.md"]
+PAGES = [ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "plan.md", ROOT / "docs" / "testing.md"]
 BLOCK = re.compile(r"(<!-- gen:(\w+) -->\n)(.*?)(<!-- /gen:\2 -->)", re.S)
 
 
@@ -881,7 +881,60 @@ def dynamic_cp_cpu() -> str:
     )
 
 
+def _suite() -> dict:
+    return _load("test_durations")
+
+
+def _part(nodeid: str) -> str:
+    """A test's part of the suite: its folder under tests/ (``tests/`` for the top level)."""
+    module = nodeid.split("::")[0]
+    return module.rsplit("/", 1)[0] + "/" if "/" in module else module
+
+
+def suite_run() -> str:
+    """The run the suite's tables come from: counts, wall time, machine and load."""
+    run = _suite()
+    m, counts = run["machine"], run["counts"]
+    said = ", ".join(f"{n} {o}" for o, n in counts.items())
+    return (
+        f"`{run['command']}` on {run['date']}: **{said} in {run['wall_s']:.0f} s** "
+        f"({run['wall_s'] / 60:.1f} minutes), {m['cores']} cores ({m['cpu']}), 1-minute load "
+        f"{_load_range(m['load_1min'])} (start, end), Python {m['python']}, torch {m['torch']}, "
+        f"transformers {m['transformers']}, ATen {m['aten_cpu_capability']}."
+    )
+
+
+def suite_parts() -> str:
+    """Seconds by part of the suite and by lane (``-m "not slow"`` is the fast lane)."""
+    tests = _suite()["tests"]
+    total = sum(t["seconds"] for t in tests.values())
+    parts: dict[str, list[float]] = {}
+    for nodeid, t in tests.items():
+        parts.setdefault(_part(nodeid), []).append(t["seconds"])
+    rows = [
+        [f"`{part}`", str(len(secs)), f"{sum(secs):.0f}", f"{100 * sum(secs) / total:.0f}%"]
+        for part, secs in sorted(parts.items(), key=lambda kv: -sum(kv[1]))
+    ]
+    for lane in ("fast", "slow"):
+        secs = [t["seconds"] for t in tests.values() if t["lane"] == lane]
+        share = f"{100 * sum(secs) / total:.0f}%"
+        rows.append([f"{lane} lane", str(len(secs)), f"{sum(secs):.0f}", share])
+    rows.append(["all", str(len(tests)), f"{total:.0f}", "100%"])
+    return _table(["part", "tests", "seconds", "share"], rows)
+
+
+def suite_slowest() -> str:
+    """The 15 slowest tests (setup + call + teardown: a module's first test pays its fixtures)."""
+    tests = _suite()["tests"]
+    slowest = sorted(tests.items(), key=lambda kv: -kv[1]["seconds"])[:15]
+    rows = [[f"`{nodeid}`", t["lane"], f"{t['seconds']:.1f}"] for nodeid, t in slowest]
+    return _table(["test", "lane", "seconds"], rows)
+
+
 TABLES = {
+    "suite_run": suite_run,
+    "suite_parts": suite_parts,
+    "suite_slowest": suite_slowest,
     "balance": balance,
     "attention": attention,
     "linear_attention": linear_attention,
