@@ -52,29 +52,15 @@ class DistributedTestError(AssertionError):
         self.errors = dict(errors or {})
 
 
-def _exit_when_orphaned() -> None:
-    """Exit once the process that started this worker is gone (killed, say, with no chance to
-    stop its pool): a worker is not a daemon (its tasks may start processes of their own, as a
-    training rank's DataLoader does), so nothing else would end it."""
-    import threading
-
-    parent = os.getppid()
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True, name="cpvlm-pool-orphan-watch").start()
-
-
 def _worker_main(rank: int, world_size: int, init_file: str, tasks, results) -> None:
     import torch
     import torch.distributed as dist
 
-    from cpvlm.distributed.compat import process_group_count
+    from cpvlm.distributed.compat import die_with_parent, process_group_count
 
-    _exit_when_orphaned()
+    # A worker is not a daemon (a task may start processes of its own, as a training rank's
+    # DataLoader does), so nothing else would end it if the process that started it were killed.
+    die_with_parent()
     torch.set_num_threads(1)
     try:
         store = dist.FileStore(init_file, world_size)
@@ -114,7 +100,7 @@ class _Pool:
             ctx.Process(
                 target=_worker_main,
                 args=(rank, world_size, init_file, self.tasks[rank], self.results),
-                daemon=False,  # a task may start processes (DataLoader workers); see above
+                daemon=False,  # a task may start processes (DataLoader workers)
             )
             for rank in range(world_size)
         ]
